@@ -1,0 +1,43 @@
+"""Storage backends behind one async interface (see ``base.Store``)."""
+
+from __future__ import annotations
+
+from urllib.parse import unquote, urlparse
+
+from .base import (
+    AccessDenied,
+    InvalidPath,
+    ObjectInfo,
+    ObjectNotFound,
+    ShortRead,
+    Store,
+    StoreError,
+    StoreUnavailable,
+)
+
+__all__ = [
+    "AccessDenied", "InvalidPath", "ObjectInfo", "ObjectNotFound", "ShortRead",
+    "Store", "StoreError", "StoreUnavailable", "open_store",
+]
+
+
+def open_store(url: str, **options) -> Store:
+    """Open the store rooted at ``url``: ``file:///abs/dir``, a plain path, or ``s3://bucket/prefix``.
+
+    ``options`` are passed to the backend (for S3: timeouts, pool size, retries).
+    """
+    parsed = urlparse(url)
+    if parsed.scheme in ("", "file"):
+        from .file import FileStore
+
+        path = unquote(parsed.path) if parsed.scheme == "file" else url
+        if not path:
+            raise StoreError(f"invalid dataset URL {url!r}")
+        return FileStore(url, path)
+    if parsed.scheme == "s3":
+        from .s3 import S3Store
+
+        if not parsed.netloc:
+            raise StoreError(f"invalid S3 URL {url!r}: missing bucket (expected s3://bucket/prefix)")
+        return S3Store(url, bucket=parsed.netloc, prefix=parsed.path.strip("/"), **options)
+    raise StoreError(f"unsupported URL scheme in {url!r} (expected file:// or s3://)")

@@ -1,0 +1,87 @@
+"""The store interface: the only way the service and the CLI touch object storage.
+
+A store is rooted at a dataset URL (``file:///data/train`` or ``s3://bucket/prefix``);
+every path it takes is relative to that root and confined to it.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+class StoreError(Exception):
+    """Base error of the storage layer. ``str(err)`` names the object or URL at fault."""
+
+
+class ObjectNotFound(StoreError):
+    """The object (or bucket) does not exist."""
+
+
+class AccessDenied(StoreError):
+    """Credentials are missing, wrong, or lack permission."""
+
+
+class InvalidPath(StoreError):
+    """A path escapes the store root (``..``, absolute path, escaping symlink)."""
+
+
+class StoreUnavailable(StoreError):
+    """The store could not be reached or kept failing after all retries."""
+
+
+class ShortRead(StoreError):
+    """A read returned fewer or more bytes than asked for (truncated or mismatched)."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    path: str  # relative to the store root, '/'-separated
+    size: int
+    etag: str | None = None
+
+
+def clean_path(path: str) -> str:
+    """Normalise a relative object path; refuse anything that could leave the root."""
+    if not path or path.startswith("/") or "\\" in path or "\x00" in path:
+        raise InvalidPath(f"invalid object path {path!r}")
+    norm = posixpath.normpath(path)
+    if norm == ".." or norm.startswith("../") or norm == ".":
+        raise InvalidPath(f"object path {path!r} escapes the dataset root")
+    return norm
+
+
+class Store(ABC):
+    """Async access to the objects under one root URL."""
+
+    url: str
+
+    @abstractmethod
+    async def read_range(self, path: str, offset: int, size: int) -> bytes:
+        """Exactly ``size`` bytes of ``path`` from ``offset``; ``ShortRead`` otherwise."""
+
+    @abstractmethod
+    async def read(self, path: str) -> bytes:
+        """The whole object."""
+
+    @abstractmethod
+    async def write(self, path: str, data: bytes) -> None:
+        """Create or replace ``path`` atomically (readers never see a partial object)."""
+
+    @abstractmethod
+    async def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Every object under ``prefix`` (recursively), sorted by path."""
+
+    @abstractmethod
+    async def head(self, path: str) -> ObjectInfo:
+        """Size (and ETag where known) of ``path``; ``ObjectNotFound`` if absent."""
+
+    async def close(self) -> None:
+        """Release connections. The store must not be used afterwards."""
+
+    async def __aenter__(self) -> "Store":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,103 @@
+"""``file://`` store: the embedded default. File I/O runs in threads, off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+from pathlib import Path
+
+from .base import InvalidPath, ObjectInfo, ObjectNotFound, ShortRead, Store, StoreError, clean_path
+
+
+class FileStore(Store):
+    def __init__(self, url: str, root: str | os.PathLike):
+        self.url = url
+        self.root = Path(root).resolve()
+
+    def _resolve(self, path: str) -> Path:
+        full = (self.root / clean_path(path)).resolve()
+        # resolve() follows symlinks, so this also refuses links that point outside.
+        if full != self.root and self.root not in full.parents:
+            raise InvalidPath(f"object path {path!r} escapes the dataset root {self.url}")
+        return full
+
+    def _read_range(self, path: str, offset: int, size: int) -> bytes:
+        full = self._resolve(path)
+        try:
+            with open(full, "rb") as f:
+                f.seek(offset)
+                data = f.read(size)
+        except FileNotFoundError:
+            raise ObjectNotFound(f"{self.url}/{path}: no such object") from None
+        except IsADirectoryError:
+            raise ObjectNotFound(f"{self.url}/{path}: is a directory") from None
+        except OSError as err:
+            raise StoreError(f"{self.url}/{path}: {err.strerror}") from None
+        if len(data) != size:
+            raise ShortRead(f"{self.url}/{path}: wanted {size} bytes at {offset}, got {len(data)}")
+        return data
+
+    def _read(self, path: str) -> bytes:
+        full = self._resolve(path)
+        try:
+            return full.read_bytes()
+        except (FileNotFoundError, IsADirectoryError):
+            raise ObjectNotFound(f"{self.url}/{path}: no such object") from None
+        except OSError as err:
+            raise StoreError(f"{self.url}/{path}: {err.strerror}") from None
+
+    def _write(self, path: str, data: bytes) -> None:
+        full = self._resolve(path)
+        try:
+            full.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=full.parent, prefix=".tmp-")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, full)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except OSError as err:
+            raise StoreError(f"{self.url}/{path}: cannot write: {err.strerror}") from None
+
+    def _list(self, prefix: str) -> list[ObjectInfo]:
+        if not self.root.is_dir():
+            raise ObjectNotFound(f"{self.url}: no such directory")
+        out = []
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            for name in filenames:
+                if name.startswith("."):
+                    continue
+                full = Path(dirpath, name)
+                rel = full.relative_to(self.root).as_posix()
+                if rel.startswith(prefix):
+                    out.append(ObjectInfo(rel, full.stat().st_size))
+        return sorted(out, key=lambda o: o.path)
+
+    def _head(self, path: str) -> ObjectInfo:
+        full = self._resolve(path)
+        try:
+            st = full.stat()
+        except FileNotFoundError:
+            raise ObjectNotFound(f"{self.url}/{path}: no such object") from None
+        if not full.is_file():
+            raise ObjectNotFound(f"{self.url}/{path}: not a file")
+        return ObjectInfo(clean_path(path), st.st_size)
+
+    async def read_range(self, path: str, offset: int, size: int) -> bytes:
+        return await asyncio.to_thread(self._read_range, path, offset, size)
+
+    async def read(self, path: str) -> bytes:
+        return await asyncio.to_thread(self._read, path)
+
+    async def write(self, path: str, data: bytes) -> None:
+        await asyncio.to_thread(self._write, path, data)
+
+    async def list(self, prefix: str = "") -> list[ObjectInfo]:
+        return await asyncio.to_thread(self._list, prefix)
+
+    async def head(self, path: str) -> ObjectInfo:
+        return await asyncio.to_thread(self._head, path)

@@ -1,0 +1,124 @@
+"""The tar wire format, shared by the service (writer) and the client (parser).
+
+Only what WebDataset shards and batch responses need: regular-file members in ustar
+format, with a PAX extended header for names longer than ustar allows. Writing a
+member costs one 512-byte header built from a template; parsing is a loop over
+headers with no per-member objects beyond the (name, payload) pair.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+BLOCK = 512
+END_OF_ARCHIVE = b"\0" * (2 * BLOCK)
+
+
+class TarFormatError(ValueError):
+    """The bytes are not a well-formed tar stream (bad checksum, truncated member)."""
+
+
+def padding(size: int) -> int:
+    """Bytes of zero padding after a member of ``size`` bytes."""
+    return -size % BLOCK
+
+
+def _octal(value: int, width: int) -> bytes:
+    return b"%0*o\0" % (width - 1, value)
+
+
+def _header(name: bytes, size: int, typeflag: bytes, mtime: int) -> bytes:
+    head = bytearray(BLOCK)
+    head[0:len(name)] = name
+    head[100:108] = b"0000644\0"
+    head[108:116] = b"0000000\0"
+    head[116:124] = b"0000000\0"
+    head[124:136] = _octal(size, 12)
+    head[136:148] = _octal(mtime, 12)
+    head[148:156] = b" " * 8
+    head[156:157] = typeflag
+    head[257:265] = b"ustar\x0000"
+    head[148:156] = b"%06o\0 " % sum(head)
+    return bytes(head)
+
+
+def member_header(name: str, size: int, mtime: int = 0) -> bytes:
+    """Header block(s) for a regular file ``name`` of ``size`` bytes.
+
+    Names over 100 bytes get a PAX ``path`` record first, as GNU tar and Python's
+    tarfile do, so any tar reader sees the full name.
+    """
+    raw = name.encode()
+    if len(raw) <= 100:
+        return _header(raw, size, b"0", mtime)
+    record = b" path=" + raw + b"\n"
+    length = len(record)
+    while len(b"%d" % length) + len(record) != length:  # the length counts its own digits
+        length = len(b"%d" % length) + len(record)
+    pax = b"%d" % length + record
+    return (_header(b"././@PaxHeader", len(pax), b"x", mtime) + pax + b"\0" * padding(len(pax))
+            + _header(raw[-100:], size, b"0", mtime))
+
+
+def parse_header(block: bytes | memoryview) -> tuple[bytes, int, bytes]:
+    """``(name, size, typeflag)`` of one header block; raises ``TarFormatError``."""
+    block = bytes(block)
+    if len(block) != BLOCK:
+        raise TarFormatError("truncated tar header")
+    stored = block[148:156]
+    checksum = sum(block[:148]) + 256 + sum(block[156:])
+    try:
+        ok = int(stored.strip(b"\0 ") or b"0", 8) == checksum
+        size_field = block[124:136]
+        if size_field[0] & 0x80:  # GNU base-256 size for members over 8 GiB
+            size = int.from_bytes(size_field[1:], "big")
+        else:
+            size = int(size_field.strip(b"\0 ") or b"0", 8)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise TarFormatError("bad tar header checksum (not a tar file, or corrupt)")
+    name = block[0:100].split(b"\0", 1)[0]
+    prefix = block[345:500].split(b"\0", 1)[0] if block[257:262] == b"ustar" else b""
+    if prefix:
+        name = prefix + b"/" + name
+    return name, size, block[156:157]
+
+
+def parse_pax(data: bytes) -> dict[bytes, bytes]:
+    """Records of a PAX extended header: ``{b'path': b'...'}``."""
+    out, pos = {}, 0
+    while pos < len(data) and data[pos:pos + 1] != b"\0":
+        space = data.index(b" ", pos)
+        length = int(data[pos:space])
+        key, _, value = data[space + 1:pos + length - 1].partition(b"=")
+        out[key] = value
+        pos += length
+    return out
+
+
+def iter_members(data: bytes | memoryview) -> Iterator[tuple[str, memoryview]]:
+    """Regular-file members ``(name, payload)`` of a complete in-memory tar archive."""
+    view = memoryview(data)
+    pos, long_name = 0, None
+    while pos + BLOCK <= len(view):
+        block = view[pos:pos + BLOCK]
+        if not any(block):
+            return
+        name, size, typeflag = parse_header(block)
+        start = pos + BLOCK
+        end = start + size
+        if end > len(view):
+            raise TarFormatError(f"truncated tar member {name.decode(errors='replace')!r}")
+        pos = end + padding(size)
+        if typeflag == b"x":
+            long_name = parse_pax(bytes(view[start:end])).get(b"path", long_name)
+        elif typeflag == b"L":
+            long_name = bytes(view[start:end]).rstrip(b"\0")
+        elif typeflag in (b"0", b"\0"):
+            yield (long_name or name).decode(), view[start:end]
+            long_name = None
+        else:
+            long_name = None
+    if pos < len(view):
+        raise TarFormatError("truncated tar archive")
