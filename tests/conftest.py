@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from moto_s3 import MotoS3, start_moto  # noqa: E402
+from shardfeed.benchmarks.s3server import MotoS3, start_moto  # noqa: E402
 
 _bucket_ids = itertools.count()
 

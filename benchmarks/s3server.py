@@ -1,4 +1,4 @@
-"""A real S3 server for tests: moto's server in a subprocess, with SigV4 checking on.
+"""A real S3 server on loopback for tests and benchmarks: moto's server in a subprocess, with SigV4 checking on.
 
 moto checks signatures only after ``INITIAL_NO_AUTH_ACTION_COUNT`` unauthenticated
 requests; we spend those creating an IAM user with an allow-all policy and an access
