@@ -1,0 +1,251 @@
+"""The block cache: shard bytes kept on local disk (NVMe) in aligned, checksummed blocks.
+
+A block is ``block_size`` bytes of one shard starting at a multiple of ``block_size``.
+Each block is one file: the payload, then a CRC32 per 64 KiB chunk, then a footer
+(magic, payload length, chunk count). A reader verifies only the chunks it reads, so a
+10 KiB sample costs one small ``pread`` plus a checksum over at most two chunks, and a
+corrupt or truncated file is detected and dropped, never served.
+
+Crash safety: a block is written to a temporary file and renamed into place, so it
+becomes visible only when complete; after a restart the directory is scanned and the
+blocks are reused. Eviction is LRU over whole blocks, bounded by ``capacity`` bytes.
+LRU fits the access pattern: a random epoch touches every block once, and a block
+read by one batch is likely to be read again by the next samples of the same shard,
+while the blocks of the batch being served are already in memory and eviction cannot
+hurt it. A second process on the same directory is refused (an exclusive lock).
+
+Every method here blocks: callers run them in a thread.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import struct
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from pathlib import Path
+from typing import NamedTuple
+
+from .metrics import Metrics
+
+log = logging.getLogger("shardfeed.cache")
+
+CHUNK = 64 * 1024
+_FOOTER = struct.Struct("<4sQI")  # magic, payload length, chunk count
+_MAGIC = b"SFB1"
+_SUFFIX = ".blk"
+
+
+class CacheLocked(RuntimeError):
+    """Another process already uses this cache directory."""
+
+
+class BlockKey(NamedTuple):
+    dataset: str  # a short stable id of the dataset URL
+    shard: str
+    block: int
+
+    def filename(self, block_size: int) -> str:
+        shard = hashlib.sha1(self.shard.encode()).hexdigest()[:20]
+        return f"{self.dataset}/{shard}-{block_size:x}-{self.block:08x}{_SUFFIX}"
+
+
+def dataset_id(url: str) -> str:
+    return hashlib.sha1(url.encode()).hexdigest()[:12]
+
+
+def _trailer(payload: bytes | memoryview) -> bytes:
+    view = memoryview(payload)
+    crcs = [zlib.crc32(view[i:i + CHUNK]) for i in range(0, len(view), CHUNK)]
+    return struct.pack(f"<{len(crcs)}I", *crcs) + _FOOTER.pack(_MAGIC, len(view), len(crcs))
+
+
+class _Entry:
+    __slots__ = ("file_size", "crcs", "length")
+
+    def __init__(self, file_size: int):
+        self.file_size = file_size
+        self.crcs: tuple[int, ...] | None = None  # loaded on first read
+        self.length = 0
+
+
+class BlockCache:
+    """A bounded, crash-safe directory of blocks.
+
+    Args:
+        directory: where block files live (one subdirectory per dataset).
+        capacity: the most bytes of block files kept; least recently used go first.
+        block_size: bytes per block; part of each file name, so a restart with another
+            block size simply starts cold.
+        metrics: counters for hits, misses, evictions, corruption and write errors.
+    """
+
+    def __init__(self, directory: str | os.PathLike, capacity: int, block_size: int, metrics: Metrics):
+        self.directory = Path(directory)
+        self.capacity = capacity
+        self.block_size = block_size
+        self.metrics = metrics
+        self.writable = True
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._lock_file = None
+        self._last_warning = -1e9
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def open(self) -> None:
+        """Lock the directory and index the blocks a previous run left behind."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._lock_file = open(self.directory / ".lock", "a+")
+        except OSError as err:
+            self._disable(f"cache directory {self.directory} is not usable ({err.strerror})")
+            return
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.close()
+            raise CacheLocked(f"cache directory {self.directory} is in use by another shardfeed "
+                              "process; give each process its own --cache-dir") from None
+        found = []
+        for path in self.directory.glob(f"*/*{_SUFFIX}"):
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            found.append((st.st_atime, str(path.relative_to(self.directory)), st.st_size))
+        for path in self.directory.glob("*/.tmp-*"):  # a crash mid-write leaves these
+            path.unlink(missing_ok=True)
+        with self._lock:
+            for _, name, size in sorted(found):
+                self._entries[name] = _Entry(size)
+                self._bytes += size
+            evicted = self._evict_locked()
+        for victim in evicted:  # the capacity may have shrunk since the last run
+            (self.directory / victim).unlink(missing_ok=True)
+        self._update_gauges()
+        log.info("block cache %s: %d blocks, %d bytes reused", self.directory, len(found), self._bytes)
+
+    def close(self) -> None:
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
+
+    def _disable(self, why: str) -> None:
+        if self.writable:
+            log.warning("%s: serving straight from the store", why)
+        self.writable = False
+
+    # -- reads -----------------------------------------------------------------------------
+    def __contains__(self, key: BlockKey) -> bool:
+        return key.filename(self.block_size) in self._entries
+
+    def read(self, key: BlockKey, ranges: list[tuple[int, int]]) -> list[bytes] | None:
+        """Bytes ``[start, end)`` of the block for each range, verified; ``None`` if absent or bad."""
+        name = key.filename(self.block_size)
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is None:
+                return None
+            self._entries.move_to_end(name)
+        try:
+            with open(self.directory / name, "rb") as f:
+                fd = f.fileno()
+                if os.fstat(fd).st_size != entry.file_size:
+                    raise ValueError("size changed")
+                if entry.crcs is None:
+                    self._load_trailer(fd, entry)
+                out = []
+                for start, end in ranges:
+                    if end > entry.length:
+                        raise ValueError("range past the end of the block")
+                    first, last = start // CHUNK, (end - 1) // CHUNK
+                    stop = min((last + 1) * CHUNK, entry.length)  # the last chunk may be short
+                    data = memoryview(os.pread(fd, stop - first * CHUNK, first * CHUNK))
+                    for i, chunk in enumerate(range(first, last + 1)):
+                        if zlib.crc32(data[i * CHUNK:(i + 1) * CHUNK]) != entry.crcs[chunk]:
+                            raise ValueError("checksum mismatch")
+                    offset = start - first * CHUNK
+                    out.append(bytes(data[offset:offset + end - start]))
+        except (OSError, ValueError, struct.error) as err:
+            self._drop(name, str(err))
+            return None
+        return out
+
+    def _load_trailer(self, fd: int, entry: _Entry) -> None:
+        footer = os.pread(fd, _FOOTER.size, entry.file_size - _FOOTER.size)
+        magic, length, chunks = _FOOTER.unpack(footer)
+        if magic != _MAGIC or length + 4 * chunks + _FOOTER.size != entry.file_size:
+            raise ValueError("bad footer")
+        raw = os.pread(fd, 4 * chunks, length)
+        entry.crcs = struct.unpack(f"<{chunks}I", raw)
+        entry.length = length
+
+    def _drop(self, name: str, why: str) -> None:
+        log.warning("cache block %s %s: dropped, will refetch", name, why)
+        self.metrics.cache_corrupt.inc()
+        with self._lock:
+            entry = self._entries.pop(name, None)
+            if entry is not None:
+                self._bytes -= entry.file_size
+        (self.directory / name).unlink(missing_ok=True)
+        self._update_gauges()
+
+    # -- writes ----------------------------------------------------------------------------
+    def write(self, key: BlockKey, payload: bytes | memoryview) -> bool:
+        """Store a complete block; ``False`` (and a metric) if the disk refuses."""
+        if not self.writable or self.capacity <= 0:
+            return False
+        name = key.filename(self.block_size)
+        path = self.directory / name
+        tmp = path.with_name(f".tmp-{path.name}-{threading.get_ident()}")
+        trailer = _trailer(payload)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)  # recreated if someone removed it
+            with open(tmp, "wb") as f:
+                f.write(payload)
+                f.write(trailer)
+            os.replace(tmp, path)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            self.metrics.cache_write_errors.inc()
+            now = time.monotonic()
+            if now - self._last_warning > 30:  # a full disk fails every write: warn, don't flood
+                self._last_warning = now
+                log.warning("cannot write cache block %s (%s): serving from the store", path, err.strerror)
+            return False
+        size = len(payload) + len(trailer)
+        with self._lock:
+            old = self._entries.pop(name, None)
+            if old is not None:
+                self._bytes -= old.file_size
+            self._entries[name] = _Entry(size)
+            self._bytes += size
+            evicted = self._evict_locked()
+        for victim in evicted:
+            (self.directory / victim).unlink(missing_ok=True)
+        self._update_gauges()
+        return True
+
+    def _evict_locked(self) -> list[str]:
+        evicted = []
+        while self._bytes > self.capacity and self._entries:
+            name, entry = self._entries.popitem(last=False)
+            self._bytes -= entry.file_size
+            evicted.append(name)
+        if evicted:
+            self.metrics.cache_evictions.inc(len(evicted))
+        return evicted
+
+    def _update_gauges(self) -> None:
+        self.metrics.cache_bytes.set(self._bytes)
+        self.metrics.cache_blocks.set(len(self._entries))
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes

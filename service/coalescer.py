@@ -1,0 +1,188 @@
+"""The coalescer: every read of sample bytes, from a batch or from per-sample GETs, comes here.
+
+For a set of requested members it finds the blocks that hold them, reads cached blocks
+from disk (one thread hop per call), and fetches the missing ones from the store with
+one ranged read per run of nearby blocks. Each block has at most one read in flight
+(singleflight): a second request for it waits on the first. Store reads in flight are
+bounded by a semaphore shared by all requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from .cache import BlockCache, BlockKey
+from .config import ServiceConfig
+from .datasets import Dataset
+from .index import Members
+from .metrics import Metrics
+from .planner import merge_blocks, plan_pieces
+from .stores import StoreError
+
+log = logging.getLogger("shardfeed.coalescer")
+
+
+class Coalescer:
+    def __init__(self, cache: BlockCache, metrics: Metrics, config: ServiceConfig):
+        self.cache = cache
+        self.metrics = metrics
+        self.block_size = config.block_size
+        self.gap_blocks = config.merge_gap // config.block_size
+        self.max_blocks = max(1, config.max_fetch // config.block_size)
+        self._store_slots = asyncio.Semaphore(config.max_store_requests)
+        self._inflight: dict[BlockKey, asyncio.Future] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    async def read_members(self, dataset: Dataset, members: Members) -> list[bytes | StoreError | None]:
+        """The bytes of each member row, in order.
+
+        ``None`` for a member the index says is absent, a ``StoreError`` for one whose
+        bytes could not be read; never partial bytes.
+        """
+        pieces = plan_pieces(members, self.block_size)
+        shards = dataset.index.shards
+        keys = [BlockKey(dataset.id, shards[s], b) for s, b in zip(pieces.shard.tolist(), pieces.block.tolist())]
+        blocks: dict[BlockKey, list[int]] = defaultdict(list)  # block -> its pieces
+        for i, key in enumerate(keys):
+            blocks[key].append(i)
+
+        data: dict[BlockKey, bytes | memoryview | StoreError] = {}
+        cached = [k for k in blocks if k not in self._inflight and k in self.cache]
+        if cached:
+            ranges = {k: [(int(pieces.start[i]), int(pieces.end[i])) for i in blocks[k]] for k in cached}
+            found = await asyncio.to_thread(self._read_cached, ranges)
+            self.metrics.cache_hits.inc(len(found))
+            piece_bytes: dict[int, bytes] = {}
+            for key, parts in found.items():
+                for i, part in zip(blocks[key], parts):
+                    piece_bytes[i] = part
+        else:
+            found, piece_bytes = {}, {}
+
+        missing = [k for k in blocks if k not in found]
+        if missing:
+            self.metrics.cache_misses.inc(sum(1 for k in missing if k not in self._inflight))
+            for key, result in zip(missing, await self._blocks(dataset, missing, pieces.shard, blocks)):
+                data[key] = result
+            for key in missing:
+                block = data[key]
+                for i in blocks[key]:
+                    piece_bytes[i] = block if isinstance(block, StoreError) else \
+                        block[int(pieces.start[i]):int(pieces.end[i])]
+
+        return _assemble(members, pieces.member, piece_bytes)
+
+    def _read_cached(self, ranges: dict[BlockKey, list[tuple[int, int]]]) -> dict[BlockKey, list[bytes]]:
+        out = {}
+        for key, spans in ranges.items():
+            parts = self.cache.read(key, spans)
+            if parts is not None:  # absent or corrupt: the caller fetches it
+                out[key] = parts
+        return out
+
+    async def _blocks(self, dataset: Dataset, keys: list[BlockKey], piece_shards: np.ndarray,
+                      blocks: dict[BlockKey, list[int]]) -> list:
+        """Wait for each block, starting one store read per run of blocks nobody is reading yet."""
+        to_fetch: dict[int, list[int]] = defaultdict(list)
+        for key in keys:
+            if key not in self._inflight:
+                shard = int(piece_shards[blocks[key][0]])
+                to_fetch[shard].append(key.block)
+                self._inflight[key] = asyncio.get_running_loop().create_future()
+        for shard, numbers in to_fetch.items():
+            for first, last in merge_blocks(sorted(numbers), self.gap_blocks, self.max_blocks):
+                task = asyncio.create_task(self._fetch(dataset, shard, first, last))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        waiters = [self._inflight[key] for key in keys]
+        return await asyncio.gather(*(asyncio.shield(w) for w in waiters), return_exceptions=True)
+
+    async def _fetch(self, dataset: Dataset, shard: int, first: int, last: int) -> None:
+        """One ranged read for blocks ``first..last`` of a shard; resolves their futures."""
+        path = dataset.index.shards[shard]
+        start = first * self.block_size
+        end = min((last + 1) * self.block_size, int(dataset.extents[shard]))
+        keys = [BlockKey(dataset.id, path, b) for b in range(first, last + 1)]
+        loop = asyncio.get_running_loop()
+        for key in keys:  # gap blocks of a merged run are read (and cached) as well
+            self._inflight.setdefault(key, loop.create_future())
+        try:
+            async with self._store_slots:
+                self.metrics.inflight_store.inc()
+                began = time.perf_counter()
+                try:
+                    payload = await dataset.store.read_range(path, start, end - start)
+                finally:
+                    self.metrics.inflight_store.dec()
+            self.metrics.store_requests.inc()
+            self.metrics.store_bytes.inc(len(payload))
+            log.debug("store read %s [%d, %d) in %.1f ms", path, start, end, 1e3 * (time.perf_counter() - began))
+        except StoreError as err:
+            self.metrics.store_errors.inc()
+            log.warning("store read %s [%d, %d) failed: %s", path, start, end, err)
+            for key in keys:
+                future = self._inflight.pop(key, None)
+                if future is not None and not future.done():
+                    future.set_result(err)
+            return
+        except BaseException as err:  # cancelled at shutdown, or a bug: waiters must not hang
+            for key in keys:
+                future = self._inflight.pop(key, None)
+                if future is not None and not future.done():
+                    future.set_result(StoreError(f"read of {path} aborted: {err!r}"))
+            raise
+        view = memoryview(payload)
+        blocks = [(key, view[(key.block - first) * self.block_size:(key.block - first + 1) * self.block_size])
+                  for key in keys]
+        for key, block in blocks:
+            future = self._inflight.get(key)
+            if future is not None and not future.done():  # a gap block may be another read's too
+                future.set_result(block)
+        try:
+            # Keep the futures registered until the blocks are on disk, so a request that
+            # arrives meanwhile shares these bytes instead of reading them again.
+            await asyncio.to_thread(self._write_blocks, blocks)
+        finally:
+            for key in keys:
+                self._inflight.pop(key, None)
+
+    def _write_blocks(self, blocks: list[tuple[BlockKey, memoryview]]) -> None:
+        for key, block in blocks:
+            if key not in self.cache:
+                self.cache.write(key, block)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _assemble(members: Members, piece_member: np.ndarray, piece_bytes: dict) -> list:
+    """Join each member's pieces; a member with a failed piece becomes that error."""
+    out: list = [None] * len(members.found)
+    found = members.found
+    for row in np.flatnonzero(found & (members.size == 0)).tolist():
+        out[row] = b""
+    parts: list = []
+    current = -1
+    for i, row in enumerate(piece_member.tolist()):
+        if row != current:
+            if parts:
+                out[current] = _join(parts)
+            parts, current = [], row
+        parts.append(piece_bytes[i])
+    if parts:
+        out[current] = _join(parts)
+    return out
+
+
+def _join(parts: list):
+    for part in parts:
+        if isinstance(part, StoreError):
+            return part
+    return parts[0] if len(parts) == 1 else b"".join(parts)

@@ -1,0 +1,69 @@
+"""Every knob of the service, with its default and why."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+KiB, MiB, GiB = 1024, 1024**2, 1024**3
+
+
+@dataclass
+class ServiceConfig:
+    datasets: dict[str, str] = field(default_factory=dict)
+    """Datasets served, ``{name: url}``; empty means the embedded default (see ``server.py``)."""
+
+    host: str = "127.0.0.1"
+    """Interface to bind. Loopback unless told otherwise: exposing a data service is a decision."""
+
+    port: int = 8080
+
+    cache_dir: Path = Path(".shardfeed/cache")
+    """Block cache directory, ideally on local NVMe. One service process per directory."""
+
+    cache_size: int = 10 * GiB
+    """Most bytes the block cache keeps on disk (least recently used blocks are evicted)."""
+
+    block_size: int = 1 * MiB
+    """Unit of caching and of store reads: shards are fetched in aligned blocks of this size.
+    Larger blocks mean fewer store requests on a cold cache, more bytes read when only a
+    few samples of a block are wanted."""
+
+    merge_gap: int = 1 * MiB
+    """Missing blocks of one shard separated by at most this many bytes are fetched in one
+    ranged read (the gap is fetched and cached too): a request saved for a few bytes more."""
+
+    max_fetch: int = 16 * MiB
+    """Largest single ranged read; longer runs of blocks are split."""
+
+    max_store_requests: int = 32
+    """Store reads in flight at once, across all requests (the store's connection pool)."""
+
+    sample_window: float = 0.001
+    """Seconds a per-sample GET waits for others to arrive so their reads can be coalesced."""
+
+    group_bytes: int = 1 * MiB
+    """A batch is resolved and sent in groups of about this many payload bytes; the first
+    group goes out while later ones are still being read."""
+
+    prefetch_groups: int = 3
+    """Groups of one batch being read ahead of the one being sent. With ``group_bytes``
+    this bounds the memory of a request; a slow client holds at most this much."""
+
+    max_batch: int = 16384
+    """Most samples in one ``POST /v1/batch`` (413 beyond)."""
+
+    max_body: int = 2 * MiB
+    """Largest request body accepted (413 beyond)."""
+
+    max_inflight_batches: int = 128
+    """Batch requests served at once; more are refused with 429 and ``Retry-After``."""
+
+    max_inflight_samples: int = 8192
+    """Per-sample GETs served at once; more are refused with 429 and ``Retry-After``."""
+
+    tokens: frozenset[str] = frozenset()
+    """Bearer tokens accepted; empty disables authentication."""
+
+    store_options: dict = field(default_factory=dict)
+    """Passed to the store backends (timeouts, pool size, retries)."""

@@ -1,0 +1,53 @@
+"""Prometheus metrics of one service process (a private registry, so tests can run several apps)."""
+
+from __future__ import annotations
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
+                               generate_latest)
+
+disable_created_metrics()  # the *_created series double the output and nobody reads them
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class Metrics:
+    """Every metric the service exports, named ``shardfeed_*``."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("shardfeed_requests", "HTTP requests by route and status",
+                                ["route", "status"], registry=r)
+        self.samples = Counter("shardfeed_samples_served", "Samples served", registry=r)
+        self.bytes_served = Counter("shardfeed_bytes_served", "Payload bytes served", registry=r)
+        self.batch_latency = Histogram("shardfeed_batch_seconds", "Batch request latency (to last byte)",
+                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.sample_latency = Histogram("shardfeed_sample_seconds", "Per-sample GET latency",
+                                        buckets=_LATENCY_BUCKETS, registry=r)
+        self.store_requests = Counter("shardfeed_store_requests", "Ranged reads sent to the store",
+                                      registry=r)
+        self.store_bytes = Counter("shardfeed_store_bytes", "Bytes read from the store", registry=r)
+        self.store_errors = Counter("shardfeed_store_errors", "Store reads that failed after retries",
+                                    registry=r)
+        self.cache_hits = Counter("shardfeed_cache_hits", "Block reads served by the cache", registry=r)
+        self.cache_misses = Counter("shardfeed_cache_misses", "Block reads that went to the store",
+                                    registry=r)
+        self.cache_evictions = Counter("shardfeed_cache_evictions", "Blocks evicted", registry=r)
+        self.cache_corrupt = Counter("shardfeed_cache_corrupt", "Cached blocks found corrupt and dropped",
+                                     registry=r)
+        self.cache_write_errors = Counter("shardfeed_cache_write_errors",
+                                          "Blocks not cached because the cache could not be written",
+                                          registry=r)
+        self.cache_bytes = Gauge("shardfeed_cache_bytes", "Bytes held in the block cache", registry=r)
+        self.cache_blocks = Gauge("shardfeed_cache_blocks", "Blocks held in the block cache", registry=r)
+        self.coalescing_factor = Gauge("shardfeed_coalescing_factor",
+                                       "Samples served per store request since start", registry=r)
+        self.inflight_requests = Gauge("shardfeed_inflight_requests", "HTTP requests being served",
+                                       registry=r)
+        self.inflight_store = Gauge("shardfeed_inflight_store_requests", "Store reads in flight",
+                                    registry=r)
+        self.rejected = Counter("shardfeed_rejected", "Requests refused with 429 (overloaded)", registry=r)
+
+    def render(self) -> bytes:
+        store_requests = self.store_requests._value.get()
+        self.coalescing_factor.set(self.samples._value.get() / store_requests if store_requests else 0)
+        return generate_latest(self.registry)

@@ -1,0 +1,57 @@
+"""The planner: requested members -> the block pieces that hold their bytes -> merged store reads.
+
+Pure, vectorised functions; the coalescer runs the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .index import Members
+
+
+@dataclass
+class Pieces:
+    """One row per (member, block) overlap, in member order then block order."""
+
+    member: np.ndarray  # row in the Members the plan was made from
+    shard: np.ndarray
+    block: np.ndarray
+    start: np.ndarray  # byte range within the block
+    end: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.member)
+
+
+def plan_pieces(members: Members, block_size: int) -> Pieces:
+    """Split each found, non-empty member into the aligned blocks it overlaps."""
+    rows = np.flatnonzero(members.found & (members.size > 0))
+    offset, size = members.offset[rows], members.size[rows]
+    first = offset // block_size
+    count = (offset + size - 1) // block_size - first + 1
+    member = np.repeat(rows, count)
+    # block = first block of the member + the piece's rank within the member
+    rank = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+    block = np.repeat(first, count) + rank
+    base = block * block_size
+    start = np.maximum(np.repeat(offset, count), base) - base
+    end = np.minimum(np.repeat(offset + size, count), base + block_size) - base
+    return Pieces(member, members.shard[member].astype(np.int64), block, start, end)
+
+
+def merge_blocks(blocks: list[int], gap_blocks: int, max_blocks: int) -> list[tuple[int, int]]:
+    """Group sorted block numbers into inclusive runs ``(first, last)`` to fetch in one read.
+
+    Blocks at most ``gap_blocks`` apart share a run (the blocks between are read too);
+    no run is longer than ``max_blocks``.
+    """
+    runs: list[tuple[int, int]] = []
+    for block in blocks:
+        if runs and block - runs[-1][1] - 1 <= gap_blocks and block - runs[-1][0] < max_blocks:
+            runs[-1] = (runs[-1][0], block)
+        else:
+            runs.append((block, block))
+    return runs

@@ -1,0 +1,87 @@
+"""Run ``shardfeed serve`` as a subprocess on a free loopback port: for tests, the demo
+and the benchmarks, which all talk to the real service over a real socket."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServiceProcess:
+    """A running service. Use as a context manager, or call ``stop()``."""
+
+    def __init__(self, process: subprocess.Popen, url: str, log_path: Path):
+        self.process = process
+        self.url = url
+        self.log_path = log_path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 10) -> int:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def __enter__(self) -> "ServiceProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_service(datasets: dict[str, str] | None = None, *, cache_dir: str | os.PathLike,
+                  cache_size: str | None = None, port: int | None = None, env: dict[str, str] | None = None,
+                  args: list[str] | tuple[str, ...] = (), timeout: float = 60) -> ServiceProcess:
+    """Start ``shardfeed serve`` and wait until ``/healthz`` answers.
+
+    Args:
+        datasets: ``{name: url}``; None serves the embedded default.
+        cache_dir: the block cache directory (also where the log file goes).
+        cache_size: e.g. ``"1GiB"``; default the service's.
+        env: extra environment (AWS settings, tokens).
+        args: further ``serve`` arguments.
+    """
+    port = port or free_port()
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "shardfeed", "serve", "--port", str(port), "--cache-dir", str(cache_dir)]
+    for name, url in (datasets or {}).items():
+        cmd += ["--dataset", f"{name}={url}"]
+    if cache_size:
+        cmd += ["--cache-size", cache_size]
+    cmd += list(args)
+    log_path = cache_dir.parent / f"service-{port}.log"
+    log_file = open(log_path, "wb")
+    process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    log_file.close()
+    service = ServiceProcess(process, f"http://127.0.0.1:{port}", log_path)
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"shardfeed serve exited with {process.returncode}:\n{service.log()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{service.url}/healthz", timeout=1):
+                return service
+        except (urllib.error.URLError, OSError):
+            if time.monotonic() > deadline:
+                service.stop()
+                raise RuntimeError(f"shardfeed serve did not become healthy:\n{service.log()[-3000:]}")
+            time.sleep(0.05)

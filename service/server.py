@@ -1,0 +1,141 @@
+"""``shardfeed serve``: open the datasets and the cache, then run the API under uvicorn.
+
+With no ``--dataset`` it serves the embedded default: scikit-learn's bundled digits,
+seeded into a local directory on first run, so ``shardfeed serve`` works on a fresh
+machine with no S3 at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+from .config import ServiceConfig
+from .sizes import parse_size
+
+log = logging.getLogger("shardfeed.server")
+
+DEFAULT_DATASET = "digits"
+DEFAULT_DATA_DIR = Path(".shardfeed/datasets")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = ServiceConfig()
+    parser.add_argument("--host", default=defaults.host, help="interface to bind (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=defaults.port, help="port (default: %(default)s)")
+    parser.add_argument("--dataset", action="append", default=[], metavar="NAME=URL",
+                        help="serve the dataset at URL (file:// or s3://) as NAME; repeatable. "
+                             "Default: the embedded digits dataset under --data-dir")
+    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
+                        help="where the embedded default dataset lives (default: %(default)s)")
+    parser.add_argument("--cache-dir", type=Path, default=defaults.cache_dir,
+                        help="block cache directory, ideally local NVMe (default: %(default)s)")
+    parser.add_argument("--cache-size", type=parse_size, default=defaults.cache_size,
+                        help="most bytes the block cache keeps, e.g. 20GiB (default: 10GiB)")
+    parser.add_argument("--block-size", type=parse_size, default=defaults.block_size,
+                        help="cache block and store read unit (default: 1MiB)")
+    parser.add_argument("--merge-gap", type=parse_size, default=defaults.merge_gap,
+                        help="fetch missing blocks this close together in one read (default: 1MiB)")
+    parser.add_argument("--max-store-requests", type=int, default=defaults.max_store_requests,
+                        help="store reads in flight at once (default: %(default)s)")
+    parser.add_argument("--sample-window-ms", type=float, default=defaults.sample_window * 1e3,
+                        help="how long a per-sample GET waits to be coalesced with others (default: 1)")
+    parser.add_argument("--max-batch", type=int, default=defaults.max_batch,
+                        help="most samples per batch request (default: %(default)s)")
+    parser.add_argument("--max-inflight-batches", type=int, default=defaults.max_inflight_batches,
+                        help="batch requests served at once before answering 429 (default: %(default)s)")
+    parser.add_argument("--token-file", type=Path,
+                        help="require 'Authorization: Bearer <token>', tokens one per line in this file "
+                             "(or set SHARDFEED_TOKENS, comma-separated)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def config_from_args(args: argparse.Namespace) -> ServiceConfig:
+    datasets = {}
+    for spec in args.dataset:
+        name, sep, url = spec.partition("=")
+        if not sep or not name or not url:
+            raise ValueError(f"--dataset expects NAME=URL, got {spec!r}")
+        if name in datasets:
+            raise ValueError(f"dataset name {name!r} given twice")
+        datasets[name] = url
+    tokens = {t.strip() for t in os.environ.get("SHARDFEED_TOKENS", "").split(",") if t.strip()}
+    if args.token_file:
+        try:
+            tokens |= {line.strip() for line in args.token_file.read_text().splitlines() if line.strip()}
+        except OSError as err:
+            raise ValueError(f"cannot read --token-file {args.token_file}: {err.strerror}") from None
+        if not tokens:
+            raise ValueError(f"--token-file {args.token_file} holds no token")
+    return ServiceConfig(
+        datasets=datasets, host=args.host, port=args.port, cache_dir=args.cache_dir,
+        cache_size=args.cache_size, block_size=args.block_size, merge_gap=args.merge_gap,
+        max_store_requests=args.max_store_requests, sample_window=args.sample_window_ms / 1e3,
+        max_batch=args.max_batch, max_inflight_batches=args.max_inflight_batches, tokens=frozenset(tokens),
+    )
+
+
+async def ensure_default_dataset(data_dir: Path) -> str:
+    """The embedded default dataset's URL, seeding it first if it is not there yet."""
+    from shardfeed.seeds.digits import seed_digits
+
+    from .index import INDEX_FILE
+    from .stores import open_store
+
+    root = (data_dir / DEFAULT_DATASET).resolve()
+    url = root.as_uri()
+    if not (root / INDEX_FILE).exists():
+        log.info("seeding the embedded default dataset into %s", root)
+        root.mkdir(parents=True, exist_ok=True)
+        async with open_store(url) as store:
+            await seed_digits(store)
+    return url
+
+
+async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_level: str = "info") -> None:
+    import uvicorn
+
+    from .api import create_app
+    from .cache import BlockCache
+    from .datasets import open_dataset
+    from .metrics import Metrics
+
+    if not config.datasets:
+        config.datasets = {DEFAULT_DATASET: await ensure_default_dataset(data_dir)}
+    metrics = Metrics()
+    cache = BlockCache(config.cache_dir, config.cache_size, config.block_size, metrics)
+    await asyncio.to_thread(cache.open)
+    datasets = {}
+    try:
+        for name, url in config.datasets.items():
+            datasets[name] = await open_dataset(name, url, config.store_options)
+            log.info("dataset %s: %s (%d samples, %d shards)", name, url, len(datasets[name].index),
+                     len(datasets[name].index.shards))
+        app = create_app(config, datasets, cache, metrics)
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=config.host, port=config.port, log_level=log_level, access_log=False,
+            timeout_graceful_shutdown=30, timeout_keep_alive=30, limit_concurrency=None,
+            h11_max_incomplete_event_size=64 * 1024,
+        ))
+        await server.serve()
+    finally:
+        for dataset in datasets.values():
+            await dataset.store.close()
+        cache.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    config = config_from_args(args)
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(config, args.data_dir, args.log_level))
+    else:
+        uvloop.run(serve(config, args.data_dir, args.log_level))
+    return 0

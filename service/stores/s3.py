@@ -1,0 +1,403 @@
+"""``s3://bucket/prefix`` store: aiohttp requests signed with botocore SigV4.
+
+This is the service's hot path, so a read is one aiohttp request on a pooled keep-alive
+connection plus one SigV4 signature; no boto3 client, no per-request session. Everything
+(reads, writes, listings) goes through ``_call``: sign, send, map the status to a
+``StoreError``, and retry what is worth retrying with the one policy in ``shardfeed.retry``.
+
+Settings follow the AWS conventions: credentials from the standard chain (env vars,
+profiles, SSO, instance roles; refreshed credentials are picked up on the next request),
+the endpoint from ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` (MinIO, Ceph, moto) or
+else AWS's regional endpoint, path-style addressing, the region from the AWS config
+(``AWS_DEFAULT_REGION``, profile) or ``us-east-1``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import xml.etree.ElementTree as ET
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+from urllib.parse import quote, unquote_plus, urlsplit
+
+import aiohttp
+import botocore.exceptions
+import botocore.session
+from botocore.auth import S3SigV4Auth
+from botocore.awsrequest import AWSRequest
+from botocore.credentials import RefreshableCredentials
+from yarl import URL
+
+from shardfeed.retry import Backoff, retry_async
+
+from .base import (
+    AccessDenied,
+    ObjectInfo,
+    ObjectNotFound,
+    ShortRead,
+    Store,
+    StoreError,
+    StoreUnavailable,
+    clean_path,
+)
+
+T = TypeVar("T")
+
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+_ERROR_FIELD = re.compile(r"<(Code|Message)>([^<]*)</\1>")
+_DENIED_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+                 "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled"}
+_TRANSIENT_STATUS = {429, 500, 502, 503, 504}
+_SIGN_IN_THREAD = 1 << 20  # hashing a larger body for the signature would stall the loop
+_ERROR_BODY_LIMIT = 64 << 10
+
+
+class _Truncated(ShortRead):
+    """A body or Content-Range that does not match what was asked: retried, then ``ShortRead``."""
+
+
+class _Overloaded(StoreUnavailable):
+    """5xx, SlowDown or 429: retried (after ``Retry-After`` if given), then ``StoreUnavailable``."""
+
+    def __init__(self, message: str, retry_after: float | None):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+def _retryable(err: Exception) -> bool | float:
+    if isinstance(err, _Overloaded):
+        return err.retry_after if err.retry_after is not None else True
+    return isinstance(err, (_Truncated, aiohttp.ClientError, asyncio.TimeoutError))
+
+
+def _retry_after(headers) -> float | None:
+    value = headers.get("Retry-After", "")
+    return float(value) if value.isdigit() else None  # HTTP-date form: use our own backoff
+
+
+def _endpoint(explicit: str | None, region: str) -> str:
+    url = explicit or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if not url:
+        return f"https://s3.{region}.amazonaws.com"
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query:
+        raise StoreError(f"invalid S3 endpoint URL {url!r} (expected http(s)://host[:port])")
+    return url.rstrip("/")
+
+
+def _host_header(endpoint: str) -> str:
+    """The Host header exactly as SigV4 signs it (default ports dropped)."""
+    parts = urlsplit(endpoint)
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    if parts.port is not None and parts.port != {"http": 80, "https": 443}[parts.scheme]:
+        host = f"{host}:{parts.port}"
+    return host
+
+
+class S3Store(Store):
+    """Objects under ``s3://bucket/prefix`` on any S3-compatible endpoint.
+
+    Counters for observability: ``requests`` (HTTP requests sent, retries included),
+    ``retries`` and ``bytes_read`` (payload bytes of successful reads).
+    The aiohttp session is created lazily in the running event loop; if the store is
+    later used from another loop (``asyncio.run`` twice), it opens a fresh session there.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        bucket: str,
+        prefix: str,
+        *,
+        pool_size: int = 64,
+        connect_timeout: float = 5,
+        read_timeout: float = 30,
+        backoff: Backoff | None = None,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+    ):
+        """
+        pool_size: most simultaneous connections to the endpoint (more requests queue).
+        connect_timeout: seconds to open a TCP (and TLS) connection, per try.
+        read_timeout: longest silence in seconds while waiting for response bytes, per try.
+        backoff: retry policy for 5xx, SlowDown, timeouts, resets and truncated bodies.
+        endpoint_url: overrides ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``.
+        region: overrides the region from the AWS config (signing scope and default endpoint).
+        """
+        if pool_size < 1 or connect_timeout <= 0 or read_timeout <= 0:
+            raise StoreError(f"{url}: pool_size and timeouts must be positive")
+        self.url = url
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.pool_size = pool_size
+        self.list_page_size = 1000
+        """Keys per ListObjectsV2 page (S3's maximum is 1000)."""
+        self.backoff = backoff or Backoff()
+        self.requests = 0
+        self.retries = 0
+        self.bytes_read = 0
+        self._botocore = botocore.session.get_session()
+        try:
+            self.region = region or self._botocore.get_config_variable("region") or "us-east-1"
+        except botocore.exceptions.BotoCoreError as err:
+            raise StoreError(f"{url}: cannot read the AWS configuration: {err}") from None
+        self.endpoint = _endpoint(endpoint_url, self.region)
+        self._host = _host_header(self.endpoint)
+        self._timeout = aiohttp.ClientTimeout(
+            # Not `connect`: that would also count the wait for a free pooled connection.
+            total=None, sock_connect=connect_timeout, sock_read=read_timeout)
+        self._credentials = None
+        self._auth: S3SigV4Auth | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
+
+    # -- plumbing ---------------------------------------------------------------------
+
+    def _key(self, path: str) -> str:
+        path = clean_path(path)  # refuses '..', absolute paths: nothing leaves the prefix
+        return f"{self.prefix}/{path}" if self.prefix else path
+
+    def _object_url(self, key: str) -> str:
+        return f"s3://{self.bucket}/{key}"
+
+    def _http(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session_loop is not loop:
+            if self._session is not None:
+                self._session.detach()  # its loop has ended; its sockets went with it
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.pool_size, ttl_dns_cache=300),
+                timeout=self._timeout,
+                auto_decompress=False,  # byte ranges must arrive exactly as stored
+                cookie_jar=aiohttp.DummyCookieJar(),
+            )
+            self._session_loop = loop
+        return self._session
+
+    async def _signer(self) -> S3SigV4Auth:
+        creds = self._credentials
+        try:
+            if creds is None:
+                # The chain may read files or ask an instance-metadata service: not on the loop.
+                creds = await asyncio.to_thread(self._botocore.get_credentials)
+                if creds is None:
+                    raise AccessDenied(
+                        f"{self.url}: no AWS credentials found (set AWS_ACCESS_KEY_ID and "
+                        "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)")
+                self._credentials = creds
+            if isinstance(creds, RefreshableCredentials) and creds.refresh_needed():
+                frozen = await asyncio.to_thread(creds.get_frozen_credentials)
+            else:
+                frozen = creds.get_frozen_credentials()
+        except botocore.exceptions.BotoCoreError as err:
+            raise AccessDenied(f"{self.url}: cannot load AWS credentials: {err}") from None
+        if self._auth is None or self._auth.credentials != frozen:
+            self._auth = S3SigV4Auth(frozen, "s3", self.region)
+        return self._auth
+
+    @staticmethod
+    def _sign(auth: S3SigV4Auth, method: str, url: str, headers: dict, body: bytes) -> dict:
+        request = AWSRequest(method=method, url=url, headers=headers, data=body)
+        auth.add_auth(request)
+        return dict(request.headers.items())
+
+    async def _call(
+        self,
+        method: str,
+        key: str,
+        handle: Callable[[aiohttp.ClientResponse], Awaitable[T]],
+        *,
+        query: dict[str, str] | None = None,
+        headers: dict[str, str] | None = None,
+        body: bytes = b"",
+    ) -> T:
+        """Send one signed request (retrying per ``self.backoff``) and return ``handle(response)``.
+
+        ``handle`` sees only 2xx responses; everything else becomes a ``StoreError`` here.
+        """
+        object_url = self._object_url(key) if key else self.url
+        url = self.endpoint + quote(f"/{self.bucket}/{key}" if key else f"/{self.bucket}", safe="/-_.~")
+        if query:
+            # Sorted and fully encoded, so what SigV4 signs is exactly what goes on the wire.
+            url += "?" + "&".join(f"{quote(k, safe='-_.~')}={quote(v, safe='-_.~')}"
+                                  for k, v in sorted(query.items()))
+        base_headers = {"Host": self._host, "Accept-Encoding": "identity", **(headers or {})}
+
+        async def attempt() -> T:
+            auth = await self._signer()
+            if len(body) > _SIGN_IN_THREAD:
+                signed = await asyncio.to_thread(self._sign, auth, method, url, base_headers, body)
+            else:
+                signed = self._sign(auth, method, url, base_headers, body)
+            self.requests += 1
+            async with self._http().request(
+                method, URL(url, encoded=True), headers=signed, data=body or None,
+                allow_redirects=False,
+            ) as resp:
+                if resp.status >= 300:
+                    await self._raise_for_status(resp, object_url, key)
+                return await handle(resp)
+
+        try:
+            return await retry_async(attempt, backoff=self.backoff, retryable=_retryable,
+                                     on_retry=self._count_retry)
+        except _Truncated as err:
+            raise ShortRead(f"{err} (after {self.backoff.attempts} attempts)") from None
+        except _Overloaded as err:
+            raise StoreUnavailable(f"{err} (after {self.backoff.attempts} attempts)") from None
+        except asyncio.TimeoutError:
+            raise StoreUnavailable(
+                f"{object_url}: S3 endpoint {self.endpoint} timed out (connect "
+                f"{self._timeout.sock_connect}s, read {self._timeout.sock_read}s; "
+                f"after {self.backoff.attempts} attempts)") from None
+        except aiohttp.ClientConnectorError as err:
+            reason = getattr(err.os_error, "strerror", None) or str(err)
+            raise StoreUnavailable(
+                f"{object_url}: cannot connect to S3 endpoint {self.endpoint} ({reason}; "
+                f"after {self.backoff.attempts} attempts)") from None
+        except aiohttp.ClientError as err:
+            raise StoreUnavailable(
+                f"{object_url}: connection to S3 endpoint {self.endpoint} failed "
+                f"({type(err).__name__}: {err}; after {self.backoff.attempts} attempts)") from None
+
+    def _count_retry(self, err: Exception, delay: float) -> None:
+        self.retries += 1
+
+    async def _raise_for_status(self, resp: aiohttp.ClientResponse, object_url: str, key: str) -> None:
+        text = (await resp.content.read(_ERROR_BODY_LIMIT)).decode("utf-8", "replace")
+        fields = dict(_ERROR_FIELD.findall(text))
+        code, message = fields.get("Code", ""), fields.get("Message", "")
+        detail = f"{code}: {message}" if code else f"HTTP {resp.status}"
+        if resp.status in (401, 403) or code in _DENIED_CODES:
+            raise AccessDenied(f"{object_url}: access denied ({detail})")
+        if code == "NoSuchBucket" or (resp.status == 404 and not key):
+            raise ObjectNotFound(f"{object_url}: bucket {self.bucket!r} does not exist")
+        if resp.status == 404:
+            raise ObjectNotFound(f"{object_url}: no such object")
+        if resp.status == 416:
+            raise ShortRead(f"{object_url}: range starts past the end of the object")
+        if resp.status in _TRANSIENT_STATUS or code == "SlowDown":
+            raise _Overloaded(f"{object_url}: S3 answered HTTP {resp.status} ({detail})",
+                              _retry_after(resp.headers))
+        region = resp.headers.get("x-amz-bucket-region")
+        hint = f"; the bucket is in region {region}, set AWS_DEFAULT_REGION" if region else ""
+        raise StoreError(f"{object_url}: S3 answered HTTP {resp.status} ({detail}){hint}")
+
+    async def _body(self, resp: aiohttp.ClientResponse, name: str, expected: int | None = None) -> bytes:
+        """The body of the response about ``name``; with ``expected``, refuse (retryably) any other length."""
+        if expected is not None and resp.content_length not in (None, expected):
+            raise _Truncated(f"{name}: Content-Length {resp.content_length}, expected {expected}")
+        try:
+            if expected is None or resp.content_length is not None:
+                data = await resp.read()  # raises ClientPayloadError if the body ends early
+            else:
+                buf = bytearray()  # no Content-Length: read at most one byte too many
+                async for chunk in resp.content.iter_any():
+                    buf += chunk
+                    if len(buf) > expected:
+                        break
+                data = bytes(buf)
+        except aiohttp.ClientPayloadError as err:
+            reason = getattr(err.__cause__, "message", None) or str(err)
+            raise _Truncated(f"{name}: body cut short ({' '.join(reason.split())})") from None
+        if expected is not None and len(data) != expected:
+            raise _Truncated(f"{name}: got {len(data)} bytes, expected {expected}")
+        self.bytes_read += len(data)
+        return data
+
+    # -- the Store interface ----------------------------------------------------------
+
+    async def read_range(self, path: str, offset: int, size: int) -> bytes:
+        if offset < 0 or size < 0:
+            raise ValueError(f"read_range({path!r}, {offset}, {size}): negative offset or size")
+        key = self._key(path)
+        if size == 0:
+            return b""
+        last = offset + size - 1
+        object_url = self._object_url(key)
+
+        async def check(resp: aiohttp.ClientResponse) -> bytes:
+            if resp.status == 200:  # Range ignored: fine only if the object is exactly the range
+                if offset != 0 or resp.content_length != size:
+                    raise _Truncated(f"{object_url}: server ignored Range bytes={offset}-{last}")
+            else:
+                found = _CONTENT_RANGE.fullmatch(resp.headers.get("Content-Range", ""))
+                if found is None or resp.status != 206:
+                    raise _Truncated(f"{object_url}: HTTP {resp.status} with Content-Range "
+                                     f"{resp.headers.get('Content-Range')!r}")
+                start, end, total = found.groups()
+                if total != "*" and int(total) <= last:
+                    raise ShortRead(f"{object_url}: object is {total} bytes, cannot read "
+                                    f"{size} bytes at offset {offset}")
+                if (int(start), int(end)) != (offset, last):
+                    raise _Truncated(f"{object_url}: asked bytes {offset}-{last}, "
+                                     f"got Content-Range {start}-{end}")
+            return await self._body(resp, object_url, size)
+
+        return await self._call("GET", key, check, headers={"Range": f"bytes={offset}-{last}"})
+
+    async def read(self, path: str) -> bytes:
+        key = self._key(path)
+        return await self._call("GET", key, lambda resp: self._body(resp, self._object_url(key)))
+
+    async def write(self, path: str, data: bytes) -> None:
+        async def done(resp: aiohttp.ClientResponse) -> None:
+            await resp.read()
+
+        # One PUT: S3 makes the object visible only when complete (limit 5 GiB).
+        await self._call("PUT", self._key(path), done, body=data if isinstance(data, bytes) else bytes(data))
+
+    async def head(self, path: str) -> ObjectInfo:
+        rel = clean_path(path)
+        key = self._key(rel)
+
+        async def info(resp: aiohttp.ClientResponse) -> ObjectInfo:
+            if resp.content_length is None:
+                raise _Truncated(f"{self._object_url(key)}: HEAD without Content-Length")
+            return ObjectInfo(rel, resp.content_length,
+                              resp.headers.get("ETag", "").strip('"') or None)
+
+        return await self._call("HEAD", key, info)
+
+    async def list(self, prefix: str = "") -> list[ObjectInfo]:
+        root = f"{self.prefix}/" if self.prefix else ""
+        query = {"list-type": "2", "prefix": root + prefix, "encoding-type": "url",
+                 "max-keys": str(self.list_page_size)}
+        out: list[ObjectInfo] = []
+        while True:
+            page = await self._call("GET", "", lambda resp: self._body(resp, self.url), query=query)
+            objects, token = await asyncio.to_thread(_parse_listing, page, self.url)
+            out.extend(ObjectInfo(key[len(root):], size, etag) for key, size, etag in objects
+                       if key.startswith(root) and not key.endswith("/"))
+            if token is None:
+                return sorted(out, key=lambda o: o.path)
+            query["continuation-token"] = token
+
+    async def close(self) -> None:
+        if self._session is not None:
+            session, self._session = self._session, None
+            if self._session_loop is asyncio.get_running_loop():
+                await session.close()
+            else:
+                session.detach()
+
+
+def _parse_listing(xml: bytes, url: str) -> tuple[list[tuple[str, int, str | None]], str | None]:
+    """(key, size, etag) of one ListObjectsV2 page, and the continuation token if truncated."""
+    try:
+        root = ET.fromstring(xml)
+    except ET.ParseError as err:
+        raise StoreError(f"{url}: malformed listing from S3 ({err})") from None
+    for el in root.iter():  # drop the S3 XML namespace
+        el.tag = el.tag.rpartition("}")[2]
+    objects = []
+    for item in root.iter("Contents"):
+        etag = (item.findtext("ETag") or "").strip('"') or None
+        objects.append((unquote_plus(item.findtext("Key") or ""), int(item.findtext("Size") or 0), etag))
+    truncated = root.findtext("IsTruncated") == "true"
+    token = root.findtext("NextContinuationToken") if truncated else None
+    if truncated and not token:
+        raise StoreError(f"{url}: truncated listing without a continuation token")
+    return objects, token

@@ -1,0 +1,123 @@
+"""Batch responses: the requested members, framed as a tar stream in request order.
+
+The batch is cut into groups of about ``group_bytes`` of payload along sample
+boundaries. A few groups are read ahead concurrently (``prefetch_groups``) while the
+oldest is sent, so the first bytes leave before the last shard range arrives, memory
+per request stays bounded, and a client that reads slowly slows the reads (the send
+awaits, so no further group starts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections import deque
+from collections.abc import AsyncIterator
+
+import numpy as np
+
+from shardfeed.tar import END_OF_ARCHIVE, member_header, padding
+
+from .coalescer import Coalescer
+from .datasets import Dataset
+from .index import Members
+from .stores import StoreError
+
+_PAD = b"\0" * 512
+
+
+class SampleFailed(Exception):
+    """A sample of a batch without ``continue_on_error`` could not be read."""
+
+    def __init__(self, dataset: str, sample: int, cause: BaseException | None):
+        super().__init__(f"sample {sample} of dataset {dataset!r} could not be read: {cause}")
+        self.cause = cause
+
+
+def missing_name(dataset: str, sample: int) -> str:
+    """The zero-length placeholder member for a sample that could not be served."""
+    return f"__404__/{dataset}/{sample}"
+
+
+def _groups(members: Members, n_positions: int, group_bytes: int) -> list[tuple[int, int]]:
+    """Member row ranges ``[lo, hi)`` of consecutive samples with about ``group_bytes`` of payload."""
+    per_position = np.bincount(members.position, weights=members.size, minlength=n_positions)
+    starts = np.cumsum(per_position) - per_position
+    group_of_position = (starts // max(group_bytes, 1)).astype(np.int64)
+    cuts = np.flatnonzero(np.diff(group_of_position)) + 1  # first position of each new group
+    position_rows = np.searchsorted(members.position, np.arange(n_positions + 1))
+    bounds = [0, *position_rows[cuts].tolist(), len(members.position)]
+    return [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo] or [(0, 0)]
+
+
+def _rows(members: Members, lo: int, hi: int) -> Members:
+    return Members(**{f.name: getattr(members, f.name)[lo:hi] for f in dataclasses.fields(members)})
+
+
+async def render_group(coalescer: Coalescer, dataset: Dataset, members: Members, indices: np.ndarray,
+                       continue_on_error: bool) -> tuple[bytes, int]:
+    """The tar bytes of one group of member rows, and how many samples it served."""
+    payloads = await coalescer.read_members(dataset, members)
+    index = dataset.index
+    fields = index.fields
+    # A sample fails as a whole: find, per position, whether any of its members failed.
+    failed_rows = [i for i, p in enumerate(payloads) if p is None or isinstance(p, StoreError)]
+    failed_positions = set(members.position[failed_rows].tolist()) if failed_rows else set()
+    out: list = []
+    served = 0
+    current = -1
+    key = ""
+    for row, (position, field, payload) in enumerate(zip(members.position.tolist(), members.field.tolist(),
+                                                          payloads)):
+        if position != current:
+            current = position
+            sample = int(indices[position])
+            if position in failed_positions:
+                if not continue_on_error:
+                    cause = next(p for r, p in enumerate(payloads) if members.position[r] == position
+                                 and (p is None or isinstance(p, StoreError)))
+                    raise SampleFailed(dataset.name, sample, cause)
+                out.append(member_header(missing_name(dataset.name, sample), 0))
+                continue
+            key = index.key(sample)
+            served += 1
+        elif position in failed_positions:
+            continue
+        size = len(payload)
+        out.append(member_header(f"{key}.{fields[field]}", size))
+        out.append(payload)
+        if size % 512:
+            out.append(_PAD[:padding(size)])
+    return b"".join(out), served
+
+
+async def stream_batch(coalescer: Coalescer, dataset: Dataset, members: Members, indices: np.ndarray, *,
+                       continue_on_error: bool, group_bytes: int, prefetch: int,
+                       on_served=None) -> AsyncIterator[bytes]:
+    """Yield the batch's tar stream, one group at a time, ending with the end-of-archive marker."""
+    groups = _groups(members, len(indices), group_bytes)
+    pending: deque[asyncio.Task] = deque()
+    upcoming = iter(groups)
+
+    def start_next() -> None:
+        for lo, hi in upcoming:
+            pending.append(asyncio.create_task(
+                render_group(coalescer, dataset, _rows(members, lo, hi), indices, continue_on_error)))
+            return
+
+    try:
+        for _ in range(max(1, prefetch)):
+            start_next()
+        while pending:
+            chunk, served = await pending.popleft()
+            start_next()
+            if on_served is not None:
+                on_served(served, len(chunk))
+            if not pending:
+                chunk += END_OF_ARCHIVE
+            yield chunk
+    finally:
+        for task in pending:  # client went away or a sample failed: stop reading ahead
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)

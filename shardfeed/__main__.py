@@ -1,0 +1,3 @@
+from shardfeed.cli import main
+
+raise SystemExit(main())
