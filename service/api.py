@@ -25,8 +25,9 @@ from .coalescer import Coalescer
 from .config import ServiceConfig
 from .datasets import Dataset
 from .errors import ApiError, error_response
-from .index import SampleOutOfRange, UnknownField
+from .index import Members, SampleOutOfRange, UnknownField
 from .metrics import Metrics
+from .peers import Cluster
 from .samples import SampleBatcher
 from .stores import StoreError
 from .stream import SampleFailed, stream_batch
@@ -62,19 +63,23 @@ class State:
 
 
 def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: BlockCache,
-               metrics: Metrics) -> FastAPI:
+               metrics: Metrics, cluster: Cluster | None = None) -> FastAPI:
     """The ASGI app over already opened datasets and cache (see ``server.py``)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        if cluster is not None:
+            cluster.start()
         yield
+        if cluster is not None:
+            await cluster.close()
         await state.coalescer.close()
         for dataset in datasets.values():
             await dataset.store.close()
 
     app = FastAPI(title="shardfeed", version="1", lifespan=lifespan,
                   description="Batched, ordered sample loading from S3-compatible storage.")
-    coalescer = Coalescer(cache, metrics, config)
+    coalescer = Coalescer(cache, metrics, config, cluster)
     state = State(config, datasets, metrics, cache, coalescer, SampleBatcher(coalescer, config.sample_window))
     app.state.shardfeed = state
 
@@ -101,6 +106,13 @@ def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: Block
     @app.get("/metrics", tags=["ops"], response_class=Response)
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/cluster", tags=["ops"])
+    async def cluster_map() -> dict:
+        """This replica and its peers; a client may route batches to shard owners itself."""
+        if cluster is None:
+            return {"node_id": None, "peers": []}
+        return cluster.describe()
 
     @app.get("/v1/datasets", tags=["datasets"])
     async def list_datasets() -> list[dict]:
@@ -143,7 +155,51 @@ def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: Block
     async def batch(request: Request) -> Response:
         return await _batch(state, request)
 
+    @app.post("/v1/internal/read", tags=["internal"], response_class=Response,
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                  "schema": RangeRead.model_json_schema()}}}})
+    async def internal_read(request: Request) -> Response:
+        """Replica to replica: the bytes of members of shards this replica owns, concatenated."""
+        return await _internal_read(state, request)
+
     return app
+
+
+# -- replica sub-batches -------------------------------------------------------------------
+
+class RangeRead(BaseModel):
+    """Body of ``POST /v1/internal/read``: members by shard code, offset and size."""
+
+    model_config = ConfigDict(extra="forbid")
+    dataset: str = Field(min_length=1, max_length=256)
+    shard: list[StrictInt]
+    offset: list[StrictInt]
+    size: list[StrictInt]
+
+
+async def _internal_read(state: State, request: Request) -> Response:
+    body = await _read_body(request, 4 * state.config.max_body)
+    try:
+        req = RangeRead.model_validate_json(body)
+    except ValidationError as err:
+        raise ApiError(400, "invalid_request", _describe(err.errors())) from None
+    dataset = _dataset(state, req.dataset)
+    n = len(req.shard)
+    if len(req.offset) != n or len(req.size) != n or n > 4 * state.config.max_batch:
+        raise ApiError(400, "invalid_request", "shard, offset and size must have the same, bounded length")
+    shard = np.asarray(req.shard, dtype=np.int64) if n else np.zeros(0, np.int64)
+    offset = np.asarray(req.offset, dtype=np.int64) if n else np.zeros(0, np.int64)
+    size = np.asarray(req.size, dtype=np.int64) if n else np.zeros(0, np.int64)
+    if n and ((shard < 0).any() or (shard >= len(dataset.index.shards)).any() or (offset < 0).any()
+              or (size < 0).any() or (offset + size > dataset.extents[np.clip(shard, 0, None)]).any()):
+        raise ApiError(400, "invalid_request", "a range lies outside the dataset's shards")
+    members = Members(position=np.arange(n), sample=np.zeros(n, np.int64), field=np.zeros(n, np.int32),
+                      shard=shard.astype(np.int32), offset=offset, size=size, found=np.ones(n, bool))
+    payloads = await state.coalescer.read_members(dataset, members, local=True)
+    for payload in payloads:
+        if isinstance(payload, StoreError):
+            raise ApiError(503, "store_unavailable", str(payload), RETRY_AFTER)
+    return Response(b"".join(payloads), media_type="application/octet-stream")
 
 
 # -- per-sample path ------------------------------------------------------------------------

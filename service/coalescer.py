@@ -21,15 +21,17 @@ from .config import ServiceConfig
 from .datasets import Dataset
 from .index import Members
 from .metrics import Metrics
-from .planner import merge_blocks, plan_pieces
+from .peers import Cluster, PeerError
+from .planner import merge_blocks, plan_pieces, take
 from .stores import StoreError
 
 log = logging.getLogger("shardfeed.coalescer")
 
 
 class Coalescer:
-    def __init__(self, cache: BlockCache, metrics: Metrics, config: ServiceConfig):
+    def __init__(self, cache: BlockCache, metrics: Metrics, config: ServiceConfig, cluster: Cluster | None = None):
         self.cache = cache
+        self.cluster = cluster
         self.metrics = metrics
         self.block_size = config.block_size
         self.gap_blocks = config.merge_gap // config.block_size
@@ -38,12 +40,39 @@ class Coalescer:
         self._inflight: dict[BlockKey, asyncio.Future] = {}
         self._tasks: set[asyncio.Task] = set()
 
-    async def read_members(self, dataset: Dataset, members: Members) -> list[bytes | StoreError | None]:
+    async def read_members(self, dataset: Dataset, members: Members, *,
+                           local: bool = False) -> list[bytes | StoreError | None]:
         """The bytes of each member row, in order.
 
         ``None`` for a member the index says is absent, a ``StoreError`` for one whose
-        bytes could not be read; never partial bytes.
+        bytes could not be read; never partial bytes. With replicas, members of shards
+        owned elsewhere are read by their owner, unless ``local``.
         """
+        if self.cluster is None or local:
+            return await self._read_local(dataset, members)
+        rows = np.flatnonzero(members.found)
+        owner = np.full(len(members), self.cluster.me)
+        owner[rows] = self.cluster.owners(dataset.url, dataset.index.shards, members.shard[rows])
+        out: list = [None] * len(members)
+        groups = [np.flatnonzero(owner == peer) for peer in np.unique(owner).tolist()]
+        results = await asyncio.gather(*(self._read_at(int(owner[g[0]]), dataset, take(members, g))
+                                         for g in groups))
+        for group, result in zip(groups, results):
+            for row, payload in zip(group.tolist(), result):
+                out[row] = payload
+        return out
+
+    async def _read_at(self, peer: int, dataset: Dataset, members: Members) -> list:
+        if peer == self.cluster.me:
+            return await self._read_local(dataset, members)
+        try:
+            return await self.cluster.read(peer, dataset.name, members)
+        except PeerError as err:
+            log.warning("reading %d members from the store instead: %s", len(members), err)
+            self.metrics.peer_fallbacks.inc(len(members))
+            return await self._read_local(dataset, members)
+
+    async def _read_local(self, dataset: Dataset, members: Members) -> list[bytes | StoreError | None]:
         pieces = plan_pieces(members, self.block_size)
         shards = dataset.index.shards
         keys = [BlockKey(dataset.id, shards[s], b) for s, b in zip(pieces.shard.tolist(), pieces.block.tolist())]

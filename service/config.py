@@ -65,5 +65,21 @@ class ServiceConfig:
     tokens: frozenset[str] = frozenset()
     """Bearer tokens accepted; empty disables authentication."""
 
+    tls_cert: Path | None = None
+    """PEM certificate: serve HTTPS instead of HTTP (with ``tls_key``)."""
+
+    tls_key: Path | None = None
+
+    node_id: str | None = None
+    """This replica's id among ``peers`` (its host name, first DNS label, URL, or ``ID=`` name)."""
+
+    peers: str = ""
+    """Every replica, this one included: ``URL,URL,...`` or ``ID=URL,...``. Shards are owned by
+    rendezvous hashing over the live peers; empty means a single node."""
+
+    peer_timeout: float = 2.0
+    """Seconds an owner has to answer a sub-batch (plus 1 s per 50 MB) before this replica
+    reads those samples from the store itself."""
+
     store_options: dict = field(default_factory=dict)
     """Passed to the store backends (timeouts, pool size, retries)."""

@@ -45,6 +45,11 @@ class Metrics:
                                        registry=r)
         self.inflight_store = Gauge("shardfeed_inflight_store_requests", "Store reads in flight",
                                     registry=r)
+        self.peer_requests = Counter("shardfeed_peer_requests", "Sub-batches sent to the owning replica",
+                                     ["peer", "status"], registry=r)
+        self.peer_fallbacks = Counter("shardfeed_peer_fallbacks",
+                                      "Members read from the store because their owner failed", registry=r)
+        self.peers_up = Gauge("shardfeed_peers_up", "Replicas believed live, this one included", registry=r)
         self.rejected = Counter("shardfeed_rejected", "Requests refused with 429 (overloaded)", registry=r)
 
     def render(self) -> bytes:

@@ -55,3 +55,8 @@ def merge_blocks(blocks: list[int], gap_blocks: int, max_blocks: int) -> list[tu
         else:
             runs.append((block, block))
     return runs
+
+
+def take(members: Members, rows: np.ndarray | slice) -> Members:
+    """The given rows of ``members`` (a boolean mask, row numbers, or a slice)."""
+    return Members(**{name: array[rows] for name, array in vars(members).items()})

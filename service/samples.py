@@ -11,6 +11,7 @@ import numpy as np
 
 from .coalescer import Coalescer
 from .datasets import Dataset
+from .planner import take
 
 
 class SampleBatcher:
@@ -62,7 +63,7 @@ class SampleBatcher:
             wanted = np.fromiter((b[2] for b in batch), np.int64, len(batch))
             members = dataset.index.lookup(indices)
             keep = (wanted[members.position] < 0) | (members.field == wanted[members.position])
-            members = type(members)(**{k: v[keep] for k, v in vars(members).items()})
+            members = take(members, keep)
             payloads = await self.coalescer.read_members(dataset, members)
             results: list[list] = [[] for _ in batch]
             for position, field, payload in zip(members.position.tolist(), members.field.tolist(), payloads):

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from .config import ServiceConfig
+from .peers import parse_peers
 from .sizes import parse_size
 
 log = logging.getLogger("shardfeed.server")
@@ -51,6 +52,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-file", type=Path,
                         help="require 'Authorization: Bearer <token>', tokens one per line in this file "
                              "(or set SHARDFEED_TOKENS, comma-separated)")
+    parser.add_argument("--node-id", help="this replica's id among --peers (e.g. its host name)")
+    parser.add_argument("--peers", default="",
+                        help="all replicas, this one included: URL,URL,... or ID=URL,...; shards are "
+                             "owned by rendezvous hashing and each is cached on one replica")
+    parser.add_argument("--peer-timeout", type=float, default=defaults.peer_timeout,
+                        help="seconds an owner has to answer before the store is read directly "
+                             "(default: %(default)s)")
+    parser.add_argument("--tls-cert", type=Path, help="serve HTTPS with this certificate (PEM); needs --tls-key")
+    parser.add_argument("--tls-key", type=Path, help="private key (PEM) for --tls-cert")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -71,11 +81,22 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
             raise ValueError(f"cannot read --token-file {args.token_file}: {err.strerror}") from None
         if not tokens:
             raise ValueError(f"--token-file {args.token_file} holds no token")
+    if args.peers and not args.node_id:
+        raise ValueError("--peers needs --node-id (which of the peers this replica is)")
+    if args.peers:
+        parse_peers(args.peers, args.node_id)  # fail now on a bad list, with its message
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    for path in (args.tls_cert, args.tls_key):
+        if path is not None and not path.is_file():
+            raise ValueError(f"TLS file {path} does not exist")
     return ServiceConfig(
         datasets=datasets, host=args.host, port=args.port, cache_dir=args.cache_dir,
         cache_size=args.cache_size, block_size=args.block_size, merge_gap=args.merge_gap,
         max_store_requests=args.max_store_requests, sample_window=args.sample_window_ms / 1e3,
         max_batch=args.max_batch, max_inflight_batches=args.max_inflight_batches, tokens=frozenset(tokens),
+        tls_cert=args.tls_cert, tls_key=args.tls_key, node_id=args.node_id, peers=args.peers,
+        peer_timeout=args.peer_timeout,
     )
 
 
@@ -103,6 +124,7 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
     from .cache import BlockCache
     from .datasets import open_dataset
     from .metrics import Metrics
+    from .peers import Cluster
 
     if not config.datasets:
         config.datasets = {DEFAULT_DATASET: await ensure_default_dataset(data_dir)}
@@ -115,11 +137,18 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
             datasets[name] = await open_dataset(name, url, config.store_options)
             log.info("dataset %s: %s (%d samples, %d shards)", name, url, len(datasets[name].index),
                      len(datasets[name].index.shards))
-        app = create_app(config, datasets, cache, metrics)
+        cluster = None
+        if config.peers:
+            peers, me = parse_peers(config.peers, config.node_id)
+            cluster = Cluster(peers, me, metrics, token=min(config.tokens, default=None),
+                              timeout=config.peer_timeout)
+            log.info("replica %s of %d: %s", peers[me].id, len(peers), ", ".join(p.url for p in peers))
+        app = create_app(config, datasets, cache, metrics, cluster)
         server = uvicorn.Server(uvicorn.Config(
             app, host=config.host, port=config.port, log_level=log_level, access_log=False,
             timeout_graceful_shutdown=30, timeout_keep_alive=30, limit_concurrency=None,
             h11_max_incomplete_event_size=64 * 1024,
+            ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key,
         ))
         await server.serve()
     finally:

@@ -10,7 +10,6 @@ awaits, so no further group starts).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections import deque
 from collections.abc import AsyncIterator
 
@@ -21,6 +20,7 @@ from shardfeed.tar import END_OF_ARCHIVE, member_header, padding
 from .coalescer import Coalescer
 from .datasets import Dataset
 from .index import Members
+from .planner import take
 from .stores import StoreError
 
 _PAD = b"\0" * 512
@@ -48,10 +48,6 @@ def _groups(members: Members, n_positions: int, group_bytes: int) -> list[tuple[
     position_rows = np.searchsorted(members.position, np.arange(n_positions + 1))
     bounds = [0, *position_rows[cuts].tolist(), len(members.position)]
     return [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo] or [(0, 0)]
-
-
-def _rows(members: Members, lo: int, hi: int) -> Members:
-    return Members(**{f.name: getattr(members, f.name)[lo:hi] for f in dataclasses.fields(members)})
 
 
 async def render_group(coalescer: Coalescer, dataset: Dataset, members: Members, indices: np.ndarray,
@@ -102,7 +98,7 @@ async def stream_batch(coalescer: Coalescer, dataset: Dataset, members: Members,
     def start_next() -> None:
         for lo, hi in upcoming:
             pending.append(asyncio.create_task(
-                render_group(coalescer, dataset, _rows(members, lo, hi), indices, continue_on_error)))
+                render_group(coalescer, dataset, take(members, slice(lo, hi)), indices, continue_on_error)))
             return
 
     try:

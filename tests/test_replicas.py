@@ -1,0 +1,105 @@
+"""Three replicas as local processes over one moto S3: ownership, sub-batches, failover, rejoin."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import httpx
+import pytest
+
+from sample_data import make_dataset, s3_put
+from service_helpers import metrics, tar_members
+from shardfeed.service.process import free_port, start_service
+
+SAMPLES = 240
+
+
+@pytest.fixture(scope="module")
+def dataset(moto):
+    moto.create_bucket("replicas")
+    source = make_dataset(s3_put(moto.client(), "replicas", "train"), samples=SAMPLES, per_shard=20)
+    return "s3://replicas/train", source  # 12 shards
+
+
+@pytest.fixture
+def cluster(dataset, moto, tmp_path):
+    ports = [free_port() for _ in range(3)]
+    peers = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip("abc", ports))
+
+    def start(i):
+        return start_service({"train": dataset[0]}, cache_dir=tmp_path / f"cache-{i}", port=ports[i],
+                             env=moto.env(), args=["--node-id", "abc"[i], "--peers", peers,
+                                                   "--block-size", "64KiB", "--peer-timeout", "2"])
+
+    services = [start(i) for i in range(3)]
+    deadline = time.monotonic() + 10  # wait until every replica sees every peer up
+    while any(metrics(s.url)["shardfeed_peers_up"] < 3 for s in services):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    yield services, start
+    for s in services:
+        s.stop()
+
+
+def expected(source, indices):
+    return [(f"sample{i:06d}.{f}", source[(i, f)]) for i in indices for f in ("bin", "cls", "json")
+            if (i, f) in source]
+
+
+def fetch(url, indices):
+    resp = httpx.post(f"{url}/v1/batch", json={"dataset": "train", "indices": indices}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return tar_members(resp.content)
+
+
+def test_any_replica_serves_identical_bytes_and_each_shard_is_read_by_one_replica(cluster, dataset):
+    services, _ = cluster
+    _, source = dataset
+    order = list(range(SAMPLES))
+    random.Random(5).shuffle(order)
+    for service in services:
+        assert fetch(service.url, order) == expected(source, order)
+    blocks = [{p.name for p in (s.log_path.parent / f"cache-{i}").glob("*/*.blk")} for i, s in enumerate(services)]
+    assert all(blocks), "every replica owns some shards"
+    assert not (blocks[0] & blocks[1] or blocks[0] & blocks[2] or blocks[1] & blocks[2]), "a block cached twice"
+    store_bytes = sum(metrics(s.url)["shardfeed_store_bytes_total"] for s in services)
+    assert store_bytes <= 1.1 * sum(len(v) + 1536 for v in source.values())
+    peer_calls = [metrics(s.url).get("shardfeed_peer_requests_total", 0) for s in services]
+    assert all(peer_calls)
+    cluster_map = httpx.get(f"{services[0].url}/v1/cluster").json()
+    assert cluster_map["node_id"] == "a" and [p["id"] for p in cluster_map["peers"]] == ["a", "b", "c"]
+
+
+def test_killing_a_replica_loses_no_sample_and_a_restarted_one_rejoins(cluster, dataset):
+    services, start = cluster
+    _, source = dataset
+    rng = random.Random(6)
+    for round_ in range(6):
+        if round_ == 2:
+            services[2].process.kill()  # no goodbye: a crash
+            services[2].process.wait()
+        indices = rng.sample(range(SAMPLES), 64)
+        assert fetch(services[round_ % 2].url, indices) == expected(source, indices)
+    assert metrics(services[0].url)["shardfeed_peers_up"] == 2
+
+    services[2] = start(2)
+    deadline = time.monotonic() + 10
+    while metrics(services[0].url)["shardfeed_peers_up"] < 3:
+        assert time.monotonic() < deadline, "the restarted replica never rejoined"
+        time.sleep(0.2)
+    indices = list(range(SAMPLES))
+    assert fetch(services[0].url, indices) == expected(source, indices)
+    assert metrics(services[0].url)["shardfeed_peer_fallbacks_total"] > 0  # during the outage
+    # The restarted c owns its shards again: it was sent no batch, yet it read them from the store.
+    restarted = metrics(services[2].url)
+    assert restarted["shardfeed_samples_served_total"] == 0
+    assert restarted["shardfeed_store_requests_total"] > 0
+
+
+def test_a_bad_peer_list_is_refused_with_a_clear_error(dataset, moto, tmp_path):
+    with pytest.raises(RuntimeError) as err:
+        start_service({"train": dataset[0]}, cache_dir=tmp_path / "c", env=moto.env(),
+                      args=["--node-id", "z", "--peers", "http://127.0.0.1:1,http://127.0.0.2:1"])
+    assert "--node-id 'z' is not one of --peers" in str(err.value)
+    assert "Traceback" not in str(err.value)

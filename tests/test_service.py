@@ -1,0 +1,253 @@
+"""The service end to end: a real moto S3 server, the service as a subprocess, HTTP over a socket."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sample_data import make_dataset, s3_put
+from service_helpers import metrics, tar_members
+from shardfeed.service.process import start_service
+
+SAMPLES = 200
+
+
+@pytest.fixture(scope="module")
+def s3_dataset(moto):
+    """A 200-sample dataset (4 shards) on moto; returns (url, source bytes)."""
+    bucket = "svc-data"
+    moto.create_bucket(bucket)
+    source = make_dataset(s3_put(moto.client(), bucket, "train"), samples=SAMPLES, per_shard=50)
+    return f"s3://{bucket}/train", source
+
+
+@pytest.fixture
+def service(s3_dataset, moto, tmp_path):
+    """A service on the moto dataset with a fresh cache; small blocks so a shard spans several."""
+    with start_service({"train": s3_dataset[0]}, cache_dir=tmp_path / "cache", env=moto.env(),
+                       args=["--block-size", "64KiB", "--max-batch", "5000"]) as svc:
+        yield svc
+
+
+def expected(source, indices, fields=None):
+    out = []
+    for i in indices:
+        for field in fields or ("bin", "cls", "json"):
+            if (i, field) in source:
+                out.append((f"sample{i:06d}.{field}", source[(i, field)]))
+    return out
+
+
+def batch(url, body, **kw) -> httpx.Response:
+    return httpx.post(f"{url}/v1/batch", json=body, timeout=30, **kw)
+
+
+def test_random_batches_come_back_byte_exact_in_request_order(service, s3_dataset):
+    _, source = s3_dataset
+    rng = random.Random(1)
+    for fields in (None, ["cls", "bin"], ["bin"]):
+        indices = [rng.randrange(SAMPLES) for _ in range(150)] + [3, 3, 3]  # repeats allowed
+        resp = batch(service.url, {"dataset": "train", "indices": indices, "fields": fields})
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["content-type"] == "application/x-tar"
+        assert tar_members(resp.content) == expected(source, indices, fields)
+
+
+def test_per_sample_and_whole_sample_gets_return_the_source_bytes(service, s3_dataset):
+    _, source = s3_dataset
+    assert httpx.get(f"{service.url}/v1/datasets/train/samples/7/bin").content == source[(7, "bin")]
+    assert httpx.get(f"{service.url}/v1/datasets/train/samples/7/JSON").content == source[(7, "json")]
+    whole = httpx.get(f"{service.url}/v1/datasets/train/samples/14")
+    assert tar_members(whole.content) == expected(source, [14])
+    info = httpx.get(f"{service.url}/v1/datasets/train").json()
+    assert info == {"name": "train", "url": s3_dataset[0], "samples": SAMPLES, "shards": 4,
+                    "bytes": sum(len(v) for v in source.values()), "fields": ["bin", "cls", "json"]}
+    assert [d["name"] for d in httpx.get(f"{service.url}/v1/datasets").json()] == ["train"]
+
+
+def test_concurrent_per_sample_gets_are_coalesced_into_few_store_reads(service, s3_dataset):
+    _, source = s3_dataset
+    rng = random.Random(2)
+    wanted = [(rng.randrange(SAMPLES), rng.choice(["bin", "cls"])) for _ in range(1000)]
+
+    async def fetch_all():
+        limits = httpx.Limits(max_connections=250)
+        async with httpx.AsyncClient(base_url=service.url, limits=limits, timeout=60) as client:
+            return await asyncio.gather(*(client.get(f"/v1/datasets/train/samples/{i}/{f}") for i, f in wanted))
+
+    responses = asyncio.run(fetch_all())
+    assert [r.status_code for r in responses] == [200] * 1000
+    assert [r.content for r in responses] == [source[w] for w in wanted]
+    m = metrics(service.url)
+    dataset_blocks = sum(len(v) + 1024 for v in source.values()) // 65536 + 4
+    assert m["shardfeed_store_requests_total"] <= dataset_blocks  # each block read at most once
+    assert m["shardfeed_store_requests_total"] < 1000 / 10
+
+
+def test_unreadable_samples_become_404_entries_with_continue_on_error(s3_dataset, moto, tmp_path):
+    _, source = s3_dataset
+    bucket = "svc-broken"
+    moto.create_bucket(bucket)
+    client = moto.client()
+    make_dataset(s3_put(client, bucket, "train"), samples=SAMPLES, per_shard=50)
+    client.delete_object(Bucket=bucket, Key="train/shards/part-0001.tar")  # samples 50..99
+    with start_service({"train": f"s3://{bucket}/train"}, cache_dir=tmp_path / "cache", env=moto.env()) as svc:
+        indices = [10, 60, 150, 99]
+        resp = batch(svc.url, {"dataset": "train", "indices": indices, "continue_on_error": True})
+        assert resp.status_code == 200
+        assert tar_members(resp.content) == (expected(source, [10]) + [("__404__/train/60", b"")]
+                                             + expected(source, [150]) + [("__404__/train/99", b"")])
+        resp = batch(svc.url, {"dataset": "train", "indices": indices})
+        assert resp.status_code == 503
+        assert resp.json()["error"]["code"] == "store_unavailable"
+        assert "60" in resp.json()["error"]["message"]
+        assert httpx.get(f"{svc.url}/v1/datasets/train/samples/60/bin").status_code == 503
+        assert httpx.get(f"{svc.url}/healthz").status_code == 200
+
+
+@pytest.mark.parametrize("body, status, code", [
+    (b"{not json", 400, "invalid_request"),
+    (b'["a list"]', 400, "invalid_request"),
+    ({"dataset": "train", "indices": "1,2"}, 400, "invalid_request"),
+    ({"dataset": "train", "indices": ["1"]}, 400, "invalid_request"),
+    ({"dataset": "train", "indices": [1.5]}, 400, "invalid_request"),
+    ({"dataset": "train", "indices": [True]}, 400, "invalid_request"),
+    ({"dataset": "train", "indices": [-1]}, 400, "invalid_index"),
+    ({"dataset": "train", "indices": [1], "format": "zip"}, 400, "unsupported_format"),
+    ({"dataset": "train", "indices": [1], "surprise": 1}, 400, "invalid_request"),
+    ({"dataset": "nope", "indices": [1]}, 404, "unknown_dataset"),
+    ({"dataset": "train", "indices": [SAMPLES]}, 404, "sample_out_of_range"),
+    ({"dataset": "train", "indices": [2**70]}, 404, "sample_out_of_range"),
+    ({"dataset": "train", "indices": [1], "fields": ["jpg"]}, 404, "unknown_field"),
+    ({"dataset": "train", "indices": [1], "fields": ["json"]}, 404, "unknown_field"),
+    ({"dataset": "train", "indices": [0] * 5001}, 413, "too_many_items"),
+    ({"dataset": "train", "indices": [0] * 800_000}, 413, "body_too_large"),
+])
+def test_bad_batch_requests_get_a_json_error_before_any_data(service, body, status, code):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    resp = httpx.post(f"{service.url}/v1/batch", content=content, timeout=30,
+                      headers={"content-type": "application/json"})
+    assert resp.status_code == status, resp.text
+    assert resp.json()["error"]["code"] == code
+    assert resp.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path, status, code", [
+    ("/v1/datasets/nope", 404, "unknown_dataset"),
+    ("/v1/datasets/train/samples/200/bin", 404, "sample_out_of_range"),
+    ("/v1/datasets/train/samples/-1/bin", 400, "invalid_index"),
+    ("/v1/datasets/train/samples/abc", 400, "invalid_index"),
+    ("/v1/datasets/train/samples/1/jpg", 404, "unknown_field"),
+    ("/v1/datasets/train/samples/1/json", 404, "unknown_field"),
+    ("/v1/datasets/..%2F..%2Fetc/samples/1", 404, "not_found"),
+    ("/no/such/route", 404, "not_found"),
+])
+def test_bad_sample_requests_get_a_json_error(service, path, status, code):
+    resp = httpx.get(f"{service.url}{path}")
+    assert resp.status_code == status, resp.text
+    assert resp.json()["error"]["code"] == code
+
+
+def test_overload_is_refused_with_429_and_retry_after(s3_dataset, moto, tmp_path):
+    with start_service({"train": s3_dataset[0]}, cache_dir=tmp_path / "cache", env=moto.env(),
+                       args=["--max-inflight-batches", "1", "--max-batch", "16384"]) as svc:
+        # A client that asks for ~300 MB and never reads holds the only batch slot.
+        body = json.dumps({"dataset": "train", "indices": [5] * 16384}).encode()
+        host, port = svc.url.removeprefix("http://").split(":")
+        hog = socket.create_connection((host, int(port)))
+        hog.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        hog.sendall(b"POST /v1/batch HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.monotonic() + 10
+        while metrics(svc.url).get("shardfeed_inflight_requests", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        resp = batch(svc.url, {"dataset": "train", "indices": [1]})
+        assert resp.status_code == 429
+        assert resp.headers["retry-after"] == "1"
+        assert resp.json()["error"]["code"] == "overloaded"
+        hog.close()
+        deadline = time.monotonic() + 10
+        while batch(svc.url, {"dataset": "train", "indices": [1]}).status_code == 429:
+            assert time.monotonic() < deadline, "the slot of a client that went away was never freed"
+            time.sleep(0.1)
+
+
+def test_token_auth_refuses_missing_or_wrong_tokens(s3_dataset, moto, tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("s3cret-one\ns3cret-two\n")
+    with start_service({"train": s3_dataset[0]}, cache_dir=tmp_path / "cache", env=moto.env(),
+                       args=["--token-file", str(tokens)]) as svc:
+        assert httpx.get(f"{svc.url}/healthz").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "s3cret-one"}):
+            resp = httpx.get(f"{svc.url}/v1/datasets", headers=headers)
+            assert resp.status_code == 401
+            assert resp.json()["error"]["code"] == "unauthorized"
+        ok = httpx.get(f"{svc.url}/v1/datasets", headers={"Authorization": "Bearer s3cret-two"})
+        assert ok.status_code == 200
+        assert "s3cret" not in svc.log() and moto.secret_key not in svc.log()
+
+
+def test_cache_is_reused_after_restart_and_corrupt_blocks_are_refetched(s3_dataset, moto, tmp_path):
+    url, source = s3_dataset
+    indices = list(range(SAMPLES))
+    random.Random(3).shuffle(indices)
+    args = ["--block-size", "64KiB"]
+    with start_service({"train": url}, cache_dir=tmp_path / "cache", env=moto.env(), args=args) as svc:
+        assert tar_members(batch(svc.url, {"dataset": "train", "indices": indices}).content) == \
+            expected(source, indices)
+        cold = metrics(svc.url)
+    assert cold["shardfeed_store_requests_total"] > 0
+    assert cold["shardfeed_store_bytes_total"] <= 1.1 * sum(len(v) + 1536 for v in source.values())
+
+    with start_service({"train": url}, cache_dir=tmp_path / "cache", env=moto.env(), args=args) as svc:
+        assert tar_members(batch(svc.url, {"dataset": "train", "indices": indices}).content) == \
+            expected(source, indices)
+        assert metrics(svc.url)["shardfeed_store_requests_total"] == 0  # all from the cache
+
+    blocks = sorted((tmp_path / "cache").glob("*/*.blk"))
+    assert blocks
+    flipped = blocks[len(blocks) // 2]
+    data = bytearray(flipped.read_bytes())
+    data[100] ^= 0xFF
+    flipped.write_bytes(bytes(data))
+    truncated = blocks[0]
+    truncated.write_bytes(truncated.read_bytes()[:5000])
+    blocks[-1].unlink()
+    with start_service({"train": url}, cache_dir=tmp_path / "cache", env=moto.env(), args=args) as svc:
+        assert tar_members(batch(svc.url, {"dataset": "train", "indices": indices}).content) == \
+            expected(source, indices)
+        m = metrics(svc.url)
+        assert m["shardfeed_cache_corrupt_total"] >= 2
+        assert 1 <= m["shardfeed_store_requests_total"] <= 6
+
+
+def test_cache_stays_within_its_bound_under_churn(s3_dataset, moto, tmp_path):
+    url, source = s3_dataset
+    cache = tmp_path / "cache"
+    with start_service({"train": url}, cache_dir=cache, cache_size="256KiB", env=moto.env(),
+                       args=["--block-size", "32KiB", "--merge-gap", "0"]) as svc:
+        rng = random.Random(4)
+        for _ in range(4):
+            indices = rng.sample(range(SAMPLES), 100)
+            resp = batch(svc.url, {"dataset": "train", "indices": indices})
+            assert tar_members(resp.content) == expected(source, indices)
+            on_disk = sum(p.stat().st_size for p in cache.glob("*/*.blk"))
+            assert on_disk <= 256 * 1024
+        m = metrics(svc.url)
+        assert m["shardfeed_cache_evictions_total"] > 0
+        assert m["shardfeed_cache_bytes"] <= 256 * 1024
+
+
+def test_a_second_service_on_the_same_cache_dir_is_refused(s3_dataset, moto, tmp_path):
+    with start_service({"train": s3_dataset[0]}, cache_dir=tmp_path / "cache", env=moto.env()):
+        with pytest.raises(RuntimeError) as err:
+            start_service({"train": s3_dataset[0]}, cache_dir=tmp_path / "cache", env=moto.env())
+        assert "in use by another shardfeed process" in str(err.value)
+        assert "Traceback" not in str(err.value)
