@@ -1,10 +1,12 @@
 """The block cache: shard bytes kept on local disk (NVMe) in aligned, checksummed blocks.
 
 A block is ``block_size`` bytes of one shard starting at a multiple of ``block_size``.
-Each block is one file: the payload, then a CRC32 per 64 KiB chunk, then a footer
-(magic, payload length, chunk count). A reader verifies only the chunks it reads, so a
-10 KiB sample costs one small ``pread`` plus a checksum over at most two chunks, and a
-corrupt or truncated file is detected and dropped, never served.
+Each block is one file: the payload, then an XXH3-64 digest per 16 KiB chunk, then a
+footer (magic, payload length, chunk count). A reader verifies only the chunks it
+reads, so a 10 KiB sample costs one small ``pread`` plus a checksum over at most two
+chunks (well under a microsecond), and a corrupt or truncated file is detected and
+dropped, never served. Recently read block files stay open (a bounded set), so a warm
+read is a ``pread`` and no ``open``.
 
 Crash safety: a block is written to a temporary file and renamed into place, so it
 becomes visible only when complete; after a restart the directory is scanned and the
@@ -21,23 +23,26 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import io
 import logging
 import os
 import struct
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from pathlib import Path
 from typing import NamedTuple
+
+from xxhash import xxh3_64_intdigest
 
 from .metrics import Metrics
 
 log = logging.getLogger("shardfeed.cache")
 
-CHUNK = 64 * 1024
+CHUNK = 16 * 1024
 _FOOTER = struct.Struct("<4sQI")  # magic, payload length, chunk count
-_MAGIC = b"SFB1"
+_MAGIC = b"SFB2"
+_OPEN_FILES = 512  # block files kept open for reads
 _SUFFIX = ".blk"
 
 
@@ -61,17 +66,20 @@ def dataset_id(url: str) -> str:
 
 def _trailer(payload: bytes | memoryview) -> bytes:
     view = memoryview(payload)
-    crcs = [zlib.crc32(view[i:i + CHUNK]) for i in range(0, len(view), CHUNK)]
-    return struct.pack(f"<{len(crcs)}I", *crcs) + _FOOTER.pack(_MAGIC, len(view), len(crcs))
+    digests = [xxh3_64_intdigest(view[i:i + CHUNK]) for i in range(0, len(view), CHUNK)]
+    return struct.pack(f"<{len(digests)}Q", *digests) + _FOOTER.pack(_MAGIC, len(view), len(digests))
 
 
 class _Entry:
-    __slots__ = ("file_size", "crcs", "length")
+    __slots__ = ("file_size", "digests", "length", "file")
 
     def __init__(self, file_size: int):
         self.file_size = file_size
-        self.crcs: tuple[int, ...] | None = None  # loaded on first read
+        self.digests: tuple[int, ...] | None = None  # loaded on first read
         self.length = 0
+        # An open file object, shared by readers. Dropping it never closes a file under a
+        # reader: CPython closes it when the last reference goes.
+        self.file: io.FileIO | None = None
 
 
 class BlockCache:
@@ -92,6 +100,7 @@ class BlockCache:
         self.metrics = metrics
         self.writable = True
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._open_files: OrderedDict[str, None] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self._lock_file = None
@@ -153,44 +162,60 @@ class BlockCache:
             if entry is None:
                 return None
             self._entries.move_to_end(name)
+            file = entry.file
         try:
-            with open(self.directory / name, "rb") as f:
-                fd = f.fileno()
-                if os.fstat(fd).st_size != entry.file_size:
-                    raise ValueError("size changed")
-                if entry.crcs is None:
-                    self._load_trailer(fd, entry)
-                out = []
-                for start, end in ranges:
-                    if end > entry.length:
-                        raise ValueError("range past the end of the block")
-                    first, last = start // CHUNK, (end - 1) // CHUNK
-                    stop = min((last + 1) * CHUNK, entry.length)  # the last chunk may be short
-                    data = memoryview(os.pread(fd, stop - first * CHUNK, first * CHUNK))
-                    for i, chunk in enumerate(range(first, last + 1)):
-                        if zlib.crc32(data[i * CHUNK:(i + 1) * CHUNK]) != entry.crcs[chunk]:
-                            raise ValueError("checksum mismatch")
-                    offset = start - first * CHUNK
-                    out.append(bytes(data[offset:offset + end - start]))
+            if file is None:
+                file = self._open(name, entry)
+            fd = file.fileno()
+            out = []
+            for start, end in ranges:
+                if end > entry.length:
+                    raise ValueError("range past the end of the block")
+                first, last = start // CHUNK, (end - 1) // CHUNK
+                stop = min((last + 1) * CHUNK, entry.length)  # the last chunk may be short
+                data = memoryview(os.pread(fd, stop - first * CHUNK, first * CHUNK))
+                if len(data) != stop - first * CHUNK:
+                    raise ValueError("file shrank")
+                for i, chunk in enumerate(range(first, last + 1)):
+                    if xxh3_64_intdigest(data[i * CHUNK:(i + 1) * CHUNK]) != entry.digests[chunk]:
+                        raise ValueError("checksum mismatch")
+                offset = start - first * CHUNK
+                out.append(bytes(data[offset:offset + end - start]))
         except (OSError, ValueError, struct.error) as err:
             self._drop(name, str(err))
             return None
         return out
 
-    def _load_trailer(self, fd: int, entry: _Entry) -> None:
-        footer = os.pread(fd, _FOOTER.size, entry.file_size - _FOOTER.size)
-        magic, length, chunks = _FOOTER.unpack(footer)
-        if magic != _MAGIC or length + 4 * chunks + _FOOTER.size != entry.file_size:
-            raise ValueError("bad footer")
-        raw = os.pread(fd, 4 * chunks, length)
-        entry.crcs = struct.unpack(f"<{chunks}I", raw)
-        entry.length = length
+    def _open(self, name: str, entry: _Entry) -> io.FileIO:
+        """Open a block file, check its size and footer, and keep it open for the next reads."""
+        file = io.FileIO(self.directory / name, "r")
+        fd = file.fileno()
+        if os.fstat(fd).st_size != entry.file_size:
+            raise ValueError("size changed")
+        if entry.digests is None:
+            footer = os.pread(fd, _FOOTER.size, entry.file_size - _FOOTER.size)
+            magic, length, chunks = _FOOTER.unpack(footer)
+            if magic != _MAGIC or length + 8 * chunks + _FOOTER.size != entry.file_size:
+                raise ValueError("bad footer")
+            entry.digests = struct.unpack(f"<{chunks}Q", os.pread(fd, 8 * chunks, length))
+            entry.length = length
+        with self._lock:
+            if self._entries.get(name) is entry:
+                entry.file = file
+                self._open_files[name] = None
+                self._open_files.move_to_end(name)
+                while len(self._open_files) > _OPEN_FILES:
+                    victim = self._entries.get(self._open_files.popitem(last=False)[0])
+                    if victim is not None:
+                        victim.file = None
+        return file
 
     def _drop(self, name: str, why: str) -> None:
         log.warning("cache block %s %s: dropped, will refetch", name, why)
         self.metrics.cache_corrupt.inc()
         with self._lock:
             entry = self._entries.pop(name, None)
+            self._open_files.pop(name, None)
             if entry is not None:
                 self._bytes -= entry.file_size
         (self.directory / name).unlink(missing_ok=True)
@@ -205,6 +230,17 @@ class BlockCache:
         path = self.directory / name
         tmp = path.with_name(f".tmp-{path.name}-{threading.get_ident()}")
         trailer = _trailer(payload)
+        size = len(payload) + len(trailer)
+        if size > self.capacity:
+            return False
+        # Make room first, so the files on disk never exceed the capacity, even briefly.
+        with self._lock:
+            old = self._entries.pop(name, None)
+            self._open_files.pop(name, None)
+            self._bytes += size - (old.file_size if old is not None else 0)
+            evicted = self._evict_locked()
+        for victim in evicted:
+            (self.directory / victim).unlink(missing_ok=True)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)  # recreated if someone removed it
             with open(tmp, "wb") as f:
@@ -213,22 +249,17 @@ class BlockCache:
             os.replace(tmp, path)
         except OSError as err:
             tmp.unlink(missing_ok=True)
+            with self._lock:
+                self._bytes -= size
+            self._update_gauges()
             self.metrics.cache_write_errors.inc()
             now = time.monotonic()
             if now - self._last_warning > 30:  # a full disk fails every write: warn, don't flood
                 self._last_warning = now
                 log.warning("cannot write cache block %s (%s): serving from the store", path, err.strerror)
             return False
-        size = len(payload) + len(trailer)
         with self._lock:
-            old = self._entries.pop(name, None)
-            if old is not None:
-                self._bytes -= old.file_size
             self._entries[name] = _Entry(size)
-            self._bytes += size
-            evicted = self._evict_locked()
-        for victim in evicted:
-            (self.directory / victim).unlink(missing_ok=True)
         self._update_gauges()
         return True
 
@@ -236,6 +267,7 @@ class BlockCache:
         evicted = []
         while self._bytes > self.capacity and self._entries:
             name, entry = self._entries.popitem(last=False)
+            self._open_files.pop(name, None)
             self._bytes -= entry.file_size
             evicted.append(name)
         if evicted:
