@@ -5,17 +5,20 @@ outage is a 503 and not a truncated 200."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from shardfeed.tar import END_OF_ARCHIVE, member_header, padding
@@ -36,6 +39,26 @@ log = logging.getLogger("shardfeed.api")
 
 TAR = "application/x-tar"
 RETRY_AFTER = {"Retry-After": "1"}
+BODY_TIMEOUT = 10.0
+"""Seconds a client has to send a request body (a stalled upload is answered 408)."""
+
+
+class ErrorDetail(BaseModel):
+    code: str
+    message: str
+
+
+class ErrorBody(BaseModel):
+    """Every error answer: ``{"error": {"code", "message"}}``."""
+
+    error: ErrorDetail
+
+
+ERRORS = {status: {"model": ErrorBody, "description": text} for status, text in [
+    (400, "Malformed or invalid request"), (401, "Missing or wrong bearer token"),
+    (404, "Unknown dataset, sample, field or route"), (408, "Request body not sent in time"),
+    (413, "Too many items or body too large"), (429, "Overloaded; retry after Retry-After seconds"),
+    (503, "Store unreachable after retries")]}
 
 
 class BatchRequest(BaseModel):
@@ -44,9 +67,10 @@ class BatchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     dataset: str = Field(min_length=1, max_length=256)
     # Strict: "1", 1.5 or true is not a sample number.
-    indices: list[StrictInt] = Field(description="Sample numbers, in the order they are wanted; repeats allowed.")
+    indices: list[StrictInt] = Field(description="Sample numbers, in the order they are wanted; repeats allowed.",
+                                     json_schema_extra={"items": {"type": "integer", "minimum": 0}})
     fields: list[str] | None = Field(None, description="Fields per sample, in order; default: all fields.")
-    format: str = Field("tar", description="Only 'tar' for now.")
+    format: str = Field("tar", description="Only 'tar' for now.", json_schema_extra={"enum": ["tar"]})
     continue_on_error: bool = Field(False, description="Serve a failed sample as a zero-length "
                                                        "__404__/<dataset>/<i> member instead of failing.")
 
@@ -77,7 +101,7 @@ def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: Block
         for dataset in datasets.values():
             await dataset.store.close()
 
-    app = FastAPI(title="shardfeed", version="1", lifespan=lifespan,
+    app = FastAPI(title="shardfeed", version="1", lifespan=lifespan, responses=ERRORS,
                   description="Batched, ordered sample loading from S3-compatible storage.")
     coalescer = Coalescer(cache, metrics, config, cluster)
     state = State(config, datasets, metrics, cache, coalescer, SampleBatcher(coalescer, config.sample_window))
@@ -172,9 +196,10 @@ class RangeRead(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     dataset: str = Field(min_length=1, max_length=256)
-    shard: list[StrictInt]
-    offset: list[StrictInt]
-    size: list[StrictInt]
+    # Bounded, so that offset + size cannot overflow int64 and slip past the range check.
+    shard: list[Annotated[StrictInt, Field(ge=0, lt=2**31)]]
+    offset: list[Annotated[StrictInt, Field(ge=0, lt=2**62)]]
+    size: list[Annotated[StrictInt, Field(ge=0, lt=2**62)]]
 
 
 async def _internal_read(state: State, request: Request) -> Response:
@@ -335,10 +360,20 @@ async def _read_body(request: Request, limit: int) -> bytes:
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
         raise ApiError(413, "body_too_large", f"request body over {limit} bytes")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ApiError(413, "body_too_large", f"request body over {limit} bytes")
+
+    async def receive() -> None:
+        async for chunk in request.stream():
+            body.extend(chunk)
+            if len(body) > limit:
+                raise ApiError(413, "body_too_large", f"request body over {limit} bytes")
+
+    try:
+        await asyncio.wait_for(receive(), BODY_TIMEOUT)
+    except asyncio.TimeoutError:
+        raise ApiError(408, "request_timeout", f"request body not received within {BODY_TIMEOUT:g} s",
+                       {"Connection": "close"}) from None
+    except ClientDisconnect:  # nobody will read this answer, but it must not log a traceback
+        raise ApiError(400, "incomplete_body", "the client went away before sending the whole body") from None
     return bytes(body)
 
 

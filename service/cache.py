@@ -21,6 +21,7 @@ Every method here blocks: callers run them in a thread.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import io
@@ -51,17 +52,22 @@ class CacheLocked(RuntimeError):
 
 
 class BlockKey(NamedTuple):
-    dataset: str  # a short stable id of the dataset URL
-    shard: str
+    dataset: str  # dataset_id() of the dataset URL
+    shard: str  # shard_id() of the shard path
     block: int
 
     def filename(self, block_size: int) -> str:
-        shard = hashlib.sha1(self.shard.encode()).hexdigest()[:20]
-        return f"{self.dataset}/{shard}-{block_size:x}-{self.block:08x}{_SUFFIX}"
+        return f"{self.dataset}/{self.shard}-{block_size:x}-{self.block:08x}{_SUFFIX}"
 
 
 def dataset_id(url: str) -> str:
+    """A short stable name for a dataset URL (a directory of the cache)."""
     return hashlib.sha1(url.encode()).hexdigest()[:12]
+
+
+def shard_id(path: str) -> str:
+    """A short stable name for a shard path (part of its blocks' file names)."""
+    return hashlib.sha1(path.encode()).hexdigest()[:20]
 
 
 def _trailer(payload: bytes | memoryview) -> bytes:
@@ -248,7 +254,8 @@ class BlockCache:
                 f.write(trailer)
             os.replace(tmp, path)
         except OSError as err:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # the directory itself may be what is broken
+                tmp.unlink(missing_ok=True)
             with self._lock:
                 self._bytes -= size
             self._update_gauges()

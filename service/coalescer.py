@@ -74,37 +74,50 @@ class Coalescer:
 
     async def _read_local(self, dataset: Dataset, members: Members) -> list[bytes | StoreError | None]:
         pieces = plan_pieces(members, self.block_size)
-        shards = dataset.index.shards
-        keys = [BlockKey(dataset.id, shards[s], b) for s, b in zip(pieces.shard.tolist(), pieces.block.tolist())]
+        ids = dataset.shard_ids
         blocks: dict[BlockKey, list[int]] = defaultdict(list)  # block -> its pieces
-        for i, key in enumerate(keys):
-            blocks[key].append(i)
+        for i, (shard, block) in enumerate(zip(pieces.shard.tolist(), pieces.block.tolist())):
+            blocks[BlockKey(dataset.id, ids[shard], block)].append(i)
+        starts, ends = pieces.start.tolist(), pieces.end.tolist()
 
-        data: dict[BlockKey, bytes | memoryview | StoreError] = {}
+        piece_bytes: dict[int, bytes | memoryview | StoreError] = {}
         cached = [k for k in blocks if k not in self._inflight and k in self.cache]
+        found: dict[BlockKey, list[bytes]] = {}
         if cached:
-            ranges = {k: [(int(pieces.start[i]), int(pieces.end[i])) for i in blocks[k]] for k in cached}
+            ranges = {k: [(starts[i], ends[i]) for i in blocks[k]] for k in cached}
             found = await asyncio.to_thread(self._read_cached, ranges)
             self.metrics.cache_hits.inc(len(found))
-            piece_bytes: dict[int, bytes] = {}
             for key, parts in found.items():
-                for i, part in zip(blocks[key], parts):
-                    piece_bytes[i] = part
-        else:
-            found, piece_bytes = {}, {}
+                piece_bytes.update(zip(blocks[key], parts))
 
         missing = [k for k in blocks if k not in found]
         if missing:
-            self.metrics.cache_misses.inc(sum(1 for k in missing if k not in self._inflight))
-            for key, result in zip(missing, await self._blocks(dataset, missing, pieces.shard, blocks)):
-                data[key] = result
-            for key in missing:
-                block = data[key]
+            shard_of = {k: int(pieces.shard[blocks[k][0]]) for k in missing}
+            self._start_fetches(dataset, [(shard_of[k], k.block) for k in missing], skip_cached=False)
+            results = await asyncio.gather(*(asyncio.shield(self._inflight[k]) for k in missing))
+            for key, block in zip(missing, results):
                 for i in blocks[key]:
-                    piece_bytes[i] = block if isinstance(block, StoreError) else \
-                        block[int(pieces.start[i]):int(pieces.end[i])]
+                    piece_bytes[i] = block if isinstance(block, StoreError) else block[starts[i]:ends[i]]
 
         return _assemble(members, pieces.member, piece_bytes)
+
+    def prefetch(self, dataset: Dataset, members: Members) -> None:
+        """Start reading every missing block of a whole batch now, merged per shard.
+
+        The batch is then served group by group, but its store reads are planned at
+        once, so a shard's blocks come in one or two reads instead of one per group.
+        Skipped when the cache could not keep the blocks until they are served.
+        """
+        if not self.cache.writable:
+            return
+        if self.cluster is not None:
+            rows = np.flatnonzero(members.found)
+            owners = self.cluster.owners(dataset.url, dataset.index.shards, members.shard[rows])
+            members = take(members, rows[owners == self.cluster.me])
+        pieces = plan_pieces(members, self.block_size)
+        pairs = set(zip(pieces.shard.tolist(), pieces.block.tolist()))
+        if len(pairs) * self.block_size <= self.cache.capacity // 4:
+            self._start_fetches(dataset, pairs, skip_cached=True)
 
     def _read_cached(self, ranges: dict[BlockKey, list[tuple[int, int]]]) -> dict[BlockKey, list[bytes]]:
         out = {}
@@ -114,32 +127,35 @@ class Coalescer:
                 out[key] = parts
         return out
 
-    async def _blocks(self, dataset: Dataset, keys: list[BlockKey], piece_shards: np.ndarray,
-                      blocks: dict[BlockKey, list[int]]) -> list:
-        """Wait for each block, starting one store read per run of blocks nobody is reading yet."""
-        to_fetch: dict[int, list[int]] = defaultdict(list)
-        for key in keys:
-            if key not in self._inflight:
-                shard = int(piece_shards[blocks[key][0]])
-                to_fetch[shard].append(key.block)
-                self._inflight[key] = asyncio.get_running_loop().create_future()
-        for shard, numbers in to_fetch.items():
-            for first, last in merge_blocks(sorted(numbers), self.gap_blocks, self.max_blocks):
+    def _start_fetches(self, dataset: Dataset, wanted, *, skip_cached: bool) -> None:
+        """Start one store read per run of nearby wanted blocks (``(shard code, block)`` pairs)
+        that nobody is reading yet; their futures are in ``_inflight`` on return."""
+        by_shard: dict[int, set[int]] = defaultdict(set)
+        for shard, block in wanted:
+            by_shard[shard].add(block)
+        loop = asyncio.get_running_loop()
+        for shard, numbers in by_shard.items():
+            shard_key = BlockKey(dataset.id, dataset.shard_ids[shard], 0)
+
+            def idle(block: int, skip_cached: bool = True) -> bool:
+                key = shard_key._replace(block=block)
+                return key not in self._inflight and not (skip_cached and key in self.cache)
+
+            todo = sorted(b for b in numbers if idle(b, skip_cached))
+            for first, last in merge_blocks(todo, self.gap_blocks, self.max_blocks, idle):
+                for block in range(first, last + 1):
+                    self._inflight[shard_key._replace(block=block)] = loop.create_future()
+                self.metrics.cache_misses.inc(last - first + 1)
                 task = asyncio.create_task(self._fetch(dataset, shard, first, last))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
-        waiters = [self._inflight[key] for key in keys]
-        return await asyncio.gather(*(asyncio.shield(w) for w in waiters), return_exceptions=True)
 
     async def _fetch(self, dataset: Dataset, shard: int, first: int, last: int) -> None:
         """One ranged read for blocks ``first..last`` of a shard; resolves their futures."""
         path = dataset.index.shards[shard]
         start = first * self.block_size
         end = min((last + 1) * self.block_size, int(dataset.extents[shard]))
-        keys = [BlockKey(dataset.id, path, b) for b in range(first, last + 1)]
-        loop = asyncio.get_running_loop()
-        for key in keys:  # gap blocks of a merged run are read (and cached) as well
-            self._inflight.setdefault(key, loop.create_future())
+        keys = [BlockKey(dataset.id, dataset.shard_ids[shard], b) for b in range(first, last + 1)]
         try:
             async with self._store_slots:
                 self.metrics.inflight_store.inc()
@@ -154,23 +170,17 @@ class Coalescer:
         except StoreError as err:
             self.metrics.store_errors.inc()
             log.warning("store read %s [%d, %d) failed: %s", path, start, end, err)
-            for key in keys:
-                future = self._inflight.pop(key, None)
-                if future is not None and not future.done():
-                    future.set_result(err)
+            self._settle(keys, err)
             return
         except BaseException as err:  # cancelled at shutdown, or a bug: waiters must not hang
-            for key in keys:
-                future = self._inflight.pop(key, None)
-                if future is not None and not future.done():
-                    future.set_result(StoreError(f"read of {path} aborted: {err!r}"))
+            self._settle(keys, StoreError(f"read of {path} aborted: {err!r}"))
             raise
         view = memoryview(payload)
         blocks = [(key, view[(key.block - first) * self.block_size:(key.block - first + 1) * self.block_size])
                   for key in keys]
         for key, block in blocks:
             future = self._inflight.get(key)
-            if future is not None and not future.done():  # a gap block may be another read's too
+            if future is not None and not future.done():
                 future.set_result(block)
         try:
             # Keep the futures registered until the blocks are on disk, so a request that
@@ -179,6 +189,12 @@ class Coalescer:
         finally:
             for key in keys:
                 self._inflight.pop(key, None)
+
+    def _settle(self, keys: list[BlockKey], error: StoreError) -> None:
+        for key in keys:
+            future = self._inflight.pop(key, None)
+            if future is not None and not future.done():
+                future.set_result(error)
 
     def _write_blocks(self, blocks: list[tuple[BlockKey, memoryview]]) -> None:
         for key, block in blocks:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .hedge import HedgePolicy
+
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 
 
@@ -83,3 +85,7 @@ class ServiceConfig:
 
     store_options: dict = field(default_factory=dict)
     """Passed to the store backends (timeouts, pool size, retries)."""
+
+    hedge: HedgePolicy | None = field(default_factory=HedgePolicy)
+    """Hedged store reads (``hedge.py``): a range read slower than most recent ones gets a
+    second, identical read and the first answer wins. ``None`` disables hedging."""

@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow.compute as pc
 
-from .cache import dataset_id
+from .cache import dataset_id, shard_id
 from .index import Index, load_index
 from .stores import Store, open_store
 
@@ -23,6 +22,8 @@ class Dataset:
     extents: np.ndarray
     """Per shard code, the end of its last member's data: reads never go past it."""
     field_codes: dict[str, int]
+    shard_ids: list[str]
+    """Per shard code, the shard's name in the cache (``cache.shard_id``)."""
 
     def info(self) -> dict:
         return {
@@ -35,17 +36,6 @@ class Dataset:
         }
 
 
-def shard_extents(index: Index) -> np.ndarray:
-    table = index.to_table()
-    ends = pc.add(table["offset"], table["size"])
-    grouped = table.select(["shard"]).append_column("end", ends).group_by("shard").aggregate([("end", "max")])
-    extents = np.zeros(len(index.shards), dtype=np.int64)
-    code = {path: i for i, path in enumerate(index.shards)}
-    for path, end in zip(grouped["shard"].to_pylist(), grouped["end_max"].to_pylist()):
-        extents[code[path]] = end
-    return extents
-
-
 async def open_dataset(name: str, url: str, store_options: dict | None = None) -> Dataset:
     """Open the store at ``url`` and load its index (``StoreError``/``IndexFormatError`` if bad)."""
     store = open_store(url, **(store_options or {}))
@@ -56,5 +46,6 @@ async def open_dataset(name: str, url: str, store_options: dict | None = None) -
         raise
     return Dataset(
         name=name, url=url, store=store, index=index, id=dataset_id(url),
-        extents=shard_extents(index), field_codes={f: i for i, f in enumerate(index.fields)},
+        extents=index.shard_extents(), field_codes={f: i for i, f in enumerate(index.fields)},
+        shard_ids=[shard_id(path) for path in index.shards],
     )

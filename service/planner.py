@@ -5,6 +5,7 @@ Pure, vectorised functions; the coalescer runs the plan.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,18 +43,23 @@ def plan_pieces(members: Members, block_size: int) -> Pieces:
     return Pieces(member, members.shard[member].astype(np.int64), block, start, end)
 
 
-def merge_blocks(blocks: list[int], gap_blocks: int, max_blocks: int) -> list[tuple[int, int]]:
+def merge_blocks(blocks: list[int], gap_blocks: int, max_blocks: int,
+                 bridgeable: Callable[[int], bool] = lambda block: True) -> list[tuple[int, int]]:
     """Group sorted block numbers into inclusive runs ``(first, last)`` to fetch in one read.
 
-    Blocks at most ``gap_blocks`` apart share a run (the blocks between are read too);
+    Blocks at most ``gap_blocks`` apart share a run when every block between them is
+    ``bridgeable`` (not cached or being read already: those are read again otherwise);
     no run is longer than ``max_blocks``.
     """
     runs: list[tuple[int, int]] = []
     for block in blocks:
-        if runs and block - runs[-1][1] - 1 <= gap_blocks and block - runs[-1][0] < max_blocks:
-            runs[-1] = (runs[-1][0], block)
-        else:
-            runs.append((block, block))
+        if runs:
+            first, last = runs[-1]
+            if (block - last - 1 <= gap_blocks and block - first < max_blocks
+                    and all(bridgeable(b) for b in range(last + 1, block))):
+                runs[-1] = (first, block)
+                continue
+        runs.append((block, block))
     return runs
 
 

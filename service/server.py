@@ -14,7 +14,10 @@ import os
 import sys
 from pathlib import Path
 
+from shardfeed.retry import Backoff
+
 from .config import ServiceConfig
+from .hedge import Hedger, HedgePolicy
 from .peers import parse_peers
 from .sizes import parse_size
 
@@ -43,12 +46,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fetch missing blocks this close together in one read (default: 1MiB)")
     parser.add_argument("--max-store-requests", type=int, default=defaults.max_store_requests,
                         help="store reads in flight at once (default: %(default)s)")
+    parser.add_argument("--store-timeout", type=float, metavar="SECONDS",
+                        help="longest silence while reading from S3, per try (default: 30)")
+    parser.add_argument("--store-retries", type=int, metavar="N",
+                        help="retries of an S3 request that failed with 5xx, SlowDown, a reset, "
+                             "a timeout or a short body (default: 4)")
+    hedge = HedgePolicy()
+    parser.add_argument("--hedge", action=argparse.BooleanOptionalAction, default=True,
+                        help="send a second read for a store read slower than most recent ones "
+                             "(default: on)")
+    parser.add_argument("--hedge-quantile", type=float, default=hedge.quantile,
+                        help="hedge a read still running after this quantile of recent read "
+                             "times (default: %(default)s)")
+    parser.add_argument("--hedge-min-ms", type=float, default=hedge.min_delay * 1e3,
+                        help="never hedge sooner than this (default: %(default)s)")
+    parser.add_argument("--hedge-max-ms", type=float, default=hedge.max_delay * 1e3,
+                        help="always hedge a read this slow (default: %(default)s)")
+    parser.add_argument("--hedge-budget", type=float, default=hedge.budget,
+                        help="hedges per store read at most, on average (default: %(default)s)")
     parser.add_argument("--sample-window-ms", type=float, default=defaults.sample_window * 1e3,
                         help="how long a per-sample GET waits to be coalesced with others (default: 1)")
     parser.add_argument("--max-batch", type=int, default=defaults.max_batch,
                         help="most samples per batch request (default: %(default)s)")
     parser.add_argument("--max-inflight-batches", type=int, default=defaults.max_inflight_batches,
                         help="batch requests served at once before answering 429 (default: %(default)s)")
+    parser.add_argument("--max-inflight-samples", type=int, default=defaults.max_inflight_samples,
+                        help="per-sample GETs served at once before answering 429 (default: %(default)s)")
     parser.add_argument("--token-file", type=Path,
                         help="require 'Authorization: Bearer <token>', tokens one per line in this file "
                              "(or set SHARDFEED_TOKENS, comma-separated)")
@@ -90,11 +113,24 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     for path in (args.tls_cert, args.tls_key):
         if path is not None and not path.is_file():
             raise ValueError(f"TLS file {path} does not exist")
+    store_options: dict = {}
+    if args.store_timeout is not None:
+        if args.store_timeout <= 0:
+            raise ValueError(f"--store-timeout must be positive, not {args.store_timeout}")
+        store_options["read_timeout"] = args.store_timeout
+    if args.store_retries is not None:
+        if args.store_retries < 0:
+            raise ValueError(f"--store-retries must not be negative, not {args.store_retries}")
+        store_options["backoff"] = Backoff(attempts=args.store_retries + 1)
+    hedge = HedgePolicy(quantile=args.hedge_quantile, min_delay=args.hedge_min_ms / 1e3,
+                        max_delay=args.hedge_max_ms / 1e3, budget=args.hedge_budget) if args.hedge else None
     return ServiceConfig(
+        store_options=store_options, hedge=hedge,
         datasets=datasets, host=args.host, port=args.port, cache_dir=args.cache_dir,
         cache_size=args.cache_size, block_size=args.block_size, merge_gap=args.merge_gap,
         max_store_requests=args.max_store_requests, sample_window=args.sample_window_ms / 1e3,
-        max_batch=args.max_batch, max_inflight_batches=args.max_inflight_batches, tokens=frozenset(tokens),
+        max_batch=args.max_batch, max_inflight_batches=args.max_inflight_batches,
+        max_inflight_samples=args.max_inflight_samples, tokens=frozenset(tokens),
         tls_cert=args.tls_cert, tls_key=args.tls_key, node_id=args.node_id, peers=args.peers,
         peer_timeout=args.peer_timeout,
     )
@@ -125,6 +161,7 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
     from .datasets import open_dataset
     from .metrics import Metrics
     from .peers import Cluster
+    from .protocol import BoundedHeadProtocol
 
     if not config.datasets:
         config.datasets = {DEFAULT_DATASET: await ensure_default_dataset(data_dir)}
@@ -132,9 +169,12 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
     cache = BlockCache(config.cache_dir, config.cache_size, config.block_size, metrics)
     await asyncio.to_thread(cache.open)
     datasets = {}
+    hedger = Hedger(config.hedge, metrics.registry) if config.hedge else None
     try:
         for name, url in config.datasets.items():
             datasets[name] = await open_dataset(name, url, config.store_options)
+            if hedger is not None:
+                datasets[name].store = hedger.wrap(datasets[name].store)
             log.info("dataset %s: %s (%d samples, %d shards)", name, url, len(datasets[name].index),
                      len(datasets[name].index.shards))
         cluster = None
@@ -147,7 +187,7 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
         server = uvicorn.Server(uvicorn.Config(
             app, host=config.host, port=config.port, log_level=log_level, access_log=False,
             timeout_graceful_shutdown=30, timeout_keep_alive=30, limit_concurrency=None,
-            h11_max_incomplete_event_size=64 * 1024,
+            h11_max_incomplete_event_size=64 * 1024, http=BoundedHeadProtocol,
             ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key,
         ))
         await server.serve()

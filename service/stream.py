@@ -92,6 +92,8 @@ async def stream_batch(coalescer: Coalescer, dataset: Dataset, members: Members,
                        on_served=None) -> AsyncIterator[bytes]:
     """Yield the batch's tar stream, one group at a time, ending with the end-of-archive marker."""
     groups = _groups(members, len(indices), group_bytes)
+    if len(groups) > 1:
+        coalescer.prefetch(dataset, members)
     pending: deque[asyncio.Task] = deque()
     upcoming = iter(groups)
 

@@ -27,19 +27,23 @@ def _octal(value: int, width: int) -> bytes:
     return b"%0*o\0" % (width - 1, value)
 
 
+# A ustar header is name(100) mode uid gid(24) size(12) mtime(12) checksum(8) typeflag(1)
+# and 355 bytes that never change here: build it by concatenation and compute the
+# checksum from the parts (summing 512 bytes in Python per member would dominate).
+_MODE_IDS = b"0000644\0" + b"0000000\0" * 2
+_TAIL = bytes(100) + b"ustar\x0000" + bytes(247)
+_FIXED_SUM = sum(_MODE_IDS) + sum(_TAIL) + 8 * ord(" ")
+
+
 def _header(name: bytes, size: int, typeflag: bytes, mtime: int) -> bytes:
-    head = bytearray(BLOCK)
-    head[0:len(name)] = name
-    head[100:108] = b"0000644\0"
-    head[108:116] = b"0000000\0"
-    head[116:124] = b"0000000\0"
-    head[124:136] = _octal(size, 12)
-    head[136:148] = _octal(mtime, 12)
-    head[148:156] = b" " * 8
-    head[156:157] = typeflag
-    head[257:265] = b"ustar\x0000"
-    head[148:156] = b"%06o\0 " % sum(head)
-    return bytes(head)
+    if size >= 8**11:  # over 8 GiB: GNU base-256 size field
+        size_field = b"\x80" + size.to_bytes(11, "big")
+    else:
+        size_field = _octal(size, 12)
+    mtime_field = _octal(mtime, 12)
+    checksum = _FIXED_SUM + sum(name) + sum(size_field) + sum(mtime_field) + typeflag[0]
+    return b"".join((name.ljust(100, b"\0"), _MODE_IDS, size_field, mtime_field,
+                     b"%06o\0 " % checksum, typeflag, _TAIL))
 
 
 def member_header(name: str, size: int, mtime: int = 0) -> bytes:

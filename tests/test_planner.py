@@ -27,3 +27,9 @@ def test_nearby_blocks_merge_into_runs_no_longer_than_the_limit():
     assert merge_blocks([0, 1, 2, 5, 7, 20], gap_blocks=1, max_blocks=100) == [(0, 2), (5, 7), (20, 20)]
     assert merge_blocks([0, 1, 2, 3, 4], gap_blocks=0, max_blocks=2) == [(0, 1), (2, 3), (4, 4)]
     assert merge_blocks([], gap_blocks=1, max_blocks=4) == []
+
+
+def test_runs_do_not_bridge_blocks_that_are_already_cached():
+    cached = {3}
+    assert merge_blocks([2, 4, 6], gap_blocks=1, max_blocks=10, bridgeable=lambda b: b not in cached) == \
+        [(2, 2), (4, 6)]

@@ -9,6 +9,7 @@ import socket
 import time
 from pathlib import Path
 
+import aiohttp
 import httpx
 import pytest
 
@@ -78,13 +79,15 @@ def test_concurrent_per_sample_gets_are_coalesced_into_few_store_reads(service, 
     wanted = [(rng.randrange(SAMPLES), rng.choice(["bin", "cls"])) for _ in range(1000)]
 
     async def fetch_all():
-        limits = httpx.Limits(max_connections=250)
-        async with httpx.AsyncClient(base_url=service.url, limits=limits, timeout=60) as client:
-            return await asyncio.gather(*(client.get(f"/v1/datasets/train/samples/{i}/{f}") for i, f in wanted))
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=250)) as session:
+            async def get(i, field):
+                async with session.get(f"{service.url}/v1/datasets/train/samples/{i}/{field}") as resp:
+                    return resp.status, await resp.read()
+            return await asyncio.gather(*(get(i, f) for i, f in wanted))
 
     responses = asyncio.run(fetch_all())
-    assert [r.status_code for r in responses] == [200] * 1000
-    assert [r.content for r in responses] == [source[w] for w in wanted]
+    assert [status for status, _ in responses] == [200] * 1000
+    assert [body for _, body in responses] == [source[w] for w in wanted]
     m = metrics(service.url)
     dataset_blocks = sum(len(v) + 1024 for v in source.values()) // 65536 + 4
     assert m["shardfeed_store_requests_total"] <= dataset_blocks  # each block read at most once
@@ -251,3 +254,20 @@ def test_a_second_service_on_the_same_cache_dir_is_refused(s3_dataset, moto, tmp
             start_service({"train": s3_dataset[0]}, cache_dir=tmp_path / "cache", env=moto.env())
         assert "in use by another shardfeed process" in str(err.value)
         assert "Traceback" not in str(err.value)
+
+
+def test_concurrent_cold_batches_that_share_blocks_all_complete(s3_dataset, moto, tmp_path):
+    _, source = s3_dataset
+    from concurrent.futures import ThreadPoolExecutor
+
+    with start_service({"train": s3_dataset[0]}, cache_dir=tmp_path / "cache", env=moto.env(),
+                       args=["--block-size", "16KiB", "--merge-gap", "32KiB"]) as svc:
+        rng = random.Random(7)
+        batches = [rng.sample(range(SAMPLES), 60) for _ in range(24)]
+        with ThreadPoolExecutor(8) as pool:
+            responses = list(pool.map(lambda b: batch(svc.url, {"dataset": "train", "indices": b}), batches))
+        for indices, resp in zip(batches, responses):
+            assert resp.status_code == 200
+            assert tar_members(resp.content) == expected(source, indices)
+        m = metrics(svc.url)
+        assert m["shardfeed_requests_total"] == 24  # all 200: no batch failed or was retried

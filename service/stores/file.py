@@ -55,6 +55,7 @@ class FileStore(Store):
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
+                os.chmod(tmp, 0o644)  # mkstemp makes 0600; a service running as another user must read it
                 os.replace(tmp, full)
             except BaseException:
                 os.unlink(tmp)

@@ -1,0 +1,169 @@
+"""The asyncio client: ``await AsyncClient(url).get_batch("train", [17, 4, 9])``.
+
+The twin of :mod:`.sync`, line for line; what to send and what answers mean is shared
+in :mod:`.http` and :mod:`.samples`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TypeVar
+
+import httpx
+
+from shardfeed.retry import retry_async
+
+from .errors import ShardfeedConnectionError
+from .http import (
+    ERROR_BODY_LIMIT, BaseClient, as_indices, batch_body, dataset_path, parse_json, sample_path,
+    status_error, transport_error,
+)
+from .samples import BatchReader
+
+T = TypeVar("T")
+
+
+class AsyncClient(BaseClient):
+    """Asyncio client of a shardfeed service (keep-alive, retries, failover; see BaseClient).
+
+    Its connections belong to the event loop that opened them: using the client from
+    another loop (or another process) opens new ones.
+    """
+
+    async def datasets(self) -> list:
+        """``GET /v1/datasets``: the datasets the service serves."""
+        return await self._call("GET", dataset_path(), parse_json)
+
+    async def info(self, dataset: str) -> dict:
+        """``GET /v1/datasets/{name}``: ``{"name", "url", "samples", "shards", "bytes", "fields"}``."""
+        return await self._call("GET", dataset_path(dataset), parse_json)
+
+    async def get_field(self, dataset: str, index: int, field: str) -> bytes:
+        """The raw bytes of one field of sample ``index``."""
+        return await self._call("GET", sample_path(dataset, index, field), lambda r: r.content)
+
+    async def get(self, dataset: str, index: int, fields: Sequence[str] | None = None) -> dict:
+        """Sample ``index`` as a dict (see :meth:`shardfeed.client.Client.get`)."""
+        if fields is not None:
+            return (await self.get_batch(dataset, [index], fields))[0]
+
+        def parse(response: httpx.Response) -> dict:
+            reader = BatchReader(dataset, [index], url=str(response.url))
+            return (reader.feed(response.content) + reader.finish())[0]
+
+        return await self._call("GET", sample_path(dataset, index), parse)
+
+    async def get_batch(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None = None,
+                        *, continue_on_error: bool = False) -> list[dict]:
+        """The samples at ``indices``, in order, in one request (see ``Client.get_batch``)."""
+        return [s async for s in self.iter_batch(dataset, indices, fields,
+                                                 continue_on_error=continue_on_error)]
+
+    async def iter_batch(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None = None,
+                         *, continue_on_error: bool = False) -> AsyncIterator[dict]:
+        """Yield the samples at ``indices`` as they arrive (see ``Client.iter_batch``)."""
+        indices = as_indices(indices)
+        if not indices:
+            return
+        reader = BatchReader(dataset, indices, fields)
+        while True:
+            base, response, chunks, ready = await retry_async(
+                lambda: self._open_batch(reader, fields, continue_on_error),
+                backoff=self.backoff, retryable=self._verdict)
+            try:
+                for sample in ready:
+                    yield sample
+                if chunks is None:
+                    return
+                try:
+                    async for chunk in chunks:
+                        for sample in reader.feed(chunk):
+                            yield sample
+                    for sample in reader.finish():
+                        yield sample
+                    return
+                except httpx.TransportError as exc:
+                    error = transport_error(base, exc)
+                except ShardfeedConnectionError as exc:
+                    error = exc
+                # The stream broke after delivering samples: ask for the rest at once.
+                if not self._verdict(error):
+                    raise error
+            finally:
+                await response.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connections of this process and loop (the client stays usable)."""
+        if self._http is not None and self._owner == self._loop_owner():
+            await self._http.aclose()
+        self._http = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    @staticmethod
+    def _loop_owner() -> tuple:
+        return os.getpid(), asyncio.get_running_loop()
+
+    def _session(self) -> httpx.AsyncClient:
+        return self._session_for(self._loop_owner(), httpx.AsyncClient)
+
+    async def _call(self, method: str, path: str, parse: Callable[[httpx.Response], T]) -> T:
+        return await retry_async(lambda: self._once(method, path, parse), backoff=self.backoff,
+                                 retryable=self._verdict)
+
+    async def _once(self, method: str, path: str, parse: Callable[[httpx.Response], T]) -> T:
+        http = self._session()  # first: a new session starts the rotation at a random URL
+        base = self.endpoints.pick()
+        url = base + path
+        try:
+            response = await http.request(method, url)
+        except httpx.TransportError as exc:
+            raise transport_error(base, exc) from None
+        if response.status_code >= 400:
+            raise status_error(response.status_code, response.headers, response.content, url)
+        return parse(response)
+
+    async def _open_batch(self, reader: BatchReader, fields: Sequence[str] | None, continue_on_error: bool
+                          ) -> tuple[str, httpx.Response, AsyncIterator[bytes] | None, list[dict]]:
+        """Send the batch request for the samples not yet delivered; read until one arrives."""
+        http = self._session()
+        base = self.endpoints.pick()
+        url = base + "/v1/batch"
+        reader.restart(url)
+        body = batch_body(reader.dataset, list(reader.remaining()), fields, continue_on_error)
+        try:
+            response = await http.send(http.build_request("POST", url, json=body), stream=True)
+        except httpx.TransportError as exc:
+            raise transport_error(base, exc) from None
+        try:
+            if response.status_code >= 400:
+                raise status_error(response.status_code, response.headers, await _head(response), url)
+            chunks = response.aiter_bytes()
+            ready: list[dict] = []
+            async for chunk in chunks:
+                ready += reader.feed(chunk)
+                if ready:
+                    return base, response, chunks, ready
+            return base, response, None, reader.finish()
+        except httpx.TransportError as exc:
+            await response.aclose()
+            raise transport_error(base, exc) from None
+        except BaseException:
+            await response.aclose()
+            raise
+
+
+async def _head(response: httpx.Response) -> bytes:
+    """The start of an error body: enough for the JSON error, never a whole stream."""
+    body = b""
+    async for chunk in response.aiter_bytes():
+        body += chunk
+        if len(body) >= ERROR_BODY_LIMIT:
+            break
+    return body

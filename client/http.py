@@ -1,0 +1,242 @@
+"""What the blocking and the asyncio client share: settings, endpoints, requests, verdicts.
+
+The two clients differ only in how they wait for the network; everything that decides
+what to send, where to send it, what an answer means and whether to try again is here.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import operator
+import os
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+from shardfeed.retry import Backoff
+
+from .errors import ShardfeedConnectionError, ShardfeedError, ShardfeedHTTPError
+
+DEFAULT_BACKOFF = Backoff(attempts=6, base=0.1, cap=10.0)
+"""Six tries over about 3 s of jittered waits; a ``Retry-After`` up to 10 s is honoured."""
+
+_RETRY_STATUSES = frozenset({429, 502, 503, 504})
+ERROR_BODY_LIMIT = 64 * 1024
+"""Bytes of an error response read at most: it is a short JSON document, never a stream."""
+
+
+def parse_urls(url: str | Sequence[str]) -> list[str]:
+    """Service base URLs from one URL, a comma-separated string, or a list."""
+    urls = url.split(",") if isinstance(url, str) else list(url)
+    out = []
+    for u in urls:
+        u = u.strip().rstrip("/")
+        if not u.startswith(("http://", "https://")) or len(u) <= len("https://"):
+            raise ValueError(f"shardfeed service URL must start with http:// or https://, not {u!r}")
+        out.append(u)
+    if not out:
+        raise ValueError("no shardfeed service URL given")
+    return out
+
+
+def as_indices(indices: Sequence[int]) -> list[int]:
+    """Plain ints from any sequence of integers (numpy or torch scalars included)."""
+    try:
+        return [operator.index(i) for i in indices]
+    except TypeError:
+        raise TypeError(f"sample indices must be integers, got {indices!r:.80}") from None
+
+
+class Endpoints:
+    """The service URLs of one client: round-robin spreading, skipping any that refused us.
+
+    A URL that refused a connection is left out for ``down_for`` seconds; if every URL
+    is down, the one due back first is tried anyway, so the client never gives up early.
+    """
+
+    def __init__(self, urls: list[str], down_for: float):
+        self.urls = urls
+        self.down_for = down_for
+        self._down: dict[str, float] = {}  # url -> monotonic time it may be tried again
+        self._next = 0
+
+    def scatter(self) -> None:
+        """Start the rotation at a random URL, so that many processes spread out."""
+        self._next = random.randrange(len(self.urls))
+        self._down.clear()
+
+    def pick(self) -> str:
+        """The URL for the next request."""
+        now = time.monotonic()
+        n = len(self.urls)
+        for _ in range(n):
+            url = self.urls[self._next % n]
+            self._next += 1
+            if self._down.get(url, 0.0) <= now:
+                return url
+        return min(self.urls, key=lambda u: self._down[u])
+
+    def mark_down(self, url: str) -> None:
+        """Leave ``url`` out of the rotation for a while."""
+        self._down[url] = time.monotonic() + self.down_for
+
+    def any_up(self) -> bool:
+        """Whether some URL is not marked down."""
+        now = time.monotonic()
+        return any(self._down.get(u, 0.0) <= now for u in self.urls)
+
+
+class BaseClient:
+    """Settings, endpoints and the per-process HTTP session shared by both clients.
+
+    The HTTP session (a connection pool) is created lazily by the process and event loop
+    that first use it, and never pickled, so a client can be handed to DataLoader workers
+    started by ``fork``, ``spawn`` or ``forkserver``: each opens its own connections.
+    """
+
+    def __init__(
+        self,
+        url: str | Sequence[str],
+        *,
+        token: str | None = None,
+        timeout: float = 60.0,
+        connect_timeout: float = 5.0,
+        backoff: Backoff = DEFAULT_BACKOFF,
+        down_for: float = 5.0,
+        max_connections: int = 16,
+    ):
+        """
+        Args:
+            url: service base URL (``http://host:8080``), a comma-separated list of them,
+                or a list. Requests rotate over the URLs; one that refuses connections is
+                skipped for ``down_for`` seconds while the others take its load.
+            token: bearer token sent as ``Authorization``; defaults to ``$SHARDFEED_TOKEN``.
+            timeout: seconds to wait for any read or write on a connection (not for a
+                whole batch: a large batch may stream for longer, as long as bytes flow).
+            connect_timeout: seconds to wait for a connection to open.
+            backoff: retry policy for 429, 502-504, connection failures and broken streams.
+            down_for: seconds a URL that refused a connection stays out of the rotation.
+            max_connections: connection pool size per process (keep-alive connections).
+        """
+        self.urls = parse_urls(url)
+        if timeout <= 0 or connect_timeout <= 0:
+            raise ValueError("timeout and connect_timeout must be positive")
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, not {max_connections}")
+        token = token if token is not None else os.environ.get("SHARDFEED_TOKEN") or None
+        self.headers = {"Accept-Encoding": "identity"}
+        if token:
+            self.headers["Authorization"] = f"Bearer {token}"
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.backoff = backoff
+        self.max_connections = max_connections
+        self.endpoints = Endpoints(self.urls, down_for)
+        self._http: Any = None
+        self._owner: Any = None
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_http"] = state["_owner"] = None  # sessions hold sockets: each process opens its own
+        return state
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({','.join(self.urls)!r})"
+
+    def _session_options(self) -> dict:
+        return dict(
+            headers=self.headers,
+            timeout=httpx.Timeout(self.timeout, connect=self.connect_timeout),
+            limits=httpx.Limits(max_connections=self.max_connections,
+                                max_keepalive_connections=self.max_connections),
+            # Proxy settings in the environment are meant for the internet, not for the
+            # training cluster's own service.
+            trust_env=False,
+        )
+
+    def _session_for(self, owner: Any, make: Any) -> Any:
+        """The session of ``owner`` (a pid, or a pid and event loop), made on first use."""
+        if self._http is None or self._owner != owner:
+            self._http = make(**self._session_options())
+            self._owner = owner
+            self.endpoints.scatter()
+        return self._http
+
+    def _verdict(self, exc: Exception) -> bool | float | None:
+        """The retry predicate: give up, back off, or wait a given time (see shardfeed.retry)."""
+        if isinstance(exc, ShardfeedHTTPError):
+            if exc.status not in _RETRY_STATUSES:
+                return None
+            return exc.retry_after if exc.retry_after is not None else True
+        if isinstance(exc, ShardfeedConnectionError):
+            if exc.connect:
+                self.endpoints.mark_down(exc.url)
+                if self.endpoints.any_up():
+                    return 0.0  # fail over to another URL at once
+            return True
+        return None
+
+
+def sample_path(dataset: str, index: int, field: str | None = None) -> str:
+    """Path of the per-sample routes: ``/v1/datasets/{name}/samples/{i}[/{field}]``."""
+    path = f"/v1/datasets/{quote(dataset, safe='')}/samples/{operator.index(index)}"
+    return path if field is None else f"{path}/{quote(field, safe='')}"
+
+
+def dataset_path(dataset: str | None = None) -> str:
+    """Path of ``GET /v1/datasets`` or of one dataset's description."""
+    return "/v1/datasets" if dataset is None else f"/v1/datasets/{quote(dataset, safe='')}"
+
+
+def batch_body(dataset: str, indices: list[int], fields: Sequence[str] | None,
+               continue_on_error: bool) -> dict:
+    """JSON body of ``POST /v1/batch``."""
+    body: dict[str, Any] = {"dataset": dataset, "indices": indices, "format": "tar",
+                            "continue_on_error": continue_on_error}
+    if fields is not None:
+        body["fields"] = list(fields)
+    return body
+
+
+def transport_error(url: str, exc: httpx.HTTPError) -> ShardfeedConnectionError:
+    """Our error for an httpx transport failure (refused, timed out, reset mid-stream)."""
+    connect = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+    reason = str(exc) or type(exc).__name__
+    return ShardfeedConnectionError(url, f"{type(exc).__name__}: {reason}", connect=connect)
+
+
+def status_error(status: int, headers: httpx.Headers, body: bytes, url: str) -> ShardfeedHTTPError:
+    """Our error for an error status, with the service's ``{"error": {code, message}}``."""
+    code, message = httpx.codes.get_reason_phrase(status).lower().replace(" ", "_") or "error", ""
+    try:
+        error = httpx.Response(status, content=body[:ERROR_BODY_LIMIT]).json()["error"]
+        code, message = str(error["code"]), str(error["message"])
+    except Exception:  # not our JSON (a proxy's page, a truncated body): show the start of it
+        message = body[:200].decode("utf-8", "replace").strip() or "(no message)"
+    return ShardfeedHTTPError(status, code, message, url, retry_after(headers.get("retry-after")))
+
+
+def retry_after(value: str | None) -> float | None:
+    """Seconds from a ``Retry-After`` header (delta-seconds or an HTTP date)."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
+
+
+def parse_json(response: httpx.Response) -> Any:
+    """The JSON body of a successful response."""
+    try:
+        return response.json()
+    except ValueError:
+        raise ShardfeedError(f"malformed response from {response.url}: body is not JSON") from None

@@ -1,0 +1,168 @@
+"""Deterministic, resumable sampling for the iterable dataset (pure numpy, no torch).
+
+One epoch is defined globally, the same in every process:
+
+1. the epoch order: a permutation of all samples drawn from ``(seed, epoch)``;
+2. the remaining stream: the order from ``consumed`` on, padded by wrapping around to
+   the start of the order (or trimmed, with ``drop_last``) to a whole number of
+   *steps* of ``batch_size * world_size`` samples, so every rank gets the same number
+   of full batches and no rank waits at the end of an epoch for a batch that never comes;
+3. global batch ``j`` is ``stream[j*B:(j+1)*B]``; it goes to rank ``j % world_size``, and
+   within a rank the rank's ``k``-th batch goes to DataLoader worker ``k % num_workers``
+   (the order in which a DataLoader collects batches from its workers).
+
+After ``s`` training steps, every rank has consumed its first ``s`` batches, which are
+exactly the first ``s * batch_size * world_size`` samples of the stream. Progress is
+therefore one number, ``consumed``, that does not depend on ranks or workers: resuming
+from it with any world size or worker count yields exactly the samples not yet seen.
+(Samples repeated as padding at the end of an epoch are the one exception: padding is
+recomputed for the new step size.)
+
+Shard locality (``locality=(block, window)``): instead of a uniform permutation, shuffle
+blocks of ``block`` consecutive samples (about one shard each, since shards hold runs of
+consecutive indices), then shuffle samples within each run of ``window`` blocks. The
+service then needs only ``window`` shards in its cache at a time, so a cache smaller
+than the dataset still hits; the price is a less random order: a stretch of batches
+draws from ``window`` shards only, so batches are correlated with shard contents (keep
+``window`` large enough that a window mixes many shards).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+STATE_VERSION = 1
+
+
+def epoch_order(samples: int, *, seed: int, epoch: int, shuffle: bool = True,
+                locality: tuple[int, int] | None = None) -> np.ndarray:
+    """The global order of one epoch: ``samples`` indices, a pure function of the arguments."""
+    if not shuffle:
+        return np.arange(samples, dtype=np.int64)
+    rng = np.random.default_rng([seed, epoch])
+    if locality is None:
+        return rng.permutation(samples).astype(np.int64, copy=False)
+    block, window = locality
+    blocks = -(-samples // block)
+    # The window of each block, in a random order of blocks; samples sort by
+    # (window, random key): whole windows in turn, shuffled inside.
+    window_of_block = np.empty(blocks, dtype=np.int64)
+    window_of_block[rng.permutation(blocks)] = np.arange(blocks) // window
+    window_of_sample = window_of_block[np.arange(samples) // block]
+    return np.lexsort((rng.random(samples), window_of_sample)).astype(np.int64, copy=False)
+
+
+class EpochSampler:
+    """The batches of one rank for the current epoch, and the global progress through it.
+
+    ``batches(worker, num_workers)`` is what one DataLoader worker of this rank yields;
+    ``advance(n)`` records that the training loop consumed ``n`` more batches of this rank
+    (all ranks are assumed to take the same number of steps). ``state_dict()`` and
+    ``load_state_dict()`` save and restore ``(epoch, consumed)``.
+    """
+
+    def __init__(self, samples: int, batch_size: int, *, seed: int = 0, shuffle: bool = True,
+                 drop_last: bool = False, rank: int = 0, world_size: int = 1,
+                 locality: tuple[int, int] | None = None):
+        if samples < 1:
+            raise ValueError(f"the dataset has no samples ({samples})")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, not {batch_size}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
+        if locality is not None and (locality[0] < 1 or locality[1] < 1):
+            raise ValueError(f"locality block and window must be at least 1, got {locality}")
+        self.samples = samples
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.rank = rank
+        self.world_size = world_size
+        self.locality = tuple(locality) if locality is not None and shuffle else None
+        self.epoch = 0
+        self.consumed = 0
+        self._order: tuple[int, np.ndarray] | None = None  # (epoch, order) cache
+
+    def set_epoch(self, epoch: int) -> None:
+        """Move to ``epoch`` from its start; a no-op if already in it (so a resumed run
+        that calls ``set_epoch`` at the top of each epoch keeps its place)."""
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self.consumed = 0
+
+    def order(self) -> np.ndarray:
+        """The global order of the current epoch."""
+        if self._order is None or self._order[0] != self.epoch:
+            self._order = (self.epoch, epoch_order(self.samples, seed=self.seed, epoch=self.epoch,
+                                                   shuffle=self.shuffle, locality=self.locality))
+        return self._order[1]
+
+    @property
+    def step(self) -> int:
+        """Samples consumed by one training step of all ranks."""
+        return self.batch_size * self.world_size
+
+    def _stream_length(self) -> int:
+        left = self.samples - self.consumed
+        steps = left // self.step if self.drop_last else -(-left // self.step)
+        return steps * self.step
+
+    def __len__(self) -> int:
+        """Batches this rank still gets in the current epoch."""
+        return self._stream_length() // self.step
+
+    def stream(self) -> np.ndarray:
+        """The rest of the epoch for all ranks, padded or trimmed to whole steps."""
+        order = self.order()
+        length = self._stream_length()
+        rest = order[self.consumed:self.consumed + length]
+        if len(rest) < length:  # wrap around: repeat samples from the start of the order
+            rest = np.concatenate([rest, np.resize(order, length - len(rest))])
+        return rest
+
+    def batches(self, worker: int = 0, num_workers: int = 1) -> Iterator[np.ndarray]:
+        """The index batches of this rank that DataLoader worker ``worker`` yields, in order."""
+        if not 0 <= worker < num_workers:
+            raise ValueError(f"worker must be in [0, num_workers), got {worker}, {num_workers}")
+        stream = self.stream()
+        bs = self.batch_size
+        for j in range(self.rank + self.world_size * worker, len(stream) // bs,
+                       self.world_size * num_workers):
+            yield stream[j * bs:(j + 1) * bs]
+
+    def advance(self, batches: int = 1) -> None:
+        """Record that every rank's training loop took ``batches`` more batches."""
+        self.consumed = min(self.samples, self.consumed + batches * self.step)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the current epoch has no batches left."""
+        return len(self) == 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Progress through the epoch, plus what must match for it to mean the same thing."""
+        return {"version": STATE_VERSION, "epoch": self.epoch, "consumed": self.consumed,
+                "seed": self.seed, "samples": self.samples, "shuffle": self.shuffle,
+                "locality": list(self.locality) if self.locality else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()`` output (batch size, ranks and workers may differ)."""
+        try:
+            version, epoch, consumed = state["version"], int(state["epoch"]), int(state["consumed"])
+            expected = {k: state[k] for k in ("seed", "samples", "shuffle", "locality")}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a shardfeed sampler state (bad or missing {exc})") from None
+        if version != STATE_VERSION:
+            raise ValueError(f"sampler state version {version} is not supported (expected {STATE_VERSION})")
+        mine = self.state_dict()
+        for key, value in expected.items():
+            if value != mine[key]:
+                raise ValueError(f"sampler state was saved with {key}={value!r}, but this dataset "
+                                 f"has {key}={mine[key]!r}: the order would differ")
+        if not 0 <= consumed <= self.samples:
+            raise ValueError(f"sampler state has consumed={consumed}, outside [0, {self.samples}]")
+        self.epoch, self.consumed = epoch, consumed

@@ -1,0 +1,174 @@
+"""The blocking client: ``Client(url).get_batch("train", [17, 4, 9])``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
+
+import httpx
+
+from shardfeed.retry import retry_sync
+
+from .errors import ShardfeedConnectionError
+from .http import (
+    ERROR_BODY_LIMIT, BaseClient, as_indices, batch_body, dataset_path, parse_json, sample_path,
+    status_error, transport_error,
+)
+from .samples import BatchReader
+
+T = TypeVar("T")
+
+
+class Client(BaseClient):
+    """Blocking client of a shardfeed service (keep-alive, retries, failover; see BaseClient).
+
+    Safe to share between threads, and to hand to DataLoader worker processes.
+    """
+
+    def datasets(self) -> list:
+        """``GET /v1/datasets``: the datasets the service serves."""
+        return self._call("GET", dataset_path(), parse_json)
+
+    def info(self, dataset: str) -> dict:
+        """``GET /v1/datasets/{name}``: ``{"name", "url", "samples", "shards", "bytes", "fields"}``."""
+        return self._call("GET", dataset_path(dataset), parse_json)
+
+    def get_field(self, dataset: str, index: int, field: str) -> bytes:
+        """The raw bytes of one field of sample ``index``."""
+        return self._call("GET", sample_path(dataset, index, field), lambda r: r.content)
+
+    def get(self, dataset: str, index: int, fields: Sequence[str] | None = None) -> dict:
+        """Sample ``index`` as a dict ``{"__key__", "__index__", "<field>": bytes, ...}``.
+
+        Without ``fields`` this is the per-sample ``GET``; with them, a batch of one.
+        """
+        if fields is not None:
+            return self.get_batch(dataset, [index], fields)[0]
+
+        def parse(response: httpx.Response) -> dict:
+            reader = BatchReader(dataset, [index], url=str(response.url))
+            return (reader.feed(response.content) + reader.finish())[0]
+
+        return self._call("GET", sample_path(dataset, index), parse)
+
+    def get_batch(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None = None,
+                  *, continue_on_error: bool = False) -> list[dict]:
+        """The samples at ``indices``, in that order, fetched with one ``POST /v1/batch``.
+
+        ``fields`` limits the fields returned (default: all). With ``continue_on_error``
+        a sample the service cannot serve comes back as
+        ``{"__key__": None, "__index__": i, "__missing__": True}`` instead of failing
+        the whole batch.
+        """
+        return list(self.iter_batch(dataset, indices, fields, continue_on_error=continue_on_error))
+
+    def iter_batch(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None = None,
+                   *, continue_on_error: bool = False) -> Iterator[dict]:
+        """Like :meth:`get_batch`, but yields each sample as soon as it has arrived.
+
+        If the connection breaks mid-stream, the samples not yet yielded are asked for
+        again (from another URL, if there are several); nothing is yielded twice.
+        """
+        indices = as_indices(indices)
+        if not indices:
+            return
+        reader = BatchReader(dataset, indices, fields)
+        while True:
+            base, response, chunks, ready = retry_sync(
+                lambda: self._open_batch(reader, fields, continue_on_error),
+                backoff=self.backoff, retryable=self._verdict)
+            try:
+                yield from ready
+                if chunks is None:
+                    return
+                try:
+                    for chunk in chunks:
+                        yield from reader.feed(chunk)
+                    yield from reader.finish()
+                    return
+                except httpx.TransportError as exc:
+                    error = transport_error(base, exc)
+                except ShardfeedConnectionError as exc:
+                    error = exc
+                # The stream broke after delivering samples: ask for the rest at once.
+                # Every round delivers at least one sample, so this loop is bounded.
+                if not self._verdict(error):
+                    raise error
+            finally:
+                response.close()
+
+    def close(self) -> None:
+        """Close this process's connections (the client stays usable: it reconnects)."""
+        if self._http is not None and self._owner == os.getpid():
+            self._http.close()
+        self._http = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _session(self) -> httpx.Client:
+        return self._session_for(os.getpid(), httpx.Client)
+
+    def _call(self, method: str, path: str, parse: Callable[[httpx.Response], T]) -> T:
+        """One request with retries; ``parse`` runs inside each try, so a short body is retried."""
+        return retry_sync(lambda: self._once(method, path, parse), backoff=self.backoff,
+                          retryable=self._verdict)
+
+    def _once(self, method: str, path: str, parse: Callable[[httpx.Response], T]) -> T:
+        http = self._session()  # first: a new session starts the rotation at a random URL
+        base = self.endpoints.pick()
+        url = base + path
+        try:
+            response = http.request(method, url)
+        except httpx.TransportError as exc:
+            raise transport_error(base, exc) from None
+        if response.status_code >= 400:
+            raise status_error(response.status_code, response.headers, response.content, url)
+        return parse(response)
+
+    def _open_batch(self, reader: BatchReader, fields: Sequence[str] | None,
+                    continue_on_error: bool) -> tuple[str, httpx.Response, Iterator[bytes] | None, list[dict]]:
+        """Send the batch request for the samples not yet delivered; read until one arrives.
+
+        Returns the base URL, the open response, its remaining chunks (``None`` when the
+        response was read to the end) and the samples already complete.
+        """
+        http = self._session()
+        base = self.endpoints.pick()
+        url = base + "/v1/batch"
+        reader.restart(url)
+        body = batch_body(reader.dataset, list(reader.remaining()), fields, continue_on_error)
+        try:
+            response = http.send(http.build_request("POST", url, json=body), stream=True)
+        except httpx.TransportError as exc:
+            raise transport_error(base, exc) from None
+        try:
+            if response.status_code >= 400:
+                raise status_error(response.status_code, response.headers, _head(response), url)
+            chunks = response.iter_bytes()
+            ready: list[dict] = []
+            for chunk in chunks:
+                ready += reader.feed(chunk)
+                if ready:
+                    return base, response, chunks, ready
+            return base, response, None, reader.finish()
+        except httpx.TransportError as exc:
+            response.close()
+            raise transport_error(base, exc) from None
+        except BaseException:
+            response.close()
+            raise
+
+
+def _head(response: httpx.Response) -> bytes:
+    """The start of an error body: enough for the JSON error, never a whole stream."""
+    body = b""
+    for chunk in response.iter_bytes():
+        body += chunk
+        if len(body) >= ERROR_BODY_LIMIT:
+            break
+    return body

@@ -1,0 +1,289 @@
+"""PyTorch datasets backed by a shardfeed service.
+
+- :class:`ShardfeedDataset`, map-style: ``DataLoader(ds, batch_size=B, num_workers=W)``
+  fetches each batch with ONE request (through ``__getitems__``). Works with any
+  sampler (``shuffle=True``, ``DistributedSampler``), ``pin_memory`` and
+  ``persistent_workers``.
+- :class:`ShardfeedIterableDataset`, iterable: yields whole batches in a deterministic
+  global order drawn from ``(seed, epoch)``, split over ranks and workers with equal
+  batch counts per rank, prefetched in the background, resumable mid-epoch with
+  ``state_dict()`` / ``load_state_dict()`` (see :mod:`.sampling` for the exact rules).
+  Iterate it through :class:`ShardfeedLoader`, which records progress as the training
+  loop takes batches.
+
+Samples are dicts ``{"__key__", "__index__", "<field>": bytes}``; ``decode=True`` turns
+``.npy``/``.cls``/``.txt``/``.json`` fields into values, and ``transform`` maps each
+(decoded) sample dict to whatever the model wants.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate, get_worker_info
+
+from .decode import Decoder, make_decoder
+from .sampling import EpochSampler
+from .sync import Client
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class _Source:
+    """Where samples come from and how they are turned into values (shared by both datasets)."""
+
+    def __init__(self, url: str | Sequence[str] | Client, dataset: str, fields: Sequence[str] | None,
+                 decode: bool | Mapping[str, Decoder], transform: Callable[[dict], Any] | None,
+                 continue_on_error: bool, client_options: dict):
+        if isinstance(url, Client):
+            if client_options:
+                raise TypeError(f"client options {sorted(client_options)} given with a ready Client")
+            self.client = url
+        else:
+            self.client = Client(url, **client_options)
+        self.dataset = dataset
+        self.fields = list(fields) if fields is not None else None
+        self.decoder = make_decoder(decode)
+        self.transform = transform
+        self.continue_on_error = continue_on_error
+        self.info = self.client.info(dataset)
+
+    def fetch(self, indices: Sequence[int]) -> list:
+        """The samples at ``indices``, decoded and transformed, in one request."""
+        samples = self.client.get_batch(self.dataset, indices, self.fields,
+                                        continue_on_error=self.continue_on_error)
+        return [self.finish(s) for s in samples]
+
+    def finish(self, sample: dict) -> Any:
+        if self.decoder is not None:
+            sample = self.decoder(sample)
+        return sample if self.transform is None else self.transform(sample)
+
+
+class ShardfeedDataset(Dataset):
+    """Map-style dataset: ``ds[i]`` is sample ``i``; a DataLoader batch is one request.
+
+    Args:
+        url: service URL(s) (see :class:`shardfeed.client.Client`), or a ready ``Client``.
+        dataset: the dataset's name on the service.
+        fields: fields to fetch, in order (default: all).
+        decode: ``False`` for raw bytes, ``True`` for the built-in decoders, or a mapping
+            of field name or extension to a decoder (see :mod:`shardfeed.client.decode`).
+        transform: applied to each sample dict after decoding; its result is the item.
+        continue_on_error: return ``{"__key__": None, "__index__": i, "__missing__": True}``
+            (passed through ``transform``) for a sample the service cannot serve, instead of
+            failing the batch.
+        **client_options: passed to ``Client`` (token, timeout, backoff, ...).
+    """
+
+    def __init__(self, url: str | Sequence[str] | Client, dataset: str, *, fields: Sequence[str] | None = None,
+                 decode: bool | Mapping[str, Decoder] = False, transform: Callable[[dict], Any] | None = None,
+                 continue_on_error: bool = False, **client_options: Any):
+        self.source = _Source(url, dataset, fields, decode, transform, continue_on_error, client_options)
+
+    def __len__(self) -> int:
+        return int(self.source.info["samples"])
+
+    def __getitem__(self, index: int) -> Any:
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"sample {index} is out of range: {self.source.dataset!r} has {n} samples")
+        return self.source.fetch([index % n])[0]
+
+    def __getitems__(self, indices: list[int]) -> list:
+        """The whole DataLoader batch in one request (PyTorch calls this when it exists)."""
+        return self.source.fetch(indices)
+
+
+class ShardfeedIterableDataset(IterableDataset):
+    """Iterable dataset of whole batches in a deterministic, resumable global order.
+
+    Use with ``DataLoader(ds, batch_size=None, ...)`` (the dataset batches), best through
+    :class:`ShardfeedLoader`, which records progress for :meth:`state_dict`.
+
+    Args:
+        url, dataset, fields, decode, transform, continue_on_error, **client_options:
+            as for :class:`ShardfeedDataset`.
+        batch_size: samples per batch.
+        seed: with the epoch, selects the order; the same seed gives the same order.
+        shuffle: ``False`` walks the samples in index order.
+        drop_last: at the end of an epoch, drop the samples that do not fill a batch on
+            every rank. By default they are padded instead, by wrapping around to the start
+            of the epoch's order, so every batch is full (a few samples repeat).
+        rank, world_size: this process's place in a distributed job; by default taken
+            from ``torch.distributed`` if it is initialised, else 0 and 1. Give both or neither.
+        shard_window: shard-locality mode: shuffle whole shards, then shuffle samples
+            within each run of ``shard_window`` shards. The service then needs only that
+            many shards in its cache at a time (use it when the cache is smaller than the
+            dataset), at the price of a less random order (see :mod:`.sampling`).
+        collate_fn: turns the list of samples of a batch into the batch (default:
+            ``torch.utils.data.default_collate``); ``None`` yields the list.
+        prefetch: batches each worker fetches ahead in a background thread while the
+            current one is consumed (0: fetch on demand). Bounds the memory held.
+    """
+
+    def __init__(self, url: str | Sequence[str] | Client, dataset: str, *, batch_size: int, seed: int = 0,
+                 shuffle: bool = True, drop_last: bool = False, rank: int | None = None,
+                 world_size: int | None = None, shard_window: int | None = None,
+                 fields: Sequence[str] | None = None, decode: bool | Mapping[str, Decoder] = False,
+                 transform: Callable[[dict], Any] | None = None,
+                 collate_fn: Callable[[list], Any] | None = default_collate, prefetch: int = 2,
+                 continue_on_error: bool = False, **client_options: Any):
+        if prefetch < 0:
+            raise ValueError(f"prefetch must not be negative, not {prefetch}")
+        self.source = _Source(url, dataset, fields, decode, transform, continue_on_error, client_options)
+        rank, world_size = _rank_and_world_size(rank, world_size)
+        samples = int(self.source.info["samples"])
+        locality = None
+        if shard_window is not None:
+            shards = max(1, int(self.source.info["shards"]))
+            # Shards hold runs of consecutive indices, about samples/shards long each.
+            locality = (-(-samples // shards), shard_window)
+        self.sampler = EpochSampler(samples, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last,
+                                    rank=rank, world_size=world_size, locality=locality)
+        self.collate_fn = collate_fn
+        self.prefetch = prefetch
+
+    def __iter__(self) -> Iterator[Any]:
+        worker = get_worker_info()
+        batches = self.sampler.batches(*((worker.id, worker.num_workers) if worker else (0, 1)))
+        return _prefetched(batches, self._fetch, self.prefetch)
+
+    def _fetch(self, indices: Any) -> Any:
+        samples = self.source.fetch(indices)
+        return samples if self.collate_fn is None else self.collate_fn(samples)
+
+    def __len__(self) -> int:
+        """Batches this rank still gets in the current epoch."""
+        return len(self.sampler)
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` (a no-op if already in it, so a resumed run keeps its place)."""
+        self.sampler.set_epoch(epoch)
+
+    def advance(self, batches: int = 1) -> None:
+        """Record that the training loop took ``batches`` more batches (every rank alike).
+
+        :class:`ShardfeedLoader` calls this; call it yourself when iterating through a
+        plain ``DataLoader``, whose worker processes hold copies of this dataset.
+        """
+        self.sampler.advance(batches)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Epoch and global progress; the same on every rank, so save rank 0's."""
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume where ``state`` was taken: the next iteration yields exactly the
+        samples not yet seen, whatever the batch size, worker count or world size now."""
+        self.sampler.load_state_dict(state)
+
+
+class ShardfeedLoader:
+    """A ``DataLoader`` over a :class:`ShardfeedIterableDataset` that knows how far it got.
+
+    DataLoader workers iterate copies of the dataset, so only the training loop knows
+    which batches were consumed. This loader counts each batch as consumed when the loop
+    receives it, and moves to the next epoch when an epoch is read to its end, so
+    ``loader.state_dict()`` taken anywhere in the loop resumes after the last batch the
+    loop received::
+
+        loader = ShardfeedLoader(ds, num_workers=2, pin_memory=True)
+        loader.load_state_dict(checkpoint["data"])       # optional: resume
+        for epoch in range(loader.epoch, epochs):
+            for batch in loader:
+                ...
+                checkpoint["data"] = loader.state_dict()
+
+    Keyword arguments go to ``DataLoader`` (``batch_size`` is the dataset's). A new
+    DataLoader is made for each pass, so the workers start from the current state;
+    ``persistent_workers`` is therefore refused.
+    """
+
+    def __init__(self, dataset: ShardfeedIterableDataset, **dataloader_options: Any):
+        if dataloader_options.get("persistent_workers"):
+            raise ValueError("ShardfeedLoader starts fresh workers each epoch; persistent_workers is not supported")
+        if dataloader_options.get("batch_size") is not None:
+            raise ValueError("set batch_size on the ShardfeedIterableDataset, not on the loader")
+        dataloader_options.pop("batch_size", None)
+        self.dataset = dataset
+        self.options = dataloader_options
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in DataLoader(self.dataset, batch_size=None, **self.options):
+            self.dataset.advance(1)
+            yield batch
+        if self.dataset.sampler.finished:
+            self.dataset.set_epoch(self.dataset.epoch + 1)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    @property
+    def epoch(self) -> int:
+        return self.dataset.epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.dataset.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataset.load_state_dict(state)
+
+
+def _rank_and_world_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is not None or world_size is not None:
+        if rank is None or world_size is None:
+            raise ValueError("give both rank and world_size, or neither")
+        return rank, world_size
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _prefetched(items: Iterator[T], fn: Callable[[T], R], depth: int) -> Iterator[R]:
+    """``fn(item)`` for each item, computed up to ``depth`` items ahead in a thread."""
+    if depth == 0:
+        yield from map(fn, items)
+        return
+    results: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(entry: tuple) -> bool:
+        while not stop.is_set():
+            try:
+                results.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def work() -> None:
+        try:
+            for item in items:
+                if not put(("value", fn(item))):
+                    return
+            put(("end", None))
+        except BaseException as exc:  # handed to the consumer, raised there
+            put(("error", exc))
+
+    thread = threading.Thread(target=work, name="shardfeed-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            kind, value = results.get()
+            if kind == "end":
+                return
+            if kind == "error":
+                raise value
+            yield value
+    finally:
+        stop.set()  # the thread exits after its current fetch; nothing waits for it

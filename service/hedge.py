@@ -1,0 +1,186 @@
+"""Hedged store reads: cut the tail latency of a store that is usually fast.
+
+Object stores answer most reads quickly and a few very slowly (a busy disk, a GC pause,
+a dropped packet waiting for a retransmit). When a ranged read is still running after
+a deadline taken from recent reads (by default their 95th percentile), a second,
+identical read is sent; whichever succeeds first is used and the other is cancelled.
+Reads are idempotent, so this is safe; it costs extra requests, which a budget bounds
+(by default one hedge per ten reads, so a store that is slow across the board is not
+hit twice as hard). "The Tail at Scale" (Dean and Barroso, 2013) reports that hedging
+at the 95th percentile cuts the 99.9th-percentile latency several-fold for a few
+percent more requests.
+
+``Hedger.wrap(store)`` returns a ``Store`` whose ``read_range`` is hedged; every other
+call goes straight through. Only completed reads feed the latency window: a read that
+lost a race is cancelled and says nothing about the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter
+
+from .stores import ObjectInfo, Store
+
+log = logging.getLogger("shardfeed.hedge")
+
+
+@dataclass(frozen=True)
+class HedgePolicy:
+    """When to send a second read for the same range."""
+
+    quantile: float = 0.95
+    """A read still running after this quantile of the recent read times gets a hedge."""
+
+    min_delay: float = 0.02
+    """Lower clamp of the deadline, seconds: never hedge sooner (a store answering in
+    a few milliseconds gains nothing from a duplicate read)."""
+
+    max_delay: float = 2.0
+    """Upper clamp of the deadline, seconds, and the deadline until ``warmup`` reads
+    have completed: a read stuck this long is hedged whatever the history says."""
+
+    budget: float = 0.1
+    """Hedges allowed per read, on average (a token bucket refilled by each read)."""
+
+    burst: int = 10
+    """Hedges allowed back to back when the budget has been saved up."""
+
+    window: int = 256
+    """Recent read times the quantile is taken over."""
+
+    warmup: int = 20
+    """Reads to complete before the quantile is trusted."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.quantile < 1:
+            raise ValueError(f"hedge quantile must be between 0 and 1, not {self.quantile}")
+        if not 0 <= self.min_delay <= self.max_delay:
+            raise ValueError(f"hedge delays must satisfy 0 <= min <= max, not {self.min_delay}, {self.max_delay}")
+        if self.budget < 0 or self.burst < 1 or self.window < 1 or self.warmup < 1:
+            raise ValueError("hedge budget must not be negative; burst, window and warmup must be positive")
+
+
+class Hedger:
+    """One service's hedging: the policy, the hedge budget and the counters.
+
+    Args:
+        policy: when to hedge.
+        registry: where ``shardfeed_store_hedges_total`` (hedges sent) and
+            ``shardfeed_store_hedge_wins_total`` (hedges that finished first) are exported.
+    """
+
+    def __init__(self, policy: HedgePolicy, registry: CollectorRegistry | None = None):
+        self.policy = policy
+        self.hedges = Counter("shardfeed_store_hedges", "Second reads sent for a slow store read",
+                              registry=registry)
+        self.wins = Counter("shardfeed_store_hedge_wins", "Hedged reads answered by the second read first",
+                            registry=registry)
+        self._tokens = float(policy.burst)
+
+    def wrap(self, store: Store) -> Store:
+        """``store`` with hedged range reads (each store keeps its own latency history)."""
+        return HedgedStore(store, self)
+
+    def _spend(self) -> bool:
+        if self._tokens >= 1:
+            self._tokens -= 1
+            return True
+        return False
+
+    def _earn(self) -> None:
+        self._tokens = min(float(self.policy.burst), self._tokens + self.policy.budget)
+
+
+class _Latencies:
+    """Recent successful read times and the hedging deadline derived from them."""
+
+    def __init__(self, policy: HedgePolicy):
+        self.policy = policy
+        self._times: deque[float] = deque(maxlen=policy.window)
+        self._recorded = 0
+        self._deadline = policy.max_delay
+
+    def record(self, seconds: float) -> None:
+        self._times.append(seconds)
+        self._recorded += 1
+        # Sorting a few hundred floats is cheap, but not needed on every read.
+        if self._recorded >= self.policy.warmup and self._recorded % 8 == 0:
+            ranked = sorted(self._times)
+            value = ranked[int(self.policy.quantile * (len(ranked) - 1))]
+            self._deadline = min(max(value, self.policy.min_delay), self.policy.max_delay)
+
+    @property
+    def deadline(self) -> float:
+        return self._deadline
+
+
+class HedgedStore(Store):
+    """A store whose ``read_range`` is hedged by a ``Hedger``; everything else is passed through."""
+
+    def __init__(self, store: Store, hedger: Hedger):
+        self.store = store
+        self.url = store.url
+        self.hedger = hedger
+        self.latencies = _Latencies(hedger.policy)
+
+    async def _timed(self, path: str, offset: int, size: int) -> bytes:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        data = await self.store.read_range(path, offset, size)
+        self.latencies.record(loop.time() - began)
+        return data
+
+    async def read_range(self, path: str, offset: int, size: int) -> bytes:
+        self.hedger._earn()
+        primary = asyncio.ensure_future(self._timed(path, offset, size))
+        racers = [primary]
+        try:
+            done, _ = await asyncio.wait(racers, timeout=self.latencies.deadline)
+            if done or not self.hedger._spend():
+                return await primary
+            self.hedger.hedges.inc()
+            log.debug("hedging read of %s [%d, +%d) after %.0f ms", path, offset, size,
+                      1e3 * self.latencies.deadline)
+            racers.append(asyncio.ensure_future(self._timed(path, offset, size)))
+            pending = set(racers)
+            failures: dict[asyncio.Future, BaseException] = {}
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task.exception() is None:
+                        if task is not primary:
+                            self.hedger.wins.inc()
+                        return task.result()
+                    failures[task] = task.exception()
+            raise failures[primary]  # both failed: report the original read's error
+        finally:
+            for task in racers:  # the loser, or both if our caller went away
+                if not task.done():
+                    task.cancel()
+                    task.add_done_callback(_silence)
+
+    async def read(self, path: str) -> bytes:
+        return await self.store.read(path)
+
+    async def write(self, path: str, data: bytes) -> None:
+        await self.store.write(path, data)
+
+    async def list(self, prefix: str = "") -> list[ObjectInfo]:
+        return await self.store.list(prefix)
+
+    async def head(self, path: str) -> ObjectInfo:
+        return await self.store.head(path)
+
+    async def close(self) -> None:
+        await self.store.close()
+
+
+def _silence(task: asyncio.Future) -> None:
+    """Retrieve a cancelled racer's outcome so asyncio does not log it as never retrieved."""
+    if not task.cancelled():
+        task.exception()
