@@ -81,23 +81,30 @@ class Coalescer:
         starts, ends = pieces.start.tolist(), pieces.end.tolist()
 
         piece_bytes: dict[int, bytes | memoryview | StoreError] = {}
-        cached = [k for k in blocks if k not in self._inflight and k in self.cache]
-        found: dict[BlockKey, list[bytes]] = {}
-        if cached:
-            ranges = {k: [(starts[i], ends[i]) for i in blocks[k]] for k in cached}
-            found = await asyncio.to_thread(self._read_cached, ranges)
-            self.metrics.cache_hits.inc(len(found))
-            for key, parts in found.items():
-                piece_bytes.update(zip(blocks[key], parts))
-
-        missing = [k for k in blocks if k not in found]
-        if missing:
-            shard_of = {k: int(pieces.shard[blocks[k][0]]) for k in missing}
-            self._start_fetches(dataset, [(shard_of[k], k.block) for k in missing], skip_cached=False)
-            results = await asyncio.gather(*(asyncio.shield(self._inflight[k]) for k in missing))
-            for key, block in zip(missing, results):
+        remaining = list(blocks)
+        for attempt in range(3):
+            # Cached blocks first, all in one thread hop.
+            cached = [k for k in remaining if k not in self._inflight and k in self.cache]
+            if cached:
+                ranges = {k: [(starts[i], ends[i]) for i in blocks[k]] for k in cached}
+                found = await asyncio.to_thread(self._read_cached, ranges)
+                self.metrics.cache_hits.inc(len(found))
+                for key, parts in found.items():
+                    piece_bytes.update(zip(blocks[key], parts))
+                remaining = [k for k in remaining if k not in found]
+            if not remaining:
+                break
+            # The rest is being read, or is read now. A block that reached the cache while
+            # we were reading others is left for the next round (the last round reads all).
+            self._start_fetches(dataset, [(int(pieces.shard[blocks[k][0]]), k.block) for k in remaining],
+                                skip_cached=attempt < 2)
+            waiting = [k for k in remaining if k in self._inflight]
+            results = await asyncio.gather(*(asyncio.shield(self._inflight[k]) for k in waiting))
+            for key, block in zip(waiting, results):
                 for i in blocks[key]:
                     piece_bytes[i] = block if isinstance(block, StoreError) else block[starts[i]:ends[i]]
+            done = set(waiting)
+            remaining = [k for k in remaining if k not in done]
 
         return _assemble(members, pieces.member, piece_bytes)
 
