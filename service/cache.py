@@ -173,24 +173,37 @@ class BlockCache:
             if file is None:
                 file = self._open(name, entry)
             fd = file.fileno()
-            out = []
-            for start, end in ranges:
-                if end > entry.length:
-                    raise ValueError("range past the end of the block")
-                first, last = start // CHUNK, (end - 1) // CHUNK
-                stop = min((last + 1) * CHUNK, entry.length)  # the last chunk may be short
-                data = memoryview(os.pread(fd, stop - first * CHUNK, first * CHUNK))
-                if len(data) != stop - first * CHUNK:
-                    raise ValueError("file shrank")
-                for i, chunk in enumerate(range(first, last + 1)):
-                    if xxh3_64_intdigest(data[i * CHUNK:(i + 1) * CHUNK]) != entry.digests[chunk]:
-                        raise ValueError("checksum mismatch")
-                offset = start - first * CHUNK
-                out.append(bytes(data[offset:offset + end - start]))
+            if max(end for _, end in ranges) > entry.length:
+                raise ValueError("range past the end of the block")
+            spans = [(start // CHUNK, (end - 1) // CHUNK) for start, end in ranges]
+            first, last = min(f for f, _ in spans), max(l for _, l in spans)
+            if last - first + 1 <= 2 * sum(l - f + 1 for f, l in spans):
+                # Close together (a sample's members, neighbouring samples): one read.
+                data = self._verified(fd, entry, first, last)
+                base = first * CHUNK
+                out = [bytes(data[start - base:end - base]) for start, end in ranges]
+            else:
+                out = []
+                for (start, end), (f, l) in zip(ranges, spans):
+                    data = self._verified(fd, entry, f, l)
+                    out.append(bytes(data[start - f * CHUNK:end - f * CHUNK]))
         except (OSError, ValueError, struct.error) as err:
             self._drop(name, str(err))
             return None
         return out
+
+    @staticmethod
+    def _verified(fd: int, entry: _Entry, first: int, last: int) -> memoryview:
+        """Chunks ``first..last`` of a block's payload, each checked against its digest."""
+        stop = min((last + 1) * CHUNK, entry.length)  # the last chunk may be short
+        data = memoryview(os.pread(fd, stop - first * CHUNK, first * CHUNK))
+        if len(data) != stop - first * CHUNK:
+            raise ValueError("file shrank")
+        digests = entry.digests
+        for i in range(last - first + 1):
+            if xxh3_64_intdigest(data[i * CHUNK:(i + 1) * CHUNK]) != digests[first + i]:
+                raise ValueError("checksum mismatch")
+        return data
 
     def _open(self, name: str, entry: _Entry) -> io.FileIO:
         """Open a block file, check its size and footer, and keep it open for the next reads."""

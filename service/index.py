@@ -177,6 +177,10 @@ class Index:
         """The WebDataset key of sample ``i``."""
         return self._keys[self._check(int(i))].as_py()
 
+    def keys(self, indices: np.ndarray) -> list[str]:
+        """The keys of many samples at once (indices already validated)."""
+        return self._keys.take(pa.array(indices, pa.int64())).to_pylist()
+
     def sample_fields(self, i: int) -> list[str]:
         """The fields of sample ``i`` in stored member order."""
         i = self._check(int(i))

@@ -59,15 +59,18 @@ async def render_group(coalescer: Coalescer, dataset: Dataset, members: Members,
     # A sample fails as a whole: find, per position, whether any of its members failed.
     failed_rows = [i for i, p in enumerate(payloads) if p is None or isinstance(p, StoreError)]
     failed_positions = set(members.position[failed_rows].tolist()) if failed_rows else set()
+    positions = members.position.tolist()
+    first = positions[0] if positions else 0
+    samples = indices[first:positions[-1] + 1] if positions else indices[:0]
+    keys = index.keys(samples)  # the group's positions are consecutive
     out: list = []
     served = 0
     current = -1
     key = ""
-    for row, (position, field, payload) in enumerate(zip(members.position.tolist(), members.field.tolist(),
-                                                          payloads)):
+    for position, field, payload in zip(positions, members.field.tolist(), payloads):
         if position != current:
             current = position
-            sample = int(indices[position])
+            sample = int(samples[position - first])
             if position in failed_positions:
                 if not continue_on_error:
                     cause = next(p for r, p in enumerate(payloads) if members.position[r] == position
@@ -75,7 +78,7 @@ async def render_group(coalescer: Coalescer, dataset: Dataset, members: Members,
                     raise SampleFailed(dataset.name, sample, cause)
                 out.append(member_header(missing_name(dataset.name, sample), 0))
                 continue
-            key = index.key(sample)
+            key = keys[position - first]
             served += 1
         elif position in failed_positions:
             continue
