@@ -23,17 +23,8 @@ import numpy as np
 
 from shardfeed.benchmarks.s3server import start_moto
 from shardfeed.seeds.synthetic import member_bytes, parse_sizes
-from shardfeed.service.process import start_service
+from shardfeed.service.process import scrape_metrics, start_service
 from shardfeed.tar import iter_members
-
-
-def _metrics(url: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name.split("{")[0]] = out.get(name.split("{")[0], 0) + float(value)
-    return out
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -92,12 +83,12 @@ def main(argv=None) -> int:
                 {"bench": "s3://bench/data"}, cache_dir=Path(tmp) / "cache", cache_size="20GiB",
                 env=moto.env(), args=["--block-size", args.block_size]) as svc:
             cold = _epoch(svc.url, order, args.batch, args.workers, check)
-            m = _metrics(svc.url)
+            m = scrape_metrics(svc.url)
             cpu0 = _cpu_seconds(svc.process.pid)
             warm = _epoch(svc.url, np.random.default_rng(1).permutation(args.samples), args.batch,
                           args.workers, check)
             cpu = _cpu_seconds(svc.process.pid) - cpu0
-            m2 = _metrics(svc.url)
+            m2 = scrape_metrics(svc.url)
         n = args.samples
         print(f"dataset: {n} samples x {args.size} in {args.shard_size} shards on moto S3 "
               f"({shard_bytes / 2**20:.1f} MiB of shards); batches of {args.batch}, {args.workers} concurrent")

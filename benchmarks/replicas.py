@@ -26,17 +26,8 @@ import numpy as np
 from shardfeed.benchmarks.s3server import start_moto
 from shardfeed.service.cache import shard_id
 from shardfeed.service.index import load_index
-from shardfeed.service.process import free_port, start_service
+from shardfeed.service.process import free_port, scrape_metrics, start_service
 from shardfeed.service.stores import open_store
-
-
-def _metrics(url: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name.split("{")[0]] = out.get(name.split("{")[0], 0) + float(value)
-    return out
 
 
 def _epoch(urls: list[str], n: int, batch: int, workers: int, seed: int) -> float:
@@ -74,7 +65,7 @@ async def _load_index(url: str, env: dict[str, str]):
 def _report(label: str, urls: list[str], cold: float, warm: float) -> None:
     print(f"{label}: cold {cold:7.0f} samples/s, warm {warm:7.0f} samples/s")
     for url in urls:
-        m = _metrics(url)
+        m = scrape_metrics(url)
         hits, misses = m["shardfeed_cache_hits_total"], m["shardfeed_cache_misses_total"]
         print(f"  {url}: store requests {m['shardfeed_store_requests_total']:5.0f}, "
               f"store MiB {m['shardfeed_store_bytes_total'] / 2**20:6.1f}, "

@@ -19,6 +19,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def scrape_metrics(url: str, timeout: float = 10) -> dict[str, float]:
+    """A service's Prometheus metrics summed over labels: ``{"shardfeed_store_requests_total": 3.0}``."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            name = name.split("{", 1)[0]
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
 class ServiceProcess:
     """A running service. Use as a context manager, or call ``stop()``."""
 
@@ -26,6 +39,9 @@ class ServiceProcess:
         self.process = process
         self.url = url
         self.log_path = log_path
+
+    def metrics(self) -> dict[str, float]:
+        return scrape_metrics(self.url)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
