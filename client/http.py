@@ -10,6 +10,7 @@ import email.utils
 import operator
 import os
 import random
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -138,11 +139,17 @@ class BaseClient:
         self.endpoints = Endpoints(self.urls, down_for)
         self._http: Any = None
         self._owner: Any = None
+        self._session_lock = threading.Lock()
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_http"] = state["_owner"] = None  # sessions hold sockets: each process opens its own
+        del state["_session_lock"]
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._session_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({','.join(self.urls)!r})"
@@ -161,9 +168,11 @@ class BaseClient:
     def _session_for(self, owner: Any, make: Any) -> Any:
         """The session of ``owner`` (a pid, or a pid and event loop), made on first use."""
         if self._http is None or self._owner != owner:
-            self._http = make(**self._session_options())
-            self._owner = owner
-            self.endpoints.scatter()
+            with self._session_lock:  # threads sharing a client share one session
+                if self._http is None or self._owner != owner:
+                    self._http = make(**self._session_options())
+                    self._owner = owner
+                    self.endpoints.scatter()
         return self._http
 
     def _verdict(self, exc: Exception) -> bool | float | None:

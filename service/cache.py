@@ -261,8 +261,12 @@ class BlockCache:
         for victim in evicted:
             (self.directory / victim).unlink(missing_ok=True)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)  # recreated if someone removed it
-            with open(tmp, "wb") as f:
+            try:
+                f = open(tmp, "wb")
+            except FileNotFoundError:  # first block of a dataset, or someone removed the directory
+                path.parent.mkdir(parents=True, exist_ok=True)
+                f = open(tmp, "wb")
+            with f:
                 f.write(payload)
                 f.write(trailer)
             os.replace(tmp, path)

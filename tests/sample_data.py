@@ -44,7 +44,6 @@ def make_dataset(put: Callable[[str, bytes], None], *, samples: int = 200, per_s
                     source[(i, field)] = data
         archive = buf.getvalue()
         with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-            sample = first
             for member in tar.getmembers():
                 key, field = member.name.split(".", 1)
                 rows["sample"].append(int(key[6:]))

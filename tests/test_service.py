@@ -7,7 +7,6 @@ import json
 import random
 import socket
 import time
-from pathlib import Path
 
 import aiohttp
 import httpx
