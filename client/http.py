@@ -10,6 +10,7 @@ import email.utils
 import operator
 import os
 import random
+import ssl
 import threading
 import time
 from collections.abc import Sequence
@@ -109,6 +110,7 @@ class BaseClient:
         backoff: Backoff = DEFAULT_BACKOFF,
         down_for: float = 5.0,
         max_connections: int = 16,
+        verify: bool | str = True,
     ):
         """
         Args:
@@ -122,6 +124,9 @@ class BaseClient:
             backoff: retry policy for 429, 502-504, connection failures and broken streams.
             down_for: seconds a URL that refused a connection stays out of the rotation.
             max_connections: connection pool size per process (keep-alive connections).
+            verify: for ``https://`` URLs, check the server's certificate (True), against a
+                CA bundle file (a path, e.g. the service's self-signed certificate), or not
+                at all (False).
         """
         self.urls = parse_urls(url)
         if timeout <= 0 or connect_timeout <= 0:
@@ -136,6 +141,7 @@ class BaseClient:
         self.connect_timeout = connect_timeout
         self.backoff = backoff
         self.max_connections = max_connections
+        self.verify = verify
         self.endpoints = Endpoints(self.urls, down_for)
         self._http: Any = None
         self._owner: Any = None
@@ -163,6 +169,7 @@ class BaseClient:
             # Proxy settings in the environment are meant for the internet, not for the
             # training cluster's own service.
             trust_env=False,
+            verify=ssl.create_default_context(cafile=self.verify) if isinstance(self.verify, str) else self.verify,
         )
 
     def _session_for(self, owner: Any, make: Any) -> Any:

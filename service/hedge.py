@@ -60,7 +60,8 @@ class HedgePolicy:
         if not 0 < self.quantile < 1:
             raise ValueError(f"hedge quantile must be between 0 and 1, not {self.quantile}")
         if not 0 <= self.min_delay <= self.max_delay:
-            raise ValueError(f"hedge delays must satisfy 0 <= min <= max, not {self.min_delay}, {self.max_delay}")
+            raise ValueError(f"hedge delays must satisfy 0 <= min <= max (seconds), not {self.min_delay}, "
+                             f"{self.max_delay}")
         if self.budget < 0 or self.burst < 1 or self.window < 1 or self.warmup < 1:
             raise ValueError("hedge budget must not be negative; burst, window and warmup must be positive")
 

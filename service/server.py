@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -200,7 +201,13 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    # botocore's debug output holds each request's signature and canonical request (with
+    # any session token): never let it reach the log, whatever the level.
+    logging.getLogger("botocore").setLevel(max(logging.getLogger().level, logging.INFO))
     config = config_from_args(args)
+    # uvicorn drains the connections on SIGTERM, then raises the signal again: by then the
+    # shutdown was graceful, so exit 0 (and SIGTERM before serving starts still ends us).
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
         import uvloop
     except ImportError:
@@ -208,3 +215,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         uvloop.run(serve(config, args.data_dir, args.log_level))
     return 0
+
+
+def _exit_cleanly(signum: int, frame) -> None:
+    raise SystemExit(0)

@@ -56,10 +56,12 @@ class Backoff:
     def delay(self, retry: int, hint: float | None = None) -> float:
         """Seconds to wait before retry number ``retry`` (0-based).
 
-        A server ``hint`` (Retry-After) replaces the jittered value, clamped to ``[0, cap]``.
+        A server ``hint`` (Retry-After) replaces the exponential value; up to half of it is
+        added at random so that clients refused together do not come back in lockstep.
+        The result is clamped to ``[0, cap]``; a hint of 0 means "now".
         """
         if hint is not None:
-            return min(max(float(hint), 0.0), self.cap)
+            return min(max(float(hint), 0.0) * random.uniform(1.0, 1.5), self.cap)
         return random.uniform(0.0, min(self.cap, self.base * 2.0 ** min(retry, 62)))
 
     def delays(self) -> Iterator[float]:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from shardfeed.benchmarks.soak import damage_block_file, peak_rss_mib  # noqa: F401 (re-exported)
+
 
 def expected_members(source: dict, dataset: str, indices, fields=None) -> list[tuple[str, bytes]]:
     """Members of a correct batch response: ``<key>.<field>`` in request order, and a
@@ -50,15 +52,6 @@ def wrong_members(got: list[tuple[str, bytes]], want: list[tuple[str, bytes]]) -
     (a stream cut short may stop early, but what it did deliver must be exact)."""
     wrong = sum(1 for g, w in zip(got, want) if g != w)
     return wrong + max(0, len(got) - len(want))
-
-
-def peak_rss_mib(pid: int) -> float:
-    """Peak resident memory of a process so far (VmHWM), in MiB."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmHWM for pid {pid}")
 
 
 @dataclass

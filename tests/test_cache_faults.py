@@ -4,7 +4,6 @@ an unwritable directory). The cache may lose blocks; a client never gets a wrong
 
 from __future__ import annotations
 
-import os
 import random
 import resource
 import shutil
@@ -14,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from reliability_helpers import SteadyClient, expected_members, received_members
+from reliability_helpers import SteadyClient, damage_block_file, expected_members, received_members
 from sample_data import make_dataset, s3_put
 from service_helpers import metrics
 from shardfeed.service.cache import dataset_id
@@ -50,27 +49,6 @@ def blocks(cache_dir) -> list:
     return sorted(cache_dir.glob("*/*.blk"))
 
 
-def damage(path, how: str, rng: random.Random) -> None:
-    """Break one block file in place (as a bad disk or a stray process would)."""
-    try:
-        size = path.stat().st_size
-        if how == "delete":
-            path.unlink()
-        elif how == "truncate":
-            os.truncate(path, rng.randrange(size))
-        else:
-            with open(path, "r+b") as f:
-                if how == "flip":
-                    f.seek(rng.randrange(size))
-                    byte = f.read(1)
-                    f.seek(-1, os.SEEK_CUR)
-                    f.write(bytes([byte[0] ^ 0xFF]))
-                else:  # "garbage": the same size, none of the same bytes
-                    f.write(os.urandom(size))
-    except FileNotFoundError:
-        pass  # evicted or dropped meanwhile
-
-
 def test_block_files_damaged_between_requests_are_detected_and_refetched(service, dataset, tmp_path):
     _, source = dataset
     read_all(service.url, source, 0)
@@ -78,7 +56,7 @@ def test_block_files_damaged_between_requests_are_detected_and_refetched(service
     for round_ in range(4):
         files = blocks(tmp_path / "cache")
         for path in rng.sample(files, min(6, len(files))):
-            damage(path, rng.choice(["flip", "truncate", "delete", "garbage"]), rng)
+            damage_block_file(path, rng.choice(["flip", "truncate", "delete", "garbage"]), rng)
         read_all(service.url, source, round_ + 1)
     m = metrics(service.url)
     assert m["shardfeed_cache_corrupt_total"] > 0
@@ -97,7 +75,7 @@ def test_block_files_damaged_while_requests_run_never_reach_a_client(service, da
     while time.monotonic() < deadline:
         files = blocks(tmp_path / "cache")
         if files:
-            damage(rng.choice(files), rng.choice(["flip", "truncate", "delete", "garbage"]), rng)
+            damage_block_file(rng.choice(files), rng.choice(["flip", "truncate", "delete", "garbage"]), rng)
             damaged += 1
         time.sleep(0.01)
     tallies = [client.stop() for client in clients]
@@ -165,7 +143,7 @@ def test_concurrent_readers_of_a_damaged_cache_agree_with_the_source(service, da
     while any(t.is_alive() for t in threads):
         files = blocks(tmp_path / "cache")
         if files:
-            damage(rng.choice(files[:8]), rng.choice(["flip", "garbage", "truncate"]), rng)
+            damage_block_file(rng.choice(files[:8]), rng.choice(["flip", "garbage", "truncate"]), rng)
         time.sleep(0.005)
     for t in threads:
         t.join()

@@ -6,6 +6,7 @@ The cache is off (size 0), so every request reads the store."""
 
 from __future__ import annotations
 
+import io
 import random
 import statistics
 import time
@@ -17,6 +18,7 @@ from reliability_helpers import expected_members, received_members, wrong_member
 from sample_data import make_dataset, s3_put
 from service_helpers import metrics
 from shardfeed.benchmarks.s3proxy import start_proxy
+from shardfeed.benchmarks.soak import run_soak
 from shardfeed.service.process import start_service
 
 SAMPLES = 200  # 4 shards of 50 samples, 100 B to 20 KB each
@@ -136,9 +138,25 @@ def test_a_batch_failing_after_its_first_bytes_is_cut_short_never_wrong(fragile,
     assert wrong_members(got, want) == 0
 
 
+def test_a_shard_replaced_while_served_fails_its_reads_instead_of_mixing_versions(moto, tmp_path):
+    moto.create_bucket("replaced")
+    client = moto.client()
+    source = make_dataset(s3_put(client, "replaced", "train"), samples=100, per_shard=50)
+    with start_service({"train": "s3://replaced/train"}, cache_dir=tmp_path / "cache", cache_size="0",
+                       env=moto.env(), args=["--block-size", "64KiB"]) as svc:
+        assert httpx.get(f"{svc.url}/v1/datasets/train/samples/1/bin").content == source[(1, "bin")]
+        key = "train/shards/part-0000.tar"
+        old = client.get_object(Bucket="replaced", Key=key)["Body"].read()
+        client.put_object(Bucket="replaced", Key=key, Body=bytes(b ^ 0x5A for b in old))  # same size
+        resp = httpx.get(f"{svc.url}/v1/datasets/train/samples/40/bin")
+        assert resp.status_code == 503
+        assert "changed while being served" in resp.json()["error"]["message"]
+        assert httpx.get(f"{svc.url}/v1/datasets/train/samples/60/bin").content == source[(60, "bin")]
+
+
 def test_hedging_cuts_the_p99_of_reads_with_latency_spikes(dataset, moto, proxy, tmp_path):
     _, source = dataset
-    spike_ms, reads = 400, 200
+    spike_ms, reads = 600, 200
     p99 = {}
     for hedge in ("--no-hedge", "--hedge"):
         with serve(dataset, moto, proxy, tmp_path / hedge, hedge, "--hedge-min-ms", "5") as svc:
@@ -164,3 +182,13 @@ def test_hedging_cuts_the_p99_of_reads_with_latency_spikes(dataset, moto, proxy,
             assert hedges >= reads // 20
     assert p99["--no-hedge"] >= spike_ms / 1e3
     assert p99["--hedge"] < p99["--no-hedge"] / 2
+
+
+def test_the_soak_mode_runs_every_phase_and_delivers_no_wrong_byte():
+    """A few seconds of ``python -m shardfeed.benchmarks.soak`` (its own moto, proxy and service)."""
+    out = io.StringIO()
+    tally = run_soak(duration=9, samples=600, workers=2, seed=1, out=out)
+    total, report = tally["total"], out.getvalue()
+    assert total["requests"] > 20 and total["faults"] > 0 and total["damaged"] > 0, report
+    assert total["wrong"] == 0 and total["died"] == 0, report
+    assert "| **all** |" in report

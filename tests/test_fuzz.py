@@ -226,16 +226,25 @@ def status_and_json(answer: bytes) -> tuple[int, dict]:
     return int(head.split()[1]), json.loads(body)
 
 
+CLOSE = b"Connection: close\r\n"
+
+
 @pytest.mark.parametrize("request_bytes, status", [
-    (b"GET /v1/datasets/" + b"a" * 200_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 431),
-    (b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * 1_000_000 + b"\r\n\r\n", 431),
-    (b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"X-Many: header\r\n" * 20_000 + b"\r\n", 431),
-    (b"GET /v1/datasets/../../../etc/passwd HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 404),
-    (b"GET /v1/datasets/train/samples/1/../../../../../etc/passwd HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 404),
-    (b"BLAH\x00\x01 / HTTP/1.1\r\n\r\n", 400),
-    (b"GET /healthz HTTP/9.9\r\nHost: x\r\n\r\n", 400),
-    (b"POST /v1/batch HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n", 400),
-    (b"POST /v1/batch HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
+    pytest.param(b"GET /v1/datasets/" + b"a" * 200_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 431, id="long url"),
+    pytest.param(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * 1_000_000 + b"\r\n\r\n", 431,
+                 id="long header"),
+    pytest.param(b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"X-Many: header\r\n" * 20_000 + b"\r\n", 431,
+                 id="many headers"),
+    pytest.param(b"GET /v1/datasets/../../../etc/passwd HTTP/1.1\r\nHost: x\r\n" + CLOSE + b"\r\n", 404,
+                 id="dot segments"),
+    pytest.param(b"GET /v1/datasets/train/samples/1/../../../../../etc/passwd HTTP/1.1\r\nHost: x\r\n" + CLOSE
+                 + b"\r\n", 404, id="dot segments after a route"),
+    pytest.param(b"BLAH\x00\x01 / HTTP/1.1\r\n\r\n", 400, id="garbage method"),
+    pytest.param(b"GET /healthz HTTP/9.9\r\nHost: x\r\n\r\n", 400, id="bad version"),
+    pytest.param(b"POST /v1/batch HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n", 400,
+                 id="negative length"),
+    pytest.param(b"POST /v1/batch HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400,
+                 id="bad chunk"),
 ])
 def test_malformed_or_oversized_http_gets_a_json_error_and_a_close(service, bystander, request_bytes, status):
     answer = raw_request(service.url, request_bytes)

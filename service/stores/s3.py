@@ -101,6 +101,8 @@ class S3Store(Store):
 
     Counters for observability: ``requests`` (HTTP requests sent, retries included),
     ``retries`` and ``bytes_read`` (payload bytes of successful reads).
+    Range reads of one object are pinned to the ETag of the first: an object replaced
+    while being served fails its reads instead of mixing bytes of two versions.
     The aiohttp session is created lazily in the running event loop; if the store is
     later used from another loop (``asyncio.run`` twice), it opens a fresh session there.
     """
@@ -138,6 +140,7 @@ class S3Store(Store):
         self.requests = 0
         self.retries = 0
         self.bytes_read = 0
+        self._etags: dict[str, str] = {}  # key -> ETag of the first range read of it
         self._botocore = botocore.session.get_session()
         try:
             self.region = region or self._botocore.get_config_variable("region") or "us-east-1"
@@ -334,7 +337,14 @@ class S3Store(Store):
                 if (int(start), int(end)) != (offset, last):
                     raise _Truncated(f"{object_url}: asked bytes {offset}-{last}, "
                                      f"got Content-Range {start}-{end}")
-            return await self._body(resp, object_url, size)
+            data = await self._body(resp, object_url, size)
+            etag = resp.headers.get("ETag")
+            if etag:  # every range of an object must come from the version first read
+                pinned = self._etags.setdefault(key, etag)
+                if etag != pinned:
+                    raise StoreError(f"{object_url} changed while being served (ETag {pinned} -> {etag}); "
+                                     "re-index the dataset and restart the service")
+            return data
 
         return await self._call("GET", key, check, headers={"Range": f"bytes={offset}-{last}"})
 
