@@ -267,7 +267,10 @@ async def _read_sample(state: State, dataset: Dataset, sample: int, field: int) 
     state.metrics.requests.labels("sample", "200").inc()
     state.metrics.samples.inc()
     state.metrics.bytes_served.inc(sum(len(p) for _, p in parts))
-    state.metrics.sample_latency.observe(time.perf_counter() - began)
+    elapsed = time.perf_counter() - began
+    state.metrics.sample_latency.observe(elapsed)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("sample dataset=%s i=%d members=%d ms=%.2f", dataset.name, sample, len(parts), 1e3 * elapsed)
     return parts
 
 
