@@ -58,6 +58,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--workers", type=int, default=4, help="concurrent batch requests")
     parser.add_argument("--block-size", default="1MiB")
+    parser.add_argument("--cache-size", default="20GiB",
+                        help="the service's cache; below the dataset size the warm epoch re-reads from S3")
     args = parser.parse_args(argv)
 
     sizes = parse_sizes(args.size)
@@ -80,7 +82,7 @@ def main(argv=None) -> int:
 
         order = np.random.default_rng(0).permutation(args.samples)
         with tempfile.TemporaryDirectory() as tmp, start_service(
-                {"bench": "s3://bench/data"}, cache_dir=Path(tmp) / "cache", cache_size="20GiB",
+                {"bench": "s3://bench/data"}, cache_dir=Path(tmp) / "cache", cache_size=args.cache_size,
                 env=moto.env(), args=["--block-size", args.block_size]) as svc:
             cold = _epoch(svc.url, order, args.batch, args.workers, check)
             m = scrape_metrics(svc.url)
@@ -94,7 +96,7 @@ def main(argv=None) -> int:
               f"({shard_bytes / 2**20:.1f} MiB of shards); batches of {args.batch}, {args.workers} concurrent")
         print(f"cold epoch: {n / cold:8.0f} samples/s   store requests per 1000 samples: "
               f"{1000 * m['shardfeed_store_requests_total'] / n:.2f}   store bytes / shard bytes: "
-              f"{m['shardfeed_store_bytes_total'] / shard_bytes:.3f}")
+              f"{m['shardfeed_store_bytes_total'] / shard_bytes:.3f}   (cache {args.cache_size})")
         print(f"warm epoch: {n / warm:8.0f} samples/s   service CPU per sample: {1e6 * cpu / n:.1f} us   "
               f"store requests during warm epoch: "
               f"{m2['shardfeed_store_requests_total'] - m['shardfeed_store_requests_total']:.0f}")
