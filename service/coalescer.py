@@ -4,7 +4,11 @@ For a set of requested members it finds the blocks that hold them, reads cached 
 from disk (one thread hop per call), and fetches the missing ones from the store with
 one ranged read per run of nearby blocks. Each block has at most one read in flight
 (singleflight): a second request for it waits on the first. Store reads in flight are
-bounded by a semaphore shared by all requests.
+bounded by a semaphore shared by all requests. A batch plans the store reads of all its
+blocks up front (``prefetch``), so they merge across the groups it is streamed in.
+
+With replicas, members of shards owned by another replica are sent to that owner as one
+sub-batch, and read from the store here if the owner fails (``peers.py``).
 """
 
 from __future__ import annotations
