@@ -117,16 +117,10 @@ class BlockCache:
         """Lock the directory and index the blocks a previous run left behind."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._lock_file = open(self.directory / ".lock", "a+")
+            self._lock_directory()
         except OSError as err:
             self._disable(f"cache directory {self.directory} is not usable ({err.strerror})")
             return
-        try:
-            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock_file.close()
-            raise CacheLocked(f"cache directory {self.directory} is in use by another shardfeed "
-                              "process; give each process its own --cache-dir") from None
         found = []
         for path in self.directory.glob(f"*/*{_SUFFIX}"):
             try:
@@ -145,6 +139,19 @@ class BlockCache:
             (self.directory / victim).unlink(missing_ok=True)
         self._update_gauges()
         log.info("block cache %s: %d blocks, %d bytes reused", self.directory, len(found), self._bytes)
+
+    def _lock_directory(self) -> None:
+        """Hold the directory's exclusive lock; ``CacheLocked`` if another process has it."""
+        lock_file = open(self.directory / ".lock", "a+")
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock_file.close()
+            raise CacheLocked(f"cache directory {self.directory} is in use by another shardfeed "
+                              "process; give each process its own --cache-dir") from None
+        if self._lock_file is not None:
+            self._lock_file.close()
+        self._lock_file = lock_file
 
     def close(self) -> None:
         if self._lock_file is not None:
@@ -265,11 +272,18 @@ class BlockCache:
                 f = open(tmp, "wb")
             except FileNotFoundError:  # first block of a dataset, or someone removed the directory
                 path.parent.mkdir(parents=True, exist_ok=True)
+                if not (self.directory / ".lock").exists():  # removed with the directory: lock anew
+                    self._lock_directory()
                 f = open(tmp, "wb")
             with f:
                 f.write(payload)
                 f.write(trailer)
             os.replace(tmp, path)
+        except CacheLocked as err:  # another process took the recreated directory
+            with self._lock:
+                self._bytes -= size
+            self._disable(str(err))
+            return False
         except OSError as err:
             with contextlib.suppress(OSError):  # the directory itself may be what is broken
                 tmp.unlink(missing_ok=True)

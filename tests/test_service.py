@@ -270,3 +270,20 @@ def test_concurrent_cold_batches_that_share_blocks_all_complete(s3_dataset, moto
             assert tar_members(resp.content) == expected(source, indices)
         m = metrics(svc.url)
         assert m["shardfeed_requests_total"] == 24  # all 200: no batch failed or was retried
+
+
+def test_a_removed_cache_dir_is_recreated_and_locked_again(s3_dataset, moto, tmp_path):
+    import shutil
+
+    _, source = s3_dataset
+    cache = tmp_path / "cache"
+    with start_service({"train": s3_dataset[0]}, cache_dir=cache, env=moto.env()) as svc:
+        assert tar_members(batch(svc.url, {"dataset": "train", "indices": [1, 2]}).content) == \
+            expected(source, [1, 2])
+        shutil.rmtree(cache)
+        assert tar_members(batch(svc.url, {"dataset": "train", "indices": [150, 3]}).content) == \
+            expected(source, [150, 3])
+        assert (cache / ".lock").exists() and list(cache.glob("*/*.blk"))
+        with pytest.raises(RuntimeError) as err:
+            start_service({"train": s3_dataset[0]}, cache_dir=cache, env=moto.env())
+        assert "in use by another shardfeed process" in str(err.value)
