@@ -88,7 +88,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
+def _check_ranges(args: argparse.Namespace) -> None:
+    """Refuse knob values that would make the service misbehave, naming the flag."""
+    limits = [
+        ("--port", args.port, 0, 65535),
+        ("--block-size", args.block_size, 4096, 1 << 30),
+        ("--merge-gap", args.merge_gap, 0, 1 << 40),
+        ("--max-store-requests", args.max_store_requests, 1, 1 << 16),
+        ("--sample-window-ms", args.sample_window_ms, 0, 1000),
+        ("--max-batch", args.max_batch, 1, 1 << 24),
+        ("--max-inflight-batches", args.max_inflight_batches, 1, 1 << 20),
+        ("--max-inflight-samples", args.max_inflight_samples, 1, 1 << 24),
+    ]
+    for flag, value, low, high in limits:
+        if not low <= value <= high:
+            raise ValueError(f"{flag} must be between {low} and {high}, not {value}")
+    if args.peer_timeout <= 0:
+        raise ValueError(f"--peer-timeout must be positive, not {args.peer_timeout}")
+
+
 def config_from_args(args: argparse.Namespace) -> ServiceConfig:
+    _check_ranges(args)
     datasets = {}
     for spec in args.dataset:
         name, sep, url = spec.partition("=")

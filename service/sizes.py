@@ -40,3 +40,6 @@ def format_size(n: float) -> str:
             return f"{n:.0f}{unit}" if unit == "B" or float(n).is_integer() else f"{n:.1f}{unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+parse_size.__name__ = "size"  # argparse names the type in its errors: "invalid size value: 'abc'"

@@ -287,3 +287,22 @@ def test_a_removed_cache_dir_is_recreated_and_locked_again(s3_dataset, moto, tmp
         with pytest.raises(RuntimeError) as err:
             start_service({"train": s3_dataset[0]}, cache_dir=cache, env=moto.env())
         assert "in use by another shardfeed process" in str(err.value)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--block-size", "0"], "--block-size must be between"),
+    (["--port", "70000"], "--port must be between"),
+    (["--max-batch", "0"], "--max-batch must be between"),
+    (["--peer-timeout", "0"], "--peer-timeout must be positive"),
+    (["--cache-size", "lots"], "invalid size value: 'lots'"),
+    (["--dataset", "no-equals-sign"], "--dataset expects NAME=URL"),
+])
+def test_bad_serve_arguments_are_refused_with_one_line(tmp_path, args, message):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "shardfeed", "serve", "--cache-dir", str(tmp_path), *args],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
