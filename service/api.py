@@ -80,7 +80,6 @@ class State:
     config: ServiceConfig
     datasets: dict[str, Dataset]
     metrics: Metrics
-    cache: BlockCache
     coalescer: Coalescer
     batcher: SampleBatcher
     inflight: dict[str, int] = field(default_factory=lambda: {"batch": 0, "sample": 0})
@@ -104,7 +103,7 @@ def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: Block
     app = FastAPI(title="shardfeed", version="1", lifespan=lifespan, responses=ERRORS,
                   description="Batched, ordered sample loading from S3-compatible storage.")
     coalescer = Coalescer(cache, metrics, config, cluster)
-    state = State(config, datasets, metrics, cache, coalescer, SampleBatcher(coalescer, config.sample_window))
+    state = State(config, datasets, metrics, coalescer, SampleBatcher(coalescer, config.sample_window))
     app.state.shardfeed = state
 
     @app.exception_handler(ApiError)
@@ -150,10 +149,10 @@ def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: Block
     async def get_member(name: str, i: str, field: str) -> Response:
         dataset = _dataset(state, name)
         sample = _sample_number(dataset, i)
-        code = dataset.field_codes.get(field.lower())
-        if code is None:
-            raise ApiError(404, "unknown_field", f"dataset {name!r} has no field {field!r} "
-                                                 f"(fields: {', '.join(dataset.index.fields)})")
+        try:
+            code = int(dataset.index.field_codes([field.lower()])[0])
+        except UnknownField as err:
+            raise ApiError(404, "unknown_field", str(err)) from None
         parts = await _read_sample(state, dataset, sample, code)
         if not parts:
             raise ApiError(404, "unknown_field", f"sample {sample} of dataset {name!r} has no field {field!r}")

@@ -21,7 +21,6 @@ class Dataset:
     """Short stable id of the URL: names the dataset's blocks in the cache."""
     extents: np.ndarray
     """Per shard code, the end of its last member's data: reads never go past it."""
-    field_codes: dict[str, int]
     shard_ids: list[str]
     """Per shard code, the shard's name in the cache (``cache.shard_id``)."""
 
@@ -46,6 +45,6 @@ async def open_dataset(name: str, url: str, store_options: dict | None = None) -
         raise
     return Dataset(
         name=name, url=url, store=store, index=index, id=dataset_id(url),
-        extents=index.shard_extents(), field_codes={f: i for i, f in enumerate(index.fields)},
+        extents=index.shard_extents(),
         shard_ids=[shard_id(path) for path in index.shards],
     )
