@@ -104,7 +104,6 @@ def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: Block
                   description="Batched, ordered sample loading from S3-compatible storage.")
     coalescer = Coalescer(cache, metrics, config, cluster)
     state = State(config, datasets, metrics, coalescer, SampleBatcher(coalescer, config.sample_window))
-    app.state.shardfeed = state
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, err: ApiError) -> JSONResponse:
