@@ -19,6 +19,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def ensure_free(port: int, what: str, host: str = "127.0.0.1") -> None:
+    """``OSError`` with a one-line message naming ``port`` and its use when it cannot be bound."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is no conflict
+        try:
+            s.bind((host, port))
+        except OSError:
+            raise OSError(f"port {port} ({what}) is in use on {host}: stop what uses it or choose another port") \
+                from None
+
+
 def scrape_metrics(url: str, timeout: float = 10) -> dict[str, float]:
     """A service's Prometheus metrics summed over labels: ``{"shardfeed_store_requests_total": 3.0}``."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as resp:

@@ -100,6 +100,7 @@ def root(request, tmp_path):
     return lambda name: f"s3://{bucket}/data/{name}"
 
 
+@pytest.mark.both_s3
 def test_seed_pack_index_round_trip(root, tmp_path):
     seeded = root("seeded")
     assert ok("seed", seeded, *SEED_ARGS).startswith("seeded 40 samples (120 members")
@@ -132,6 +133,7 @@ def test_seed_pack_index_round_trip(root, tmp_path):
     assert run(with_store(packed, load_index)).to_table().equals(packed_index.to_table())
 
 
+@pytest.mark.both_s3
 def test_index_of_shards_written_by_python_tarfile(root):
     url = root("foreign")
     shards = {
@@ -179,6 +181,7 @@ def test_index_of_shards_written_by_python_tarfile(root):
     assert index.sample_fields(0) == ["jpg", "cls", "seg.png"]
 
 
+@pytest.mark.both_s3
 def test_index_reads_headers_only_and_jumps_over_large_members(bucket):
     url = f"s3://{bucket}/big"
     ok("seed", url, "--samples", "12", "--size", "96KiB", "--shard-size", "600KiB", "--fields", "bin")
