@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import itertools
-import os
 import sys
 from pathlib import Path
 
@@ -9,9 +7,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from s3_helpers import new_bucket, point_aws_at  # noqa: E402
 from shardfeed.benchmarks.s3server import S3_SERVERS, S3Server, start_moto, start_seaweedfs  # noqa: E402
-
-_bucket_ids = itertools.count()
 
 
 def pytest_configure(config):
@@ -51,16 +48,11 @@ def s3_server(request) -> S3Server:
 @pytest.fixture
 def s3_env(s3_server, monkeypatch) -> S3Server:
     """Point the AWS settings of this process (and its children) at the test's S3 server."""
-    for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
-        monkeypatch.delenv(key, raising=False)
-    for key, value in s3_server.env().items():
-        monkeypatch.setenv(key, value)
+    point_aws_at(s3_server, monkeypatch)
     return s3_server
 
 
 @pytest.fixture
 def bucket(s3_env) -> str:
     """A fresh, empty bucket name on the test's S3 server."""
-    name = f"test-{os.getpid()}-{next(_bucket_ids)}"
-    s3_env.create_bucket(name)
-    return name
+    return new_bucket(s3_env)

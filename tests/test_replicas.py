@@ -1,4 +1,4 @@
-"""Three replicas as local processes over one moto S3: ownership, sub-batches, failover, rejoin."""
+"""Three replicas as local processes over one S3 server (SeaweedFS and moto): ownership, sub-batches, failover, rejoin."""
 
 from __future__ import annotations
 
@@ -16,20 +16,20 @@ SAMPLES = 240
 
 
 @pytest.fixture(scope="module")
-def dataset(moto):
-    moto.create_bucket("replicas")
-    source = make_dataset(s3_put(moto.client(), "replicas", "train"), samples=SAMPLES, per_shard=20)
+def dataset(s3_server):
+    s3_server.create_bucket("replicas")
+    source = make_dataset(s3_put(s3_server.client(), "replicas", "train"), samples=SAMPLES, per_shard=20)
     return "s3://replicas/train", source  # 12 shards
 
 
 @pytest.fixture
-def cluster(dataset, moto, tmp_path):
+def cluster(dataset, s3_server, tmp_path):
     ports = [free_port() for _ in range(3)]
     peers = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip("abc", ports))
 
     def start(i):
         return start_service({"train": dataset[0]}, cache_dir=tmp_path / f"cache-{i}", port=ports[i],
-                             env=moto.env(), args=["--node-id", "abc"[i], "--peers", peers,
+                             env=s3_server.env(), args=["--node-id", "abc"[i], "--peers", peers,
                                                    "--block-size", "64KiB", "--peer-timeout", "2"])
 
     services = [start(i) for i in range(3)]
@@ -53,6 +53,7 @@ def fetch(url, indices):
     return tar_members(resp.content)
 
 
+@pytest.mark.both_s3
 def test_any_replica_serves_identical_bytes_and_each_shard_is_read_by_one_replica(cluster, dataset):
     services, _ = cluster
     _, source = dataset
@@ -97,9 +98,9 @@ def test_killing_a_replica_loses_no_sample_and_a_restarted_one_rejoins(cluster, 
     assert restarted["shardfeed_store_requests_total"] > 0
 
 
-def test_a_bad_peer_list_is_refused_with_a_clear_error(dataset, moto, tmp_path):
+def test_a_bad_peer_list_is_refused_with_a_clear_error(dataset, s3_server, tmp_path):
     with pytest.raises(RuntimeError) as err:
-        start_service({"train": dataset[0]}, cache_dir=tmp_path / "c", env=moto.env(),
+        start_service({"train": dataset[0]}, cache_dir=tmp_path / "c", env=s3_server.env(),
                       args=["--node-id", "z", "--peers", "http://127.0.0.1:1,http://127.0.0.2:1"])
     assert "--node-id 'z' is not one of --peers" in str(err.value)
     assert "Traceback" not in str(err.value)

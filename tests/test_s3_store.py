@@ -1,4 +1,5 @@
-"""S3Store against a real moto server (SigV4 checked), and through the fault-injecting proxy."""
+"""S3Store against real S3 servers (SeaweedFS and moto, SigV4 checked), and through the fault-injecting
+proxy (on moto)."""
 
 import asyncio
 import hashlib
@@ -12,8 +13,8 @@ import httpx
 import pytest
 
 from shardfeed.benchmarks.s3proxy import start_proxy
-from shardfeed.benchmarks.s3server import free_port
 from shardfeed.retry import Backoff
+from shardfeed.service.process import free_port
 from shardfeed.service.stores import (
     AccessDenied,
     InvalidPath,
