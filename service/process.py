@@ -88,27 +88,43 @@ def start_service(datasets: dict[str, str] | None = None, *, cache_dir: str | os
     """
     port = port or free_port()
     cache_dir = Path(cache_dir)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "shardfeed", "serve", "--port", str(port), "--cache-dir", str(cache_dir)]
+    argv = ["serve", "--port", str(port), "--cache-dir", str(cache_dir)]
     for name, url in (datasets or {}).items():
-        cmd += ["--dataset", f"{name}={url}"]
+        argv += ["--dataset", f"{name}={url}"]
     if cache_size:
-        cmd += ["--cache-size", cache_size]
-    cmd += list(args)
-    log_path = cache_dir.parent / f"service-{port}.log"
+        argv += ["--cache-size", cache_size]
+    argv += list(args)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    return launch_service(argv, port=port, log_path=cache_dir.parent / f"service-{port}.log", env=env,
+                          timeout=timeout)
+
+
+def launch_service(argv: list[str], *, port: int, log_path: Path, env: dict[str, str] | None = None,
+                   timeout: float = 60) -> ServiceProcess:
+    """Run ``shardfeed <argv>`` (a ``serve`` command line listening on loopback ``port``) and wait
+    until ``/healthz`` answers; its output goes to ``log_path``."""
     log_file = open(log_path, "wb")
-    process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    process = subprocess.Popen([sys.executable, "-m", "shardfeed", *argv], stdout=log_file, stderr=subprocess.STDOUT,
+                               env={**os.environ, **(env or {})})
     log_file.close()
     service = ServiceProcess(process, f"http://127.0.0.1:{port}", log_path)
+    try:
+        _wait_healthy(service, timeout)
+    except BaseException:  # a signal or Ctrl-C while waiting too: leave nothing running
+        service.stop()
+        raise
+    return service
+
+
+def _wait_healthy(service: ServiceProcess, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"shardfeed serve exited with {process.returncode}:\n{service.log()[-3000:]}")
+        if service.process.poll() is not None:
+            raise RuntimeError(f"shardfeed serve exited with {service.process.returncode}:\n{service.log()[-3000:]}")
         try:
             with urllib.request.urlopen(f"{service.url}/healthz", timeout=1):
-                return service
+                return
         except (urllib.error.URLError, OSError):
             if time.monotonic() > deadline:
-                service.stop()
-                raise RuntimeError(f"shardfeed serve did not become healthy:\n{service.log()[-3000:]}")
+                raise RuntimeError(f"shardfeed serve did not become healthy:\n{service.log()[-3000:]}") from None
             time.sleep(0.05)
