@@ -73,7 +73,7 @@ def find(rows: Iterable[dict], scenario: str, latency: float, size: int, batch: 
 
 
 def targets(rows: list[dict], latencies: Sequence[float], headline: dict[int, int]) -> list[dict]:
-    """The goals of issue 5, checked against this run (``met`` is None where not measured)."""
+    """The goals of issues 5 and 11, checked against this run (``met`` is None where not measured)."""
     out = []
 
     def goal(name: str, latency: float, scenario: str, value: float | None, want: str, bound: float) -> None:
@@ -98,6 +98,10 @@ def targets(rows: list[dict], latencies: Sequence[float], headline: dict[int, in
         warm = find(rows, "shardfeed-warm", latency, kib10, 256)
         goal("10 KiB, batch 256: minimal HTTP rate / warm shardfeed rate", latency, "shardfeed-warm",
              minimal and warm and minimal["samples_per_s"] / warm["samples_per_s"], "<=", 2)
+        if latency == 20:  # issue 11: on a real S3 server, with a cloud-like time to first byte
+            cold = find(rows, "shardfeed-cold", latency, kib10, 256)
+            goal("10 KiB, batch 256, cold cache: throughput vs individual GETs (issue 11)", latency,
+                 "shardfeed-cold", cold and cold["ratio"], ">=", 25)
     return out
 
 

@@ -1,5 +1,6 @@
-"""`shardfeed bench --quick` end to end, so the harness cannot rot: moto, the latency
-proxy, the service, the client, the DataLoader and the minimal HTTP server, for real."""
+"""`shardfeed bench --quick` end to end, so the harness cannot rot: SeaweedFS (the default S3
+server), the latency proxy, the service, the client, the DataLoader and the minimal HTTP server,
+for real."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def test_quick_bench_measures_every_scenario_at_every_point_with_sane_figures(tm
     document = json.loads((out / "results.json").read_text())
     rows = document["results"]
     assert document["config"]["quick"] is True
+    assert document["config"]["s3"] == "seaweedfs server (loopback)"
     assert document["machine"]["cores"] >= 1
 
     points = {(r["s3_latency_ms"], r["sample_size"]) for r in rows}
@@ -68,3 +70,6 @@ def test_bench_refuses_bad_arguments_with_one_line(tmp_path):
     done = bench("--sizes", "10KiB,lots", cwd=tmp_path)
     assert done.returncode == 1
     assert done.stderr.strip().startswith("shardfeed: error: invalid --sizes '10KiB,lots'")
+    done = bench("--s3", "minio", cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.strip() == "shardfeed: error: --s3 must be seaweedfs, moto or an http(s) URL, not 'minio'"
