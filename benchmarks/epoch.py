@@ -1,4 +1,5 @@
-"""One random-order epoch through the service over S3 (moto), cold then warm.
+"""One random-order epoch through the service over S3 (SeaweedFS, or moto with ``--s3 moto``), cold
+then warm.
 
 Measures what issue 3 asks of the service alone: store requests per 1000 samples and
 store bytes per dataset byte on a cold cache larger than the dataset, then warm-cache
@@ -21,7 +22,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from shardfeed.benchmarks.s3server import start_moto
+from shardfeed.benchmarks.s3server import S3_SERVERS, default_server, start_s3
 from shardfeed.seeds.synthetic import member_bytes, parse_sizes
 from shardfeed.service.process import scrape_metrics, start_service
 from shardfeed.tar import iter_members
@@ -60,17 +61,19 @@ def main(argv=None) -> int:
     parser.add_argument("--block-size", default="1MiB")
     parser.add_argument("--cache-size", default="20GiB",
                         help="the service's cache; below the dataset size the warm epoch re-reads from S3")
+    parser.add_argument("--s3", choices=S3_SERVERS, default=default_server(),
+                        help="the S3 server to start on loopback (default here: %(default)s)")
     args = parser.parse_args(argv)
 
     sizes = parse_sizes(args.size)
-    moto = start_moto()
+    s3 = start_s3(args.s3)
     try:
-        moto.create_bucket("bench")
-        env = {**os.environ, **moto.env()}
+        s3.create_bucket("bench")
+        env = {**os.environ, **s3.env()}
         subprocess.run([sys.executable, "-m", "shardfeed", "-q", "seed", "s3://bench/data", "--samples",
                         str(args.samples), "--size", args.size, "--shard-size", args.shard_size],
                        check=True, env=env)
-        shard_bytes = sum(o["Size"] for o in moto.client().list_objects_v2(Bucket="bench", Prefix="data/")
+        shard_bytes = sum(o["Size"] for o in s3.client().list_objects_v2(Bucket="bench", Prefix="data/")
                           ["Contents"] if o["Key"].endswith(".tar"))
 
         def check(indices, body):
@@ -83,7 +86,7 @@ def main(argv=None) -> int:
         order = np.random.default_rng(0).permutation(args.samples)
         with tempfile.TemporaryDirectory() as tmp, start_service(
                 {"bench": "s3://bench/data"}, cache_dir=Path(tmp) / "cache", cache_size=args.cache_size,
-                env=moto.env(), args=["--block-size", args.block_size]) as svc:
+                env=s3.env(), args=["--block-size", args.block_size]) as svc:
             cold = _epoch(svc.url, order, args.batch, args.workers, check)
             m = scrape_metrics(svc.url)
             cpu0 = _cpu_seconds(svc.process.pid)
@@ -92,7 +95,7 @@ def main(argv=None) -> int:
             cpu = _cpu_seconds(svc.process.pid) - cpu0
             m2 = scrape_metrics(svc.url)
         n = args.samples
-        print(f"dataset: {n} samples x {args.size} in {args.shard_size} shards on moto S3 "
+        print(f"dataset: {n} samples x {args.size} in {args.shard_size} shards on {s3.kind} S3 "
               f"({shard_bytes / 2**20:.1f} MiB of shards); batches of {args.batch}, {args.workers} concurrent")
         print(f"cold epoch: {n / cold:8.0f} samples/s   store requests per 1000 samples: "
               f"{1000 * m['shardfeed_store_requests_total'] / n:.2f}   store bytes / shard bytes: "
@@ -101,7 +104,7 @@ def main(argv=None) -> int:
               f"store requests during warm epoch: "
               f"{m2['shardfeed_store_requests_total'] - m['shardfeed_store_requests_total']:.0f}")
     finally:
-        moto.stop()
+        s3.stop()
     return 0
 
 

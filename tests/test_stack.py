@@ -121,7 +121,7 @@ def test_a_port_in_use_is_a_one_line_error_naming_it(tmp_path):
 
 
 def test_seaweedfs_missing_is_a_one_line_error_saying_how_to_install_it(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(s3server.shutil, "which", lambda *args, **kwargs: None)
+    monkeypatch.setattr(s3server, "installed_script", lambda name: None)
     handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     status = cli.main(["stack", "--dir", str(tmp_path), "--port", str(free_port()), "--s3-port", str(free_port())])
     assert status == 1
