@@ -1,5 +1,5 @@
 """``shardfeed bench``: shardfeed side by side with one GET per sample and with direct
-range reads, measured in one run (DESIGN.md, "Performance: how it is measured").
+range reads, measured in one run (docs/architecture.md, "Performance: how it is measured").
 
 One run:
 

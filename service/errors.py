@@ -1,8 +1,17 @@
-"""The one error type of the HTTP layer, rendered as ``{"error": {"code", "message"}}``."""
+"""The error types of the HTTP layer, each rendered as ``{"error": {"code", "message"}}``.
+
+    ApiError(status, code, message)       any error answer; the routes raise it or a subclass
+    ├── InvalidRequest    400 invalid_request   malformed JSON, wrong types, bad values
+    ├── UnknownDataset    404 unknown_dataset   no dataset of that name
+    ├── Overloaded        429 overloaded        admission refused; carries Retry-After
+    └── StoreUnavailable  503 store_unavailable the store failed after retries; carries Retry-After
+"""
 
 from __future__ import annotations
 
 from starlette.responses import JSONResponse
+
+RETRY_AFTER = {"Retry-After": "1"}
 
 
 class ApiError(Exception):
@@ -15,6 +24,27 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         return error_response(self.status, self.code, self.message, self.headers)
+
+
+class InvalidRequest(ApiError):
+    def __init__(self, message: str):
+        super().__init__(400, "invalid_request", message)
+
+
+class UnknownDataset(ApiError):
+    def __init__(self, name: str, known: list[str]):
+        super().__init__(404, "unknown_dataset", f"no dataset named {name[:200]!r} "
+                                                 f"(datasets: {', '.join(known) or 'none'})")
+
+
+class Overloaded(ApiError):
+    def __init__(self, message: str):
+        super().__init__(429, "overloaded", message, RETRY_AFTER)
+
+
+class StoreUnavailable(ApiError):
+    def __init__(self, message: str):
+        super().__init__(503, "store_unavailable", message, RETRY_AFTER)
 
 
 def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:

@@ -1,6 +1,6 @@
 """The dataset index: ``index.parquet`` on disk, compact numpy arrays in memory.
 
-On disk (DESIGN.md) the index has one row per tar member: ``sample`` (int64, dense
+On disk (docs/architecture.md) the index has one row per tar member: ``sample`` (int64, dense
 0..N-1), ``key``, ``field`` (lowercased), ``shard`` (path relative to the dataset
 root), ``offset`` (of the member's data in the shard) and ``size``, with the format
 version in the schema metadata.

@@ -64,6 +64,11 @@ def member_header(name: str, size: int, mtime: int = 0) -> bytes:
             + _header(raw[-100:], size, b"0", mtime))
 
 
+def frame(name: str, payload: bytes | memoryview) -> list[bytes | memoryview]:
+    """One whole member: header block(s), the payload, zero padding to the next block."""
+    return [member_header(name, len(payload)), payload, b"\0" * padding(len(payload))]
+
+
 def parse_header(block: bytes | memoryview) -> tuple[bytes, int, bytes]:
     """``(name, size, typeflag)`` of one header block; raises ``TarFormatError``."""
     block = bytes(block)

@@ -84,7 +84,7 @@ bodies = bodies | st.dictionaries(st.sampled_from(["dataset", "indices", "fields
 
 
 def valid_batch(body) -> bool:
-    """Whether ``body`` is a batch this service must serve (per DESIGN.md's contract)."""
+    """Whether ``body`` is a batch this service must serve (per docs/architecture.md's contract)."""
     if not isinstance(body, dict) or set(body) - {"dataset", "indices", "fields", "format", "continue_on_error"}:
         return False
     idx, fld = body.get("indices"), body.get("fields")

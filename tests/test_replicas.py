@@ -1,4 +1,5 @@
-"""Three replicas as local processes over one S3 server (SeaweedFS and moto): ownership, sub-batches, failover, rejoin."""
+"""Three replicas as local processes over one S3 server (SeaweedFS and moto): ownership, sub-batches,
+failover, rejoin."""
 
 from __future__ import annotations
 

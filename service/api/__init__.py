@@ -1,0 +1,79 @@
+"""The HTTP API v1 (docs/architecture.md): one route module per group, wired here.
+
+    ops        /healthz, /metrics, /v1/cluster
+    datasets   /v1/datasets[/{name}]
+    samples    per-sample GETs, coalesced by ``SampleBatcher``
+    batch      POST /v1/batch, the ordered tar stream
+    internal   replica-to-replica member reads
+
+Every route gets the service ``State`` from one dependency (``common.AppState``) and
+raises ``ApiError`` (``service/errors.py``) for every error answer.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse
+
+from ..cache import BlockCache
+from ..coalescer import Coalescer
+from ..config import ServiceConfig
+from ..datasets import Dataset
+from ..errors import ApiError, error_response
+from ..metrics import Metrics
+from ..peers import Cluster
+from ..samples import SampleBatcher
+from . import batch, datasets as dataset_routes, internal, ops, samples
+from .auth import TokenAuth
+from .common import ERRORS, Admission, State, describe
+
+ROUTERS = (ops.router, dataset_routes.router, samples.router, batch.router, internal.router)
+
+
+def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: BlockCache,
+               metrics: Metrics, cluster: Cluster | None = None) -> FastAPI:
+    """The ASGI app over already opened datasets and cache (see ``server.py``)."""
+    coalescer = Coalescer(cache, metrics, config, cluster)
+    admission = Admission({"batch": config.max_inflight_batches, "sample": config.max_inflight_samples}, metrics)
+    state = State(config, datasets, metrics, coalescer, SampleBatcher(coalescer, config.sample_window),
+                  admission, cluster)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if cluster is not None:
+            cluster.start()
+        yield
+        if cluster is not None:
+            await cluster.close()
+        await coalescer.close()
+        for dataset in datasets.values():
+            await dataset.store.close()
+
+    app = FastAPI(title="shardfeed", version="1", lifespan=lifespan, responses=ERRORS,
+                  description="Batched, ordered sample loading from S3-compatible storage.")
+    app.state.shardfeed = state
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    if config.tokens:
+        app.add_middleware(TokenAuth, tokens=config.tokens)
+    for router in ROUTERS:
+        app.include_router(router)
+    return app
+
+
+async def _api_error(request: Request, err: ApiError) -> JSONResponse:
+    return err.response()
+
+
+async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+    return error_response(400, "invalid_request", describe(err.errors()))
+
+
+async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code, "http_error")
+    return error_response(err.status_code, code, str(err.detail), getattr(err, "headers", None))

@@ -1,0 +1,31 @@
+"""Bearer-token middleware: every route but /healthz needs ``Authorization: Bearer <token>``."""
+
+from __future__ import annotations
+
+import hmac
+
+from ..errors import error_response
+
+
+class TokenAuth:
+    """ASGI middleware; tokens compared in constant time, against every configured token."""
+
+    def __init__(self, app, tokens: frozenset[str]):
+        self.app = app
+        self.tokens = [t.encode() for t in tokens]
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] == "/healthz":
+            return await self.app(scope, receive, send)
+        given = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization" and value[:7].lower() == b"bearer ":
+                given = value[7:].strip()
+        ok = False
+        for token in self.tokens:  # compare with every token: timing says nothing about which matched
+            ok |= hmac.compare_digest(given, token)
+        if not ok:
+            response = error_response(401, "unauthorized", "missing or wrong bearer token",
+                                      {"WWW-Authenticate": "Bearer"})
+            return await response(scope, receive, send)
+        return await self.app(scope, receive, send)

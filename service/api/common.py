@@ -1,0 +1,146 @@
+"""What every route module shares: the service ``State`` (one dependency), admission
+control, bounded body reading and the error schema of the OpenAPI document."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Annotated, TypeVar
+
+from fastapi import Depends, Request
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
+
+from ..coalescer import Coalescer
+from ..config import ServiceConfig
+from ..datasets import Dataset
+from ..errors import ApiError, InvalidRequest, Overloaded, UnknownDataset
+from ..metrics import Metrics
+from ..peers import Cluster
+from ..samples import SampleBatcher
+
+TAR = "application/x-tar"
+BODY_TIMEOUT = 10.0
+"""Seconds a client has to send a request body (a stalled upload is answered 408)."""
+
+
+class ErrorDetail(BaseModel):
+    code: str
+    message: str
+
+
+class ErrorBody(BaseModel):
+    """Every error answer: ``{"error": {"code", "message"}}``."""
+
+    error: ErrorDetail
+
+
+ERRORS = {status: {"model": ErrorBody, "description": text} for status, text in [
+    (400, "Malformed or invalid request"), (401, "Missing or wrong bearer token"),
+    (404, "Unknown dataset, sample, field or route"), (408, "Request body not sent in time"),
+    (413, "Too many items or body too large"), (429, "Overloaded; retry after Retry-After seconds"),
+    (503, "Store unreachable after retries")]}
+
+
+class Admission:
+    """Requests in flight per kind (``batch``, ``sample``); 429 beyond each kind's limit."""
+
+    def __init__(self, limits: dict[str, int], metrics: Metrics):
+        self.limits = limits
+        self.inflight = dict.fromkeys(limits, 0)
+        self.metrics = metrics
+
+    def acquire(self, kind: str) -> None:
+        if self.inflight[kind] >= self.limits[kind]:
+            self.metrics.rejected.inc()
+            raise Overloaded(f"too many {kind} requests in flight; retry later")
+        self.inflight[kind] += 1
+        self.metrics.inflight_requests.inc()
+
+    def release(self, kind: str) -> None:
+        self.inflight[kind] -= 1
+        self.metrics.inflight_requests.dec()
+
+    @contextmanager
+    def slot(self, kind: str):
+        self.acquire(kind)
+        try:
+            yield
+        finally:
+            self.release(kind)
+
+
+@dataclass
+class State:
+    """Everything a route needs, built once by ``create_app``."""
+
+    config: ServiceConfig
+    datasets: dict[str, Dataset]
+    metrics: Metrics
+    coalescer: Coalescer
+    batcher: SampleBatcher
+    admission: Admission
+    cluster: Cluster | None
+
+    def dataset(self, name: str) -> Dataset:
+        dataset = self.datasets.get(name)
+        if dataset is None:
+            raise UnknownDataset(name, list(self.datasets))
+        return dataset
+
+
+async def _state(request: Request) -> State:  # async: FastAPI would run a plain function in a thread
+    return request.app.state.shardfeed
+
+
+AppState = Annotated[State, Depends(_state)]
+"""A route's parameter of this type receives the service state."""
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+async def read_json(request: Request, model: type[Model], limit: int) -> Model:
+    """The request body, at most ``limit`` bytes, validated as ``model`` (400 otherwise)."""
+    body = await read_body(request, limit)
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as err:
+        raise InvalidRequest(describe(err.errors())) from None
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise ApiError(413, "body_too_large", f"request body over {limit} bytes")
+    body = bytearray()
+
+    async def receive() -> None:
+        async for chunk in request.stream():
+            body.extend(chunk)
+            if len(body) > limit:
+                raise ApiError(413, "body_too_large", f"request body over {limit} bytes")
+
+    try:
+        await asyncio.wait_for(receive(), BODY_TIMEOUT)
+    except asyncio.TimeoutError:
+        raise ApiError(408, "request_timeout", f"request body not received within {BODY_TIMEOUT:g} s",
+                       {"Connection": "close"}) from None
+    except ClientDisconnect:  # nobody will read this answer, but it must not log a traceback
+        raise ApiError(400, "incomplete_body", "the client went away before sending the whole body") from None
+    return bytes(body)
+
+
+def describe(errors) -> str:
+    """pydantic's validation errors as one line (the first three)."""
+    parts = []
+    for e in list(errors)[:3]:
+        where = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
+        parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
+    return "invalid request: " + "; ".join(parts)
+
+
+def json_body(model: type[BaseModel]) -> dict:
+    """``openapi_extra`` documenting a body that the route reads itself (bounded) as ``model``."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": model.model_json_schema()}}}}

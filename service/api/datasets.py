@@ -1,0 +1,19 @@
+"""Dataset listing and description."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from .common import AppState
+
+router = APIRouter(tags=["datasets"])
+
+
+@router.get("/v1/datasets")
+async def list_datasets(state: AppState) -> list[dict]:
+    return [d.info() for d in state.datasets.values()]
+
+
+@router.get("/v1/datasets/{name}")
+async def dataset_info(name: str, state: AppState) -> dict:
+    return state.dataset(name).info()

@@ -1,0 +1,51 @@
+"""Replica to replica: the bytes of members of shards this replica owns."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import numpy as np
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from starlette.responses import Response
+
+from ..errors import InvalidRequest, StoreUnavailable
+from ..index import Members
+from ..stores import StoreError
+from .common import AppState, json_body, read_json
+
+router = APIRouter(tags=["internal"])
+
+
+class RangeRead(BaseModel):
+    """Body of ``POST /v1/internal/read``: members by shard code, offset and size."""
+
+    model_config = ConfigDict(extra="forbid")
+    dataset: str = Field(min_length=1, max_length=256)
+    # Bounded, so that offset + size cannot overflow int64 and slip past the range check.
+    shard: list[Annotated[StrictInt, Field(ge=0, lt=2**31)]]
+    offset: list[Annotated[StrictInt, Field(ge=0, lt=2**62)]]
+    size: list[Annotated[StrictInt, Field(ge=0, lt=2**62)]]
+
+
+@router.post("/v1/internal/read", response_class=Response, openapi_extra=json_body(RangeRead))
+async def internal_read(request: Request, state: AppState) -> Response:
+    """The members' bytes, concatenated in request order."""
+    req = await read_json(request, RangeRead, 4 * state.config.max_body)
+    dataset = state.dataset(req.dataset)
+    n = len(req.shard)
+    if len(req.offset) != n or len(req.size) != n or n > 4 * state.config.max_batch:
+        raise InvalidRequest("shard, offset and size must have the same, bounded length")
+    shard = np.asarray(req.shard, dtype=np.int64) if n else np.zeros(0, np.int64)
+    offset = np.asarray(req.offset, dtype=np.int64) if n else np.zeros(0, np.int64)
+    size = np.asarray(req.size, dtype=np.int64) if n else np.zeros(0, np.int64)
+    if n and ((shard >= len(dataset.index.shards)).any()
+              or (offset + size > dataset.extents[shard]).any()):
+        raise InvalidRequest("a range lies outside the dataset's shards")
+    members = Members(position=np.arange(n), sample=np.zeros(n, np.int64), field=np.zeros(n, np.int32),
+                      shard=shard.astype(np.int32), offset=offset, size=size, found=np.ones(n, bool))
+    payloads = await state.coalescer.read_members(dataset, members, local=True)
+    for payload in payloads:
+        if isinstance(payload, StoreError):
+            raise StoreUnavailable(str(payload))
+    return Response(b"".join(payloads), media_type="application/octet-stream")
