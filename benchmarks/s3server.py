@@ -104,11 +104,16 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
+# Looked up here, not in the forked child, where loading a library could wait on a lock held by
+# another thread of the parent.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
 def _die_with_parent() -> None:
     """In the child before exec: get SIGTERM when the parent dies, so that a crashed test run
     or stack leaves no server behind holding ports and the data directory (Linux only)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if _prctl is not None:
+        _prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _spawn(argv: list[str], env: dict[str, str], log_path: Path | None) -> subprocess.Popen:
