@@ -29,7 +29,7 @@ import boto3
 import botocore.config
 import botocore.exceptions
 
-from shardfeed.service.process import ensure_free, free_port, installed_script
+from shardfeed.service.process import ensure_free, free_port, installed_script, ready_or_stopped
 
 SEAWEEDFS_FLAGS = (
     "-master.telemetry=false",  # it reports to an outside address otherwise
@@ -179,12 +179,7 @@ def start_seaweedfs(directory: str | os.PathLike | None = None, *, s3_port: int 
     log_path = data / "weed.log"
     server = S3Server("seaweedfs", f"http://127.0.0.1:{s3_port}", access_key, secret_key,
                       _spawn(argv, env, log_path), log_path=log_path, owned_dir=owned)
-    try:
-        _wait_ready(server, timeout)
-    except BaseException:  # a signal or Ctrl-C while waiting too: leave nothing running
-        server.stop()
-        raise
-    return server
+    return ready_or_stopped(server, lambda: _wait_ready(server, timeout), server.stop)
 
 
 def _wait_ready(server: S3Server, timeout: float) -> None:

@@ -12,7 +12,11 @@ import sysconfig
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def installed_script(name: str) -> str | None:
@@ -116,12 +120,18 @@ def launch_service(argv: list[str], *, port: int, log_path: Path, env: dict[str,
                                env={**os.environ, **(env or {})})
     log_file.close()
     service = ServiceProcess(process, f"http://127.0.0.1:{port}", log_path)
+    return ready_or_stopped(service, lambda: _wait_healthy(service, timeout), service.stop)
+
+
+def ready_or_stopped(started: T, wait: Callable[[], None], stop: Callable[[], object]) -> T:
+    """``started`` once ``wait()`` returns; when it raises (a signal or Ctrl-C while waiting too),
+    ``stop()`` first, so that nothing is left running."""
     try:
-        _wait_healthy(service, timeout)
-    except BaseException:  # a signal or Ctrl-C while waiting too: leave nothing running
-        service.stop()
+        wait()
+    except BaseException:
+        stop()
         raise
-    return service
+    return started
 
 
 def _wait_healthy(service: ServiceProcess, timeout: float) -> None:

@@ -4,7 +4,7 @@ kept in --dir between runs, and one-line errors for a port in use or SeaweedFS m
 
 from __future__ import annotations
 
-import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,9 +17,24 @@ import pytest
 from shardfeed import cli
 from shardfeed.benchmarks import s3server
 from shardfeed.client import Client
-from shardfeed.service.process import free_port
+from shardfeed.service.process import ensure_free
 
 pytestmark = pytest.mark.timeout(240)
+
+
+def free_run_of_ports(count: int) -> int:
+    """The first of ``count`` consecutive free ports, below the ephemeral range (where the ports of
+    other tests' connections come from), so that they stay free while the stack stops and starts."""
+    low, _ = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    rng = random.Random()
+    while True:
+        first = rng.randrange(max(1024, low - 10000), low - count)
+        try:
+            for port in range(first, first + count):
+                ensure_free(port, "test")
+            return first
+        except OSError:
+            continue
 
 
 def descendants(pid: int) -> set[int]:
@@ -75,7 +90,8 @@ def stop(process: subprocess.Popen, sig: int) -> tuple[int, str]:
 
 
 def test_stack_serves_a_batch_stops_cleanly_on_sigint_and_sigterm_and_keeps_its_state(tmp_path):
-    state, port, s3_port = tmp_path / "stack", free_port(), free_port()
+    port = free_run_of_ports(4)
+    state, s3_port = tmp_path / "stack", port + 3
     process, lines, urls = start_stack(state, port, s3_port)
     try:
         assert any("seeding s3://shardfeed/train" in line for line in lines)
@@ -106,12 +122,13 @@ def test_stack_serves_a_batch_stops_cleanly_on_sigint_and_sigterm_and_keeps_its_
 
 
 def test_a_port_in_use_is_a_one_line_error_naming_it(tmp_path):
+    first = free_run_of_ports(4)
+    port = first + 1  # shardfeed-1's
     with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
+        busy.bind(("127.0.0.1", port))
         busy.listen()
-        port = busy.getsockname()[1]
         done = subprocess.run([sys.executable, "-m", "shardfeed", "stack", "--dir", str(tmp_path), "--port",
-                               str(port - 1), "--s3-port", str(free_port())],
+                               str(first), "--s3-port", str(first + 3)],
                               capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert done.stderr.splitlines() == [
@@ -123,7 +140,8 @@ def test_a_port_in_use_is_a_one_line_error_naming_it(tmp_path):
 def test_seaweedfs_missing_is_a_one_line_error_saying_how_to_install_it(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(s3server, "installed_script", lambda name: None)
     handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    status = cli.main(["stack", "--dir", str(tmp_path), "--port", str(free_port()), "--s3-port", str(free_port())])
+    first = free_run_of_ports(4)
+    status = cli.main(["stack", "--dir", str(tmp_path), "--port", str(first), "--s3-port", str(first + 3)])
     assert status == 1
     assert capsys.readouterr().err.splitlines() == [
         "shardfeed: error: SeaweedFS is not installed (no `weed` command): "
