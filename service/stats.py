@@ -19,6 +19,7 @@ costs about a hundred microseconds, once a second, whoever is watching.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import time
@@ -149,11 +150,11 @@ class StatsRecorder:
             return None
         latest = self.readings[-1]
         first = self.readings[0]
-        for reading in self.readings:
+        for reading in itertools.islice(self.readings, 1, len(self.readings) - 1):
             if reading.monotonic > latest.monotonic - seconds:
                 break
             first = reading
-        return (first, latest) if first is not latest else None
+        return first, latest
 
     def change(self, seconds: float) -> tuple[dict[str, float], float] | None:
         """How much every counter grew over about the last ``seconds``, and the exact seconds."""
