@@ -3,7 +3,9 @@ proxy, the service, the client, the DataLoader and the minimal HTTP server, for 
 
 from __future__ import annotations
 
+import base64
 import json
+import re
 import subprocess
 import sys
 
@@ -59,6 +61,12 @@ def test_quick_bench_measures_every_scenario_at_every_point_with_sane_figures(tm
     assert {g["target"] for g in document["targets"]}  # evaluated, "not measured" where the quick matrix lacks them
     assert (out / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| S3 +ms | size | batch | scenario |" in (out / "results.md").read_text()
+    # The HTML report: the same table, and the plot inside it, so the run is one file to open.
+    page = (out / "results.html").read_text()
+    embedded = re.search(r'<img [^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    assert embedded and base64.b64decode(embedded[1]) == (out / "throughput.png").read_bytes()
+    assert page.count("<tr>") == 1 + len(document["targets"]) + 1 + len(rows)  # header + row per target, per result
+    assert not re.search(r'(src|href)="(?!data:)', page)  # nothing fetched from elsewhere
 
 
 def test_bench_refuses_bad_arguments_with_one_line(tmp_path):
