@@ -6,7 +6,11 @@ real service over a socket, whose every figure must agree with its own ``/metric
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import time
+import zipfile
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -218,3 +222,15 @@ def test_replicas_show_health_and_the_shards_each_owns(dataset, tmp_path):
     finally:
         for s in services:
             s.stop()
+
+
+def test_the_page_is_in_the_built_wheel(tmp_path):
+    """An installed service (the Docker image installs the wheel) has its page: package-data."""
+    root = Path(__file__).resolve().parent.parent
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(tmp_path), str(root)], capture_output=True, text=True, timeout=240)
+    assert built.returncode == 0, built.stderr[-2000:]
+    (wheel,) = tmp_path.glob("shardfeed-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        page = archive.read("shardfeed/service/api/static/status.html")
+    assert page == (root / "service" / "api" / "static" / "status.html").read_bytes()
