@@ -144,8 +144,9 @@ class StatsRecorder:
         return {name: [p[name] for p in points] for name in ("t", *RATES, *LEVELS)}
 
     def span(self, seconds: float) -> tuple[Reading, Reading] | None:
-        """The newest reading at least ``seconds`` older than the latest (else the oldest kept,
-        taken when the service started), and the latest; None until there are two."""
+        """The newest reading at least ``seconds`` older than the latest (else the oldest kept:
+        the service is younger than that, and its first reading was taken before it served
+        anything), and the latest; None until there are two."""
         if len(self.readings) < 2:
             return None
         latest = self.readings[-1]
