@@ -7,9 +7,13 @@
    for ``--seconds`` per round, alternating rounds without and with ``--pages`` pollers
    (each polls as the page does: the whole history once, then ``?since=`` once a second,
    in a separate process); reports the median samples/s of each kind.
-3. Calls ``/v1/stats`` ``--calls`` times in a row, as a first load (the whole history) and
-   as the page's steady poll (``?since=``), and divides the service's CPU time (user +
-   system, from ``/proc``) by the calls, less what the idle service used over as long.
+3. Measures the service's CPU time (user + system, from ``/proc``) with no load, idle and
+   then with the pages open: what the pages cost, as a share of the one core the service
+   runs on (a bound on the samples/s they can take, which the noisy throughput rounds of a
+   shared machine cannot resolve to 5%).
+4. Calls ``/v1/stats`` ``--calls`` times in a row, as a first load (the whole history) and
+   as the page's steady poll (``?since=``), and divides the service's CPU time by the
+   calls, less what the idle service used over as long.
 
     python -m shardfeed.benchmarks.status_page --seconds 15 --rounds 3
 """
@@ -90,22 +94,37 @@ def _load(url: str, samples: int, batch: int, workers: int, seconds: float, seed
     return served / (time.monotonic() - began)
 
 
+def _cpu_rate(pid: int, seconds: float) -> float:
+    """CPU seconds per second the process uses over the next ``seconds``."""
+    cpu, began = cpu_seconds(pid), time.monotonic()
+    time.sleep(seconds)
+    return (cpu_seconds(pid) - cpu) / (time.monotonic() - began)
+
+
+def _start_pages(url: str, pages: int):
+    """The pollers in their own process, once every page is past its first (full) load."""
+    stop, calls = multiprocessing.Event(), multiprocessing.Value("l", 0)
+    process = multiprocessing.Process(target=_pages, args=(url, pages, stop, calls))
+    process.start()
+    while calls.value < pages:
+        time.sleep(0.1)
+    calls.value = 0
+    return process, stop, calls
+
+
 def _cpu_per_call(url: str, pid: int, calls: int, steady: bool) -> tuple[float, int]:
     """Service CPU seconds per /v1/stats call, less the idle service's CPU over as long; and
     the points of history the calls returned (the last call's)."""
     with httpx.Client(base_url=url, timeout=30) as client:
         doc = client.get("/v1/stats").json()
-        params = {"since": doc["series"]["t"][-1]} if steady else {}
-        time.sleep(0.5)
-        idle_cpu, idle_began = cpu_seconds(pid), time.monotonic()
-        time.sleep(2.0)
-        idle_rate = (cpu_seconds(pid) - idle_cpu) / (time.monotonic() - idle_began)
+        params = {"since": doc["series"]["points"][-1][0]} if steady else {}
+        idle_rate = _cpu_rate(pid, 2.0)
         cpu, began = cpu_seconds(pid), time.monotonic()
         for _ in range(calls):
             last = client.get("/v1/stats", params=params)
             last.raise_for_status()
         used = cpu_seconds(pid) - cpu - idle_rate * (time.monotonic() - began)
-    return used / calls, len(last.json()["series"]["t"])
+    return used / calls, len(last.json()["series"]["points"])
 
 
 def main(argv=None) -> int:
@@ -131,22 +150,21 @@ def main(argv=None) -> int:
             polls = []
             for round_ in range(args.rounds):
                 for with_pages in (False, True) if round_ % 2 == 0 else (True, False):
-                    stop, calls = multiprocessing.Event(), multiprocessing.Value("l", 0)
-                    pollers = None
-                    if with_pages:
-                        pollers = multiprocessing.Process(target=_pages, args=(svc.url, args.pages, stop, calls))
-                        pollers.start()
-                        while calls.value < args.pages:  # every page past its first (full) load
-                            time.sleep(0.1)
-                        calls.value = 0
+                    pollers = _start_pages(svc.url, args.pages) if with_pages else None
                     rate = _load(svc.url, args.samples, args.batch, args.workers, args.seconds, seed=round_ + 1)
                     rates[with_pages].append(rate)
                     if pollers is not None:
+                        process, stop, calls = pollers
                         polls.append(calls.value / args.seconds)
                         stop.set()
-                        pollers.join(10)
+                        process.join(10)
                     print(f"round {round_ + 1}: {'with' if with_pages else 'without'} {args.pages} pages: "
                           f"{rate:,.0f} samples/s", flush=True)
+            idle = _cpu_rate(svc.process.pid, 5)
+            process, stop, _ = _start_pages(svc.url, args.pages)
+            paged = _cpu_rate(svc.process.pid, 10)
+            stop.set()
+            process.join(10)
             full, points = _cpu_per_call(svc.url, svc.process.pid, args.calls, steady=False)
             steady, _ = _cpu_per_call(svc.url, svc.process.pid, args.calls, steady=True)
     without, with_ = statistics.median(rates[False]), statistics.median(rates[True])
@@ -154,6 +172,8 @@ def main(argv=None) -> int:
     print(f"warm batch load ({args.workers} x {args.batch} x {args.size}), median of {args.rounds} rounds of "
           f"{args.seconds:g} s: {without:,.0f} samples/s without pages, {with_:,.0f} with {args.pages} "
           f"({statistics.median(polls):.0f} /v1/stats calls/s): {100 * (with_ / without - 1):+.1f}%")
+    print(f"service CPU, no load: {1e3 * idle:.1f} ms/s idle, {1e3 * paged:.1f} ms/s with {args.pages} pages "
+          f"open: the pages cost {100 * (paged - idle):.1f}% of one core")
     print(f"/v1/stats service CPU per call: {1e3 * steady:.3f} ms as the page polls (?since=), "
           f"{1e3 * full:.3f} ms for a first load ({points} points of history); {args.calls} calls each")
     return 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import math
 import time
@@ -54,6 +55,9 @@ LATENCIES = {"batch": "shardfeed_batch_seconds", "sample": "shardfeed_sample_sec
 """Histograms whose recent percentiles are reported."""
 
 QUANTILES = (0.5, 0.95, 0.99)
+
+COLUMNS = ("t", *RATES, *LEVELS)
+"""The fields of a point of the series: its time (seconds since the epoch), then the rates and levels."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,7 @@ class StatsRecorder:
         self.interval = interval
         self.window = window
         self.readings: deque[Reading] = deque(maxlen=history + 1)  # one more: rates need a predecessor
-        self.rates: deque[dict[str, float]] = deque(maxlen=history)
+        self.points: deque[tuple[float, str]] = deque(maxlen=history)  # (time, the point as JSON)
         self.bounds: dict[str, tuple[float, ...]] = {}
         self.started = time.time()
         self._task: asyncio.Task | None = None
@@ -125,12 +129,12 @@ class StatsRecorder:
         if self.readings:
             before = self.readings[-1]
             elapsed = max(reading.monotonic - before.monotonic, 1e-6)
-            point = {"t": round(reading.time, 3)}
-            for name, sample in RATES.items():
-                point[name] = round((values.get(sample, 0.0) - before.values.get(sample, 0.0)) / elapsed, 3)
-            for name, sample in LEVELS.items():
-                point[name] = values.get(sample)
-            self.rates.append(point)
+            point = [round(reading.time, 3)]
+            point += [round((values.get(sample, 0.0) - before.values.get(sample, 0.0)) / elapsed, 3)
+                      for sample in RATES.values()]
+            point += [values.get(sample) for sample in LEVELS.values()]
+            # Serialized once here, not on every call: a page's first load gets 300 of them.
+            self.points.append((point[0], json.dumps(point, separators=(",", ":"), allow_nan=False)))
         self.readings.append(reading)
         return reading
 
@@ -138,10 +142,11 @@ class StatsRecorder:
     def latest(self) -> Reading | None:
         return self.readings[-1] if self.readings else None
 
-    def series(self, since: float | None = None) -> dict[str, list]:
-        """Per-second points newer than ``since`` (all kept ones by default), as columns."""
-        points = [p for p in self.rates if since is None or p["t"] > since]
-        return {name: [p[name] for p in points] for name in ("t", *RATES, *LEVELS)}
+    def series_json(self, since: float | None = None) -> str:
+        """``{"columns": COLUMNS, "points": [[...], ...]}`` as JSON: the per-second points
+        newer than ``since`` (all kept ones by default), oldest first."""
+        points = ",".join(text for t, text in self.points if since is None or t > since)
+        return f'{{"columns":{json.dumps(COLUMNS, separators=(",", ":"))},"points":[{points}]}}'
 
     def span(self, seconds: float) -> tuple[Reading, Reading] | None:
         """The newest reading at least ``seconds`` older than the latest (else the oldest kept:

@@ -5,6 +5,7 @@ real service over a socket, whose every figure must agree with its own ``/metric
 
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from sample_data import dir_put, make_dataset
 from service_helpers import metrics
 from shardfeed.service.metrics import Metrics
 from shardfeed.service.process import free_port, start_service
-from shardfeed.service.stats import RATES, StatsRecorder, quantile
+from shardfeed.service.stats import COLUMNS, RATES, StatsRecorder, quantile
 
 SAMPLES = 200
 
@@ -54,6 +55,12 @@ def wait_for_reading_after(url: str, moment: float, **kw) -> dict:
     return doc
 
 
+def columns(series: dict) -> dict[str, list]:
+    """The series' points as columns: ``{"t": [...], "samples": [...], ...}``."""
+    assert series["columns"] == list(COLUMNS)
+    return {name: [point[i] for point in series["points"]] for i, name in enumerate(series["columns"])}
+
+
 def batches(url: str, count: int, size: int = 32, seed: int = 0) -> None:
     rng = random.Random(seed)
     with httpx.Client(timeout=30) as client:
@@ -72,13 +79,13 @@ def test_rates_are_counter_growth_over_the_measured_time_between_readings():
     registry.samples.inc(300)
     registry.store_bytes.inc(4096)
     second = recorder.record()
-    series = recorder.series()
+    series = columns(json.loads(recorder.series_json()))
     elapsed = second.monotonic - first.monotonic
     assert series["samples"] == [pytest.approx(300 / elapsed, rel=1e-3)]
     assert series["store_bytes"] == [pytest.approx(4096 / elapsed, rel=1e-3)]
     assert series["rejected"] == [0]
     assert series["t"] == [round(second.time, 3)]
-    assert recorder.series(since=series["t"][0]) == {name: [] for name in series}
+    assert json.loads(recorder.series_json(since=series["t"][0]))["points"] == []
     change, seconds = recorder.change(10)
     assert (change[RATES["samples"]], seconds) == (300, elapsed)
 
@@ -87,7 +94,7 @@ def test_the_history_is_bounded():
     recorder = StatsRecorder(Metrics().registry, history=5)
     for _ in range(20):
         recorder.record()
-    assert len(recorder.series()["t"]) == 5 and len(recorder.readings) == 6
+    assert len(json.loads(recorder.series_json())["points"]) == 5 and len(recorder.readings) == 6
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -159,7 +166,7 @@ def test_stats_agree_with_the_service_metrics_after_load(service):
     assert doc["latency"]["batch"]["count"] == prom["shardfeed_batch_seconds_count"] == 40
     assert 0 < doc["latency"]["batch"]["p50"] <= doc["latency"]["batch"]["p95"] <= doc["latency"]["batch"]["p99"]
     assert doc["rates"]["span_s"] > 0 and doc["rates"]["samples"] > 0
-    series = doc["series"]
+    series = columns(doc["series"])
     assert len(series["t"]) >= 1 and series["t"] == sorted(series["t"])
     assert all(len(column) == len(series["t"]) for column in series.values())
     assert max(series["samples"]) > 0 and min(series["samples"]) >= 0
@@ -167,10 +174,10 @@ def test_stats_agree_with_the_service_metrics_after_load(service):
 
 def test_since_returns_only_newer_points(service):
     first = wait_for_reading_after(service.url, time.time() + 1.5)
-    last = first["series"]["t"][-1]
-    later = wait_for_reading_after(service.url, first["time"], params={"since": last})
-    assert later["series"]["t"] and all(t > last for t in later["series"]["t"])
-    assert stats(service.url, params={"since": 1e12})["series"]["t"] == []
+    last = columns(first["series"])["t"][-1]
+    later = columns(wait_for_reading_after(service.url, first["time"], params={"since": last})["series"])
+    assert later["t"] and all(t > last for t in later["t"])
+    assert stats(service.url, params={"since": 1e12})["series"]["points"] == []
 
 
 def test_a_bad_since_is_a_400_with_the_error_body(service):
