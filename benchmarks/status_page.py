@@ -112,13 +112,13 @@ def _start_pages(url: str, pages: int):
     return process, stop, calls
 
 
-def _cpu_per_call(url: str, pid: int, calls: int, steady: bool) -> tuple[float, int]:
+def _cpu_per_call(url: str, pid: int, calls: int, steady: bool, idle_seconds: float) -> tuple[float, int]:
     """Service CPU seconds per /v1/stats call, less the idle service's CPU over as long; and
     the points of history the calls returned (the last call's)."""
     with httpx.Client(base_url=url, timeout=30) as client:
         doc = client.get("/v1/stats").json()
         params = {"since": doc["series"]["points"][-1][0]} if steady else {}
-        idle_rate = _cpu_rate(pid, 2.0)
+        idle_rate = _cpu_rate(pid, idle_seconds)
         cpu, began = cpu_seconds(pid), time.monotonic()
         for _ in range(calls):
             last = client.get("/v1/stats", params=params)
@@ -137,6 +137,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seconds", type=float, default=15, help="length of one load round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds without and with pages, alternating")
     parser.add_argument("--calls", type=int, default=2000, help="/v1/stats calls for the CPU figure")
+    parser.add_argument("--cpu-seconds", type=float, default=10,
+                        help="how long the service's CPU is watched with the pages open (idle: half)")
     args = parser.parse_args(argv)
 
     load_before = os.getloadavg()
@@ -160,13 +162,13 @@ def main(argv=None) -> int:
                         process.join(10)
                     print(f"round {round_ + 1}: {'with' if with_pages else 'without'} {args.pages} pages: "
                           f"{rate:,.0f} samples/s", flush=True)
-            idle = _cpu_rate(svc.process.pid, 5)
+            idle = _cpu_rate(svc.process.pid, args.cpu_seconds / 2)
             process, stop, _ = _start_pages(svc.url, args.pages)
-            paged = _cpu_rate(svc.process.pid, 10)
+            paged = _cpu_rate(svc.process.pid, args.cpu_seconds)
             stop.set()
             process.join(10)
-            full, points = _cpu_per_call(svc.url, svc.process.pid, args.calls, steady=False)
-            steady, _ = _cpu_per_call(svc.url, svc.process.pid, args.calls, steady=True)
+            full, points = _cpu_per_call(svc.url, svc.process.pid, args.calls, False, args.cpu_seconds / 5)
+            steady, _ = _cpu_per_call(svc.url, svc.process.pid, args.calls, True, args.cpu_seconds / 5)
     without, with_ = statistics.median(rates[False]), statistics.median(rates[True])
     print(f"\nmachine: {os.cpu_count()} cores; load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after")
     print(f"warm batch load ({args.workers} x {args.batch} x {args.size}), median of {args.rounds} rounds of "

@@ -76,3 +76,17 @@ def test_bench_refuses_bad_arguments_with_one_line(tmp_path):
     done = bench("--sizes", "10KiB,lots", cwd=tmp_path)
     assert done.returncode == 1
     assert done.stderr.strip().startswith("shardfeed: error: invalid --sizes '10KiB,lots'")
+
+
+@pytest.mark.timeout(150)
+def test_status_page_benchmark_runs_and_prints_its_figures(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.status_page", "--samples", "500",
+                           "--seconds", "1", "--rounds", "1", "--pages", "5", "--calls", "50", "--cpu-seconds", "1"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"median of 1 rounds of 1 s: [\d,]+ samples/s without pages, [\d,]+ with 5 \(\d+ /v1/stats "
+                     r"calls/s\): [-+]\d+\.\d%", done.stdout), done.stdout
+    per_call = re.search(r"CPU per call: (-?\d+\.\d+) ms as the page polls \(\?since=\), (-?\d+\.\d+) ms for a "
+                         r"first load \((\d+) points of history\); 50 calls each", done.stdout)
+    assert per_call and int(per_call[3]) > 0, done.stdout
+    assert "the pages cost" in done.stdout
