@@ -163,6 +163,6 @@ shardfeed stack up in {seconds:.0f}s (state in {state}):
   S3 (SeaweedFS): {server.endpoint}  bucket {BUCKET}, dataset {DATASET_URL}
   credentials:    AWS_ACCESS_KEY_ID={server.access_key} AWS_SECRET_ACCESS_KEY={server.secret_key}
   replicas:       {' '.join(urls.values())}
-  metrics:        {first}/metrics (each replica)
+  status:         {first}/ and {first}/metrics (each replica)
   try:            python -c "from shardfeed.client import Client; print([s['__key__'] for s in Client('{first}').get_batch('{DATASET}', [17, 4, 9])])"
 Ctrl-C stops everything.""", flush=True)
