@@ -65,7 +65,7 @@ class ServiceProcess:
 
 def start_service(datasets: dict[str, str] | None = None, *, cache_dir: str | os.PathLike,
                   cache_size: str | None = None, port: int | None = None, env: dict[str, str] | None = None,
-                  args: list[str] | tuple[str, ...] = (), timeout: float = 60) -> ServiceProcess:
+                  args: list[str] | tuple[str, ...] = (), workers: int = 1, timeout: float = 60) -> ServiceProcess:
     """Start ``shardfeed serve`` and wait until ``/healthz`` answers.
 
     Args:
@@ -74,11 +74,13 @@ def start_service(datasets: dict[str, str] | None = None, *, cache_dir: str | os
         cache_size: e.g. ``"1GiB"``; default the service's.
         env: extra environment (AWS settings, tokens).
         args: further ``serve`` arguments.
+        workers: ``--workers``; one process unless asked, whatever the machine's cores.
     """
     port = port or free_port()
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "shardfeed", "serve", "--port", str(port), "--cache-dir", str(cache_dir)]
+    cmd = [sys.executable, "-m", "shardfeed", "serve", "--port", str(port), "--cache-dir", str(cache_dir),
+           "--workers", str(workers)]
     for name, url in (datasets or {}).items():
         cmd += ["--dataset", f"{name}={url}"]
     if cache_size:

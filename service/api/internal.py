@@ -1,8 +1,8 @@
-"""Replica to replica: the bytes of members of shards this replica owns."""
+"""Replica to replica and worker to worker: the bytes of members of shards this node owns."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -26,6 +26,9 @@ class RangeRead(BaseModel):
     shard: list[Annotated[StrictInt, Field(ge=0, lt=2**31)]]
     offset: list[Annotated[StrictInt, Field(ge=0, lt=2**62)]]
     size: list[Annotated[StrictInt, Field(ge=0, lt=2**62)]]
+    scope: Literal["host", "node"] = Field(
+        "host", description="host: a replica sent these, route them to the owning worker here; "
+                            "node: a sibling worker sent them, read them here.")
 
 
 @router.post("/v1/internal/read", response_class=Response, openapi_extra=json_body(RangeRead))
@@ -44,7 +47,7 @@ async def internal_read(request: Request, state: AppState) -> Response:
         raise InvalidRequest("a range lies outside the dataset's shards")
     members = Members(position=np.arange(n), sample=np.zeros(n, np.int64), field=np.zeros(n, np.int32),
                       shard=shard.astype(np.int32), offset=offset, size=size, found=np.ones(n, bool))
-    payloads = await state.coalescer.read_members(dataset, members, local=True)
+    payloads = await state.coalescer.read_members(dataset, members, scope=req.scope)
     for payload in payloads:
         if isinstance(payload, StoreError):
             raise StoreUnavailable(str(payload))
