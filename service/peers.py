@@ -159,6 +159,7 @@ class Cluster:
         self._readers: dict[int, PeerReader] = {}
         self.tls = tls
         self._health: asyncio.Task | None = None
+        self._version: str | None = None
 
     @property
     def node_id(self) -> str:
@@ -173,8 +174,10 @@ class Cluster:
 
     def version(self) -> str:
         """Changes whenever the owner of some shard may have changed: a digest of the live nodes."""
-        live = ",".join(f"{p.id}={int(p.up or i == self.me)}" for i, p in enumerate(self.peers))
-        return hashlib.blake2b(live.encode(), digest_size=6).hexdigest()
+        if self._version is None:
+            live = ",".join(f"{p.id}={int(p.up or i == self.me)}" for i, p in enumerate(self.peers))
+            self._version = hashlib.blake2b(live.encode(), digest_size=6).hexdigest()
+        return self._version
 
     # -- ownership ---------------------------------------------------------------------
     def rank(self, dataset_url: str, shards: list[str], level: str = "hosts") -> np.ndarray:
@@ -222,6 +225,7 @@ class Cluster:
             log.warning("%s %s is %s%s", "worker" if self.is_worker(node) else "peer", target.id,
                         "up" if up else "down", f" ({why})" if why else "")
             target.up = up
+            self._version = None
             self.metrics.peers_up.set(sum(p.up for p in self.hosts))
 
     async def _check(self, node: int) -> None:

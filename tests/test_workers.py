@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from sample_data import make_dataset, s3_put
-from service_helpers import metrics, tar_members
+from service_helpers import hops, metrics, tar_members
 from shardfeed.client import Client
 from shardfeed.service.process import start_service
 
@@ -114,3 +114,19 @@ def test_sigterm_drains_the_workers_and_exits_0(service):
     assert service.stop() == 0
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def test_client_routing_sends_each_worker_its_own_part_with_no_hop(service, dataset):
+    _, source = dataset
+    table = httpx.get(f"{service.url}/v1/datasets/train/routing", timeout=10).json()
+    assert sorted(table["urls"]) == sorted(worker_urls(service.url))
+    order = list(range(SAMPLES))
+    random.Random(5).shuffle(order)
+    with Client(service.url) as client:
+        for start in range(0, SAMPLES, 40):
+            batch = order[start:start + 40]
+            got = client.get_batch("train", batch)
+            assert [(s["__key__"], s["bin"]) for s in got] == [(f"sample{i:06d}", source[(i, "bin")]) for i in batch]
+    per_worker = [metrics(url) for url in worker_urls(service.url)]
+    assert all(m["shardfeed_samples_served_total"] > 0 for m in per_worker)
+    assert sum(hops(url, "worker") for url in worker_urls(service.url)) == 0, "a part went to a non-owner"

@@ -4,7 +4,8 @@
     datasets   /v1/datasets[/{name}]
     samples    per-sample GETs, coalesced by ``SampleBatcher``
     batch      POST /v1/batch, the ordered tar stream
-    internal   replica-to-replica member reads
+    internal   replica-to-replica and worker-to-worker member reads
+    routing    /v1/datasets/{name}/routing, for client-side routing
 
 Every route gets the service ``State`` from one dependency (``common.AppState``) and
 raises ``ApiError`` (``service/errors.py``) for every error answer.
@@ -27,11 +28,11 @@ from ..errors import ApiError, error_response
 from ..metrics import Metrics
 from ..peers import Cluster
 from ..samples import SampleBatcher
-from . import batch, datasets as dataset_routes, internal, ops, samples
+from . import batch, datasets as dataset_routes, internal, ops, routing, samples
 from .auth import TokenAuth
 from .common import ERRORS, Admission, State, describe
 
-ROUTERS = (ops.router, dataset_routes.router, samples.router, batch.router, internal.router)
+ROUTERS = (ops.router, dataset_routes.router, routing.router, samples.router, batch.router, internal.router)
 
 
 def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: BlockCache,
