@@ -15,7 +15,7 @@ import pytest
 from sample_data import make_dataset, s3_put
 from service_helpers import hops, metrics, tar_members
 from shardfeed.client import Client
-from shardfeed.service.process import start_service
+from shardfeed.service.process import free_port, start_service
 
 SAMPLES = 240
 
@@ -130,3 +130,33 @@ def test_client_routing_sends_each_worker_its_own_part_with_no_hop(service, data
     per_worker = [metrics(url) for url in worker_urls(service.url)]
     assert all(m["shardfeed_samples_served_total"] > 0 for m in per_worker)
     assert sum(hops(url, "worker") for url in worker_urls(service.url)) == 0, "a part went to a non-owner"
+
+
+def test_replicas_compose_with_workers(dataset, moto, tmp_path):
+    _, source = dataset
+    ports = [free_port(), free_port()]
+    peers = f"a=http://127.0.0.1:{ports[0]},b=http://127.0.0.1:{ports[1]}"
+    with start_service({"train": dataset[0]}, cache_dir=tmp_path / "a", port=ports[0], env=moto.env(), workers=2,
+                       args=["--node-id", "a", "--peers", peers, "--block-size", "64KiB"]) as a, \
+            start_service({"train": dataset[0]}, cache_dir=tmp_path / "b", port=ports[1], env=moto.env(),
+                          args=["--node-id", "b", "--peers", peers, "--block-size", "64KiB"]) as b:
+        deadline = time.monotonic() + 10  # until every process sees both replicas up
+        while any(metrics(url)["shardfeed_peers_up"] < 2 for url in [b.url, *worker_urls(a.url)]):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        order = list(range(SAMPLES))
+        random.Random(9).shuffle(order)
+        for service in (a, b):  # plain HTTP: any replica, any worker
+            assert fetch(service.url, order) == expected(source, order)
+        table = httpx.get(f"{b.url}/v1/datasets/train/routing", timeout=10).json()
+        assert sorted(table["urls"]) == sorted([a.url, b.url])  # a's workers sort out a's shards
+        table = httpx.get(f"{a.url}/v1/datasets/train/routing", timeout=10).json()
+        assert sorted(table["urls"]) == sorted([*worker_urls(a.url), b.url])
+        before = hops(b.url, "replica") + sum(hops(u, "replica") for u in worker_urls(a.url))
+        with Client(a.url) as client:
+            for start in range(0, SAMPLES, 48):
+                batch = order[start:start + 48]
+                assert [(s["__key__"], s["bin"]) for s in client.get_batch("train", batch)] == [
+                    (f"sample{i:06d}", source[(i, "bin")]) for i in batch]
+        after = hops(b.url, "replica") + sum(hops(u, "replica") for u in worker_urls(a.url))
+        assert after == before, "a routed part went to a replica that does not own it"
