@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,8 +13,14 @@ KiB, MiB, GiB = 1024, 1024**2, 1024**3
 
 
 def usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity, not the machine's count)."""
-    return len(os.sched_getaffinity(0))
+    """Cores this process may use: its CPU affinity, lowered to a container's CPU quota
+    (cgroup v2 ``cpu.max``), which the affinity does not show."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        return max(1, min(cores, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):  # no cgroup v2, or "max": no quota
+        return cores
 
 
 MAX_WORKERS_PER_CORE = 4

@@ -173,10 +173,13 @@ class Cluster:
                             for i, p in enumerate(self.workers)] if len(self.workers) > 1 else []}
 
     def version(self) -> str:
-        """Changes whenever the owner of some shard may have changed: a digest of the live nodes."""
+        """Changes whenever the owner of some shard may have changed: a digest of the live
+        replicas and of this host's down workers, so that every node agrees on it while
+        all are up, whatever their worker counts."""
         if self._version is None:
-            live = ",".join(f"{p.id}={int(p.up or i == self.me)}" for i, p in enumerate(self.peers))
-            self._version = hashlib.blake2b(live.encode(), digest_size=6).hexdigest()
+            hosts = ",".join(f"{p.id}={int(p.up or i == self.host)}" for i, p in enumerate(self.hosts))
+            down = ",".join(p.id for i, p in enumerate(self.workers) if not p.up and i != self.me)
+            self._version = hashlib.blake2b(f"{hosts};{down}".encode(), digest_size=6).hexdigest()
         return self._version
 
     # -- ownership ---------------------------------------------------------------------
@@ -234,7 +237,10 @@ class Cluster:
             async with reader.session().get(f"{reader.base}/healthz", ssl=reader.ssl,
                                             timeout=aiohttp.ClientTimeout(total=self.health_interval)) as resp:
                 self.mark(node, up=resp.status == 200, why=f"health check {resp.status}")
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
+        except asyncio.TimeoutError:
+            if not self.is_worker(node):
+                self.mark(node, up=False, why="health check timed out")
+        except (aiohttp.ClientError, OSError) as err:
             self.mark(node, up=False, why=f"health check: {type(err).__name__}")
 
     async def _health_loop(self) -> None:
@@ -262,7 +268,11 @@ def _first_live(ranks: np.ndarray, members: list[Peer], me: int) -> np.ndarray:
 
 class PeerReader:
     """Sub-batches for one node: ``POST /v1/internal/read`` over TCP to another replica,
-    or over a Unix socket to a sibling worker (which reads them itself: ``scope: node``)."""
+    or over a Unix socket to a sibling worker (which reads them itself: ``scope: node``).
+
+    A sibling that is slow is busy, not down (a dead one's socket refuses connections at
+    once), so a timeout marks only a replica down: ownership stays put on a loaded host.
+    """
 
     def __init__(self, cluster: Cluster, node: int):
         self.cluster = cluster
@@ -298,7 +308,8 @@ class PeerReader:
                     raise PeerError(f"{self.kind} {target.id} answered {resp.status}: {(await resp.text())[:200]}")
                 payload = await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
-            self.cluster.mark(self.node, up=False, why=f"{type(err).__name__}: {err}")
+            if self.kind == "replica" or not isinstance(err, asyncio.TimeoutError):
+                self.cluster.mark(self.node, up=False, why=f"{type(err).__name__}: {err}")
             metrics.peer_requests.labels(target.id, self.kind, "error").inc()
             raise PeerError(f"{self.kind} {target.id} unreachable: {err!r}") from None
         except PeerError:

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from reliability_helpers import expected_members
 from sample_data import make_dataset, s3_put
 from service_helpers import hops, metrics, tar_members
 from shardfeed.client import Client
@@ -35,8 +36,7 @@ def service(dataset, moto, tmp_path):
 
 
 def expected(source, indices):
-    return [(f"sample{i:06d}.{f}", source[(i, f)]) for i in indices for f in ("bin", "cls", "json")
-            if (i, f) in source]
+    return expected_members(source, "train", indices)
 
 
 def fetch(url, indices):
@@ -72,10 +72,10 @@ def test_workers_share_the_load_and_cache_no_block_twice(service, dataset):
         for _ in range(2):
             assert list(pool.map(lambda b: fetch(service.url, b), batches)) == [expected(source, b) for b in batches]
     urls = worker_urls(service.url)
-    for url in urls:  # plain HTTP to each worker's own port serves any batch too
-        assert fetch(url, order[:50]) == expected(source, order[:50])
     per_worker = [metrics(url) for url in urls]
     assert all(m["shardfeed_samples_served_total"] > 0 for m in per_worker), "one worker served everything"
+    for url in urls:  # plain HTTP to each worker's own port serves any batch too
+        assert fetch(url, order[:50]) == expected(source, order[:50])
     assert all(m["shardfeed_store_requests_total"] > 0 for m in per_worker), "one worker owns every shard"
     assert all(m["shardfeed_peer_requests_total"] > 0 for m in per_worker), "no sibling sub-batches"
     cache = service.log_path.parent / "cache"

@@ -7,16 +7,18 @@ sample. ``version`` changes whenever ownership may have (a node went down or cam
 every batch answer carries the answering node's version in ``X-Shardfeed-Routing``, so a
 client notices a stale table and fetches a new one.
 
-Owners are URLs: another replica's URL from ``--peers``; for this host's workers, the
-URL the client used with the port replaced by the worker's own port; for a lone process,
-nothing (``urls`` is empty: no routing to do).
+Owners are URLs: a replica's URL from ``--peers``; for this host's workers, that URL (or,
+without peers, the one the client used) with the port replaced by the worker's own port;
+for a lone process, nothing (``urls`` is empty: no routing to do).
 """
 
 from __future__ import annotations
 
 import numpy as np
 from fastapi import APIRouter, Request
+from starlette.datastructures import URL
 
+from ..peers import Cluster
 from .common import AppState
 
 ROUTING_HEADER = "X-Shardfeed-Routing"
@@ -40,10 +42,11 @@ async def routing_table(name: str, request: Request, state: AppState) -> dict:
             "urls": [_url(request, cluster, int(node)) for node in used]}
 
 
-def _url(request: Request, cluster, node: int) -> str:
+def _url(request: Request, cluster: Cluster, node: int) -> str:
     if not cluster.is_worker(node):
         return cluster.peers[node].url
-    if len(cluster.workers) == 1:  # this process, as the client reached it
-        return str(request.base_url).rstrip("/")
-    port = int(cluster.workers[node].url.rsplit(":", 1)[1])
-    return str(request.base_url.replace(port=port)).rstrip("/")
+    # This host: as named in --peers (clients reach replicas there), else as the client reached it.
+    base = URL(cluster.hosts[cluster.host].url) if len(cluster.hosts) > 1 else request.base_url
+    if len(cluster.workers) > 1:
+        base = base.replace(port=URL(cluster.workers[node].url).port)
+    return str(base).rstrip("/")
