@@ -10,7 +10,8 @@ One run:
    requests in flight, against a freshly started service (empty cache), in alternating
    order (A B B A ...) so that the drift of a shared machine cancels out;
 3. prints a line per scenario as it goes, then the table and the targets, and writes
-   ``results.json``, ``results.md``, ``throughput.png`` (and ``profile.txt``) to ``--out``.
+   ``results.json``, ``results.md``, ``results.html`` (the report with the plot embedded),
+   ``throughput.png`` (and ``profile.txt``) to ``--out``.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="a small matrix that runs in well under a minute (the test suite runs it)")
     parser.add_argument("--out", type=Path, default=Path("shardfeed-bench"),
-                        help="directory for results.json, results.md, throughput.png (default: %(default)s)")
+                        help="directory for results.json, results.md, results.html, throughput.png "
+                             "(default: %(default)s)")
     parser.add_argument("--endpoint", help="use this S3/MinIO endpoint (credentials from the AWS settings) "
                                            "instead of starting moto's server")
     parser.add_argument("--bucket", default="shardfeed-bench",
@@ -559,6 +561,8 @@ def run(args: argparse.Namespace) -> int:
         "profile": found})
     (out / "results.md").write_text(report.markdown(rows, machine, config, goals))
     report.plot(out / "throughput.png", rows, settings.latencies, settings.headline)
+    plot_png = (out / "throughput.png").read_bytes()
+    (out / "results.html").write_text(report.html(rows, machine, config, goals, plot_png))
     if profile_text:
         (out / "profile.txt").write_text(profile_text)
 
@@ -575,6 +579,6 @@ def run(args: argparse.Namespace) -> int:
     unmeasured = sum(g["met"] is None for g in goals)
     if unmeasured:
         print(f"  ({unmeasured} of {len(goals)} targets need points this run did not measure)")
-    print(f"\nwrote {out}/results.json, results.md, throughput.png{', profile.txt' if profile_text else ''} "
+    print(f"\nwrote {out}/results.json, results.md, results.html, throughput.png{', profile.txt' if profile_text else ''} "
           f"in {config['elapsed_s']:.0f}s")
     return 0

@@ -151,6 +151,8 @@ class Cluster:
         """Every node: this host's workers first, then the other replicas."""
         self._host_node = np.array([-1 if i == host else len(self.workers) + i - (i > host)
                                     for i in range(len(hosts))], dtype=np.int64)
+        self._node_host = np.array([host] * len(self.workers) + [i for i in range(len(hosts)) if i != host],
+                                   dtype=np.int64)
         self.metrics = metrics
         self.timeout = timeout
         self.health_interval = health_interval
@@ -209,6 +211,10 @@ class Cluster:
             ranks = self.rank(dataset_url, shards, "workers")[shard_codes[mine]]
             owner[mine] = _first_live(ranks, self.workers, self.me)
         return owner
+
+    def host_of(self, nodes: np.ndarray) -> np.ndarray:
+        """The replica (position in ``hosts``) of each node."""
+        return self._node_host[nodes]
 
     def is_worker(self, node: int) -> bool:
         """Whether ``node`` is one of this host's workers (else another replica)."""

@@ -6,6 +6,7 @@
     batch      POST /v1/batch, the ordered tar stream
     internal   replica-to-replica and worker-to-worker member reads
     routing    /v1/datasets/{name}/routing, for client-side routing
+    status     GET /v1/stats and the status page at / and /ui
 
 Every route gets the service ``State`` from one dependency (``common.AppState``) and
 raises ``ApiError`` (``service/errors.py``) for every error answer.
@@ -28,11 +29,13 @@ from ..errors import ApiError, error_response
 from ..metrics import Metrics
 from ..peers import Cluster
 from ..samples import SampleBatcher
-from . import batch, datasets as dataset_routes, internal, ops, routing, samples
+from ..stats import StatsRecorder
+from . import batch, datasets as dataset_routes, internal, ops, routing, samples, status
 from .auth import TokenAuth
 from .common import ERRORS, Admission, State, describe
 
-ROUTERS = (ops.router, dataset_routes.router, routing.router, samples.router, batch.router, internal.router)
+ROUTERS = (ops.router, dataset_routes.router, routing.router, samples.router, batch.router, internal.router,
+           status.router)
 
 
 def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: BlockCache,
@@ -41,13 +44,15 @@ def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: Block
     coalescer = Coalescer(cache, metrics, config, cluster)
     admission = Admission({"batch": config.max_inflight_batches, "sample": config.max_inflight_samples}, metrics)
     state = State(config, datasets, metrics, coalescer, SampleBatcher(coalescer, config.sample_window),
-                  admission, cluster)
+                  admission, cluster, StatsRecorder(metrics.registry))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        state.stats.start()
         if cluster is not None:
             cluster.start()
         yield
+        await state.stats.close()
         if cluster is not None:
             await cluster.close()
         await coalescer.close()
