@@ -22,10 +22,11 @@ class RangeRead(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     dataset: str = Field(min_length=1, max_length=256)
-    # Bounded, so that offset + size cannot overflow int64 and slip past the range check.
+    # Bounded, so that offset + size cannot overflow int64 and slip past the range check;
+    # 2**53, so that a client reading the bound as a JSON double gets it exactly.
     shard: list[Annotated[StrictInt, Field(ge=0, lt=2**31)]]
-    offset: list[Annotated[StrictInt, Field(ge=0, lt=2**62)]]
-    size: list[Annotated[StrictInt, Field(ge=0, lt=2**62)]]
+    offset: list[Annotated[StrictInt, Field(ge=0, lt=2**53)]]
+    size: list[Annotated[StrictInt, Field(ge=0, lt=2**53)]]
     scope: Literal["host", "node"] = Field(
         "host", description="host: a replica sent these, route them to the owning worker here; "
                             "node: a sibling worker sent them, read them here.")
