@@ -88,7 +88,7 @@ class ServiceProcess:
 
 def start_service(datasets: dict[str, str] | None = None, *, cache_dir: str | os.PathLike,
                   cache_size: str | None = None, port: int | None = None, env: dict[str, str] | None = None,
-                  args: list[str] | tuple[str, ...] = (), timeout: float = 60) -> ServiceProcess:
+                  args: list[str] | tuple[str, ...] = (), workers: int = 1, timeout: float = 60) -> ServiceProcess:
     """Start ``shardfeed serve`` and wait until ``/healthz`` answers.
 
     Args:
@@ -97,10 +97,11 @@ def start_service(datasets: dict[str, str] | None = None, *, cache_dir: str | os
         cache_size: e.g. ``"1GiB"``; default the service's.
         env: extra environment (AWS settings, tokens).
         args: further ``serve`` arguments.
+        workers: ``--workers``; one process unless asked, whatever the machine's cores.
     """
     port = port or free_port()
     cache_dir = Path(cache_dir)
-    argv = ["serve", "--port", str(port), "--cache-dir", str(cache_dir)]
+    argv = ["serve", "--port", str(port), "--cache-dir", str(cache_dir), "--workers", str(workers)]
     for name, url in (datasets or {}).items():
         argv += ["--dataset", f"{name}={url}"]
     if cache_size:

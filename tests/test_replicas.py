@@ -3,6 +3,7 @@ failover, rejoin."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 
@@ -10,7 +11,8 @@ import httpx
 import pytest
 
 from sample_data import make_dataset, s3_put
-from service_helpers import metrics, tar_members
+from service_helpers import hops, metrics, tar_members
+from shardfeed.client import AsyncClient, Client
 from shardfeed.service.process import free_port, start_service
 
 SAMPLES = 240
@@ -97,6 +99,66 @@ def test_killing_a_replica_loses_no_sample_and_a_restarted_one_rejoins(cluster, 
     restarted = metrics(services[2].url)
     assert restarted["shardfeed_samples_served_total"] == 0
     assert restarted["shardfeed_store_requests_total"] > 0
+
+
+def samples(source, indices):
+    return [(f"sample{i:06d}", source[(i, "bin")]) for i in indices]
+
+
+def keyed(got):
+    return [(s["__key__"], s["bin"]) for s in got]
+
+
+def test_client_routing_sends_each_replica_its_own_part_with_no_hop(cluster, dataset):
+    services, _ = cluster
+    _, source = dataset
+    table = httpx.get(f"{services[1].url}/v1/datasets/train/routing").json()
+    assert table["starts"] == list(range(0, SAMPLES, 20))  # the first sample of each shard
+    assert sorted(table["urls"]) == sorted(s.url for s in services)
+    order = list(range(SAMPLES))
+    random.Random(7).shuffle(order)
+    batches = [order[i:i + 32] for i in range(0, SAMPLES, 32)]
+    with Client(services[0].url) as client:  # one URL given: the others come from the table
+        for batch in batches:
+            assert keyed(client.get_batch("train", batch)) == samples(source, batch)
+
+    async def epoch():
+        async with AsyncClient(services[2].url) as client:
+            return [keyed(await client.get_batch("train", batch)) for batch in batches]
+
+    assert asyncio.run(epoch()) == [samples(source, batch) for batch in batches]
+    assert sum(hops(s.url, "replica") for s in services) == 0, "a batch part went to a non-owner"
+    assert all(metrics(s.url)["shardfeed_samples_served_total"] > 0 for s in services)
+
+
+def test_client_routing_survives_ownership_changes_mid_epoch(cluster, dataset):
+    services, start = cluster
+    _, source = dataset
+    rng = random.Random(8)
+    with Client([s.url for s in services]) as client:
+        for round_ in range(12):
+            if round_ == 3:  # ownership moves to a and b; the client's table still names c
+                services[2].process.kill()
+                services[2].process.wait()
+            if round_ == 7:  # and back to c
+                services[2] = start(2)
+            batch = rng.sample(range(SAMPLES), 48)
+            assert keyed(client.get_batch("train", batch)) == samples(source, batch)
+        deadline = time.monotonic() + 20
+        while any(metrics(s.url)["shardfeed_peers_up"] < 3 for s in services):
+            assert time.monotonic() < deadline, "the restarted replica never rejoined"
+            time.sleep(0.2)
+        versions = {httpx.get(f"{s.url}/v1/datasets/train/routing").json()["version"] for s in services}
+        assert len(versions) == 1
+        while client.router.version("train") not in versions:  # answers tell the client its table is stale
+            assert time.monotonic() < deadline, "the client never refreshed its routing table"
+            batch = rng.sample(range(SAMPLES), 48)
+            assert keyed(client.get_batch("train", batch)) == samples(source, batch)
+            time.sleep(0.2)
+        before = sum(hops(s.url, "replica") for s in services)
+        batch = list(range(SAMPLES))
+        assert keyed(client.get_batch("train", batch)) == samples(source, batch)
+        assert sum(hops(s.url, "replica") for s in services) == before, "a stale table after a refresh"
 
 
 def test_a_bad_peer_list_is_refused_with_a_clear_error(dataset, s3_server, tmp_path):

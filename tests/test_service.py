@@ -317,6 +317,9 @@ def test_a_removed_cache_dir_is_recreated_and_locked_again(s3_dataset, s3_server
     (["--peer-timeout", "0"], "--peer-timeout must be positive"),
     (["--cache-size", "lots"], "invalid size value: 'lots'"),
     (["--dataset", "no-equals-sign"], "--dataset expects NAME=URL"),
+    (["--workers", "0"], "--workers must be between 1 and"),
+    (["--workers", "-2"], "--workers must be between 1 and"),
+    (["--workers", "100000"], "--workers must be between 1 and"),
 ])
 def test_bad_serve_arguments_are_refused_with_one_line(tmp_path, args, message):
     import subprocess

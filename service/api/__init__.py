@@ -4,7 +4,8 @@
     datasets   /v1/datasets[/{name}]
     samples    per-sample GETs, coalesced by ``SampleBatcher``
     batch      POST /v1/batch, the ordered tar stream
-    internal   replica-to-replica member reads
+    internal   replica-to-replica and worker-to-worker member reads
+    routing    /v1/datasets/{name}/routing, for client-side routing
     status     GET /v1/stats and the status page at / and /ui
 
 Every route gets the service ``State`` from one dependency (``common.AppState``) and
@@ -29,11 +30,12 @@ from ..metrics import Metrics
 from ..peers import Cluster
 from ..samples import SampleBatcher
 from ..stats import StatsRecorder
-from . import batch, datasets as dataset_routes, internal, ops, samples, status
+from . import batch, datasets as dataset_routes, internal, ops, routing, samples, status
 from .auth import TokenAuth
 from .common import ERRORS, Admission, State, describe
 
-ROUTERS = (ops.router, dataset_routes.router, samples.router, batch.router, internal.router, status.router)
+ROUTERS = (ops.router, dataset_routes.router, routing.router, samples.router, batch.router, internal.router,
+           status.router)
 
 
 def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: BlockCache,

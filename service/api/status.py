@@ -128,7 +128,7 @@ def _replicas(state: State) -> list[dict]:
         peer["shards"] = {}
     for name, dataset in state.datasets.items():
         shards = dataset.index.shards
-        owners = state.cluster.owners(dataset.url, shards, np.arange(len(shards)))
+        owners = state.cluster.host_of(state.cluster.owners(dataset.url, shards, np.arange(len(shards))))
         for peer, count in zip(described, np.bincount(owners, minlength=len(described)).tolist()):
             peer["shards"][name] = count
     return described
