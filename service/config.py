@@ -15,6 +15,10 @@ class ServiceConfig:
     datasets: dict[str, str] = field(default_factory=dict)
     """Datasets served, ``{name: url}``; empty means the embedded default (see ``server.py``)."""
 
+    buckets: tuple[str, ...] = ()
+    """Buckets GetBatch (``/v1/ml/moss``) may read, on the S3 endpoint of the AWS settings; any
+    other bucket is refused, never read with the service's credentials."""
+
     host: str = "127.0.0.1"
     """Interface to bind. Loopback unless told otherwise: exposing a data service is a decision."""
 

@@ -16,6 +16,7 @@ index with two fields per sample stays well under 100 bytes per sample.
 from __future__ import annotations
 
 import asyncio
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -185,6 +186,20 @@ class Index:
         """The fields of sample ``i`` in stored member order."""
         i = self._check(int(i))
         return [self.fields[c] for c in self._field[self._starts[i]:self._starts[i + 1]]]
+
+    def shard_members(self, shard: str) -> dict[str, tuple[int, int]]:
+        """``{"<key>.<field>": (offset, size)}`` of every member of one shard (empty if unknown)."""
+        code = bisect_left(self.shards, shard)
+        if code == len(self.shards) or self.shards[code] != shard:
+            return {}
+        samples = np.flatnonzero(self._shard == code)
+        if not len(samples):
+            return {}
+        rows = np.concatenate([np.arange(self._starts[s], self._starts[s + 1]) for s in samples.tolist()])
+        owner = np.repeat(samples, np.diff(self._starts)[samples])
+        keys = self._keys.take(pa.array(owner)).to_pylist()
+        return {f"{key}.{self.fields[f]}": (o, z) for key, f, o, z in
+                zip(keys, self._field[rows].tolist(), self._offset[rows].tolist(), self._size[rows].tolist())}
 
     def field_codes(self, fields: Sequence[str]) -> np.ndarray:
         """Codes into ``self.fields``; ``UnknownField`` for a name the dataset lacks."""

@@ -35,7 +35,7 @@ _REGULAR = (b"0", b"\0", b"7")  # regular file (old and new style), contiguous f
 _MAX_LONG_NAME = 1 << 20  # a PAX / GNU long-name record larger than this is corruption, not a name
 
 
-class _ShardScan:
+class ShardScan:
     """Header-by-header walk through one shard, fed window by window (pure CPU, runs in a thread)."""
 
     def __init__(self, path: str, size: int):
@@ -125,17 +125,21 @@ class _ShardScan:
                         schema=SCHEMA)
 
 
-async def _scan_shard(store: Store, info: ObjectInfo, window: int, bar: tqdm) -> pa.Table:
-    scan = _ShardScan(info.path, info.size)
+async def scan_shard(store: Store, info: ObjectInfo, window: int, bar: tqdm | None = None) -> ShardScan:
+    """Walk the headers of one shard (``ShardScan``'s names, offsets and sizes), reading only
+    around them; ``bar`` counts the bytes covered."""
+    scan = ShardScan(info.path, info.size)
     data, base, covered = b"", 0, 0
     while need := await asyncio.to_thread(scan.feed, data, base):
         base = scan.pos
         want = window if scan.last_size < window else min(window, _PROBE)
         data = await store.read_range(info.path, base, min(info.size - base, max(want, need)))
-        bar.update(base - covered)
+        if bar is not None:
+            bar.update(base - covered)
         covered = base
-    bar.update(info.size - covered)
-    return await asyncio.to_thread(scan.table)
+    if bar is not None:
+        bar.update(info.size - covered)
+    return scan
 
 
 async def _bounded_map(fn: Callable[[T], Awaitable[R]], items: Sequence[T], limit: int) -> list[R]:
@@ -190,7 +194,10 @@ async def index_shards(store: Store, shards: Sequence[str] | None = None, *, win
         infos = await _bounded_map(store.head, sorted(set(shards)), concurrency)
     with tqdm(total=sum(o.size for o in infos), unit="B", unit_scale=True, unit_divisor=1024,
               desc="index", disable=None if progress else True) as bar:
-        tables = await _bounded_map(lambda info: _scan_shard(store, info, window, bar), infos, concurrency)
+        async def table(info: ObjectInfo) -> pa.Table:
+            return await asyncio.to_thread((await scan_shard(store, info, window, bar)).table)
+
+        tables = await _bounded_map(table, infos, concurrency)
     if not any(t.num_rows for t in tables):
         raise IndexFormatError(f"{store.url}: the shards hold no samples")
     return await asyncio.to_thread(lambda: Index.from_table(_number_samples(tables)))

@@ -4,6 +4,7 @@
     datasets   /v1/datasets[/{name}]
     samples    per-sample GETs, coalesced by ``SampleBatcher``
     batch      POST /v1/batch, the ordered tar stream
+    getbatch   GET /v1/ml/moss, AIStore's GetBatch for the AIStore SDK
     internal   replica-to-replica member reads
 
 Every route gets the service ``State`` from one dependency (``common.AppState``) and
@@ -27,20 +28,23 @@ from ..errors import ApiError, error_response
 from ..metrics import Metrics
 from ..peers import Cluster
 from ..samples import SampleBatcher
-from . import batch, datasets as dataset_routes, internal, ops, samples
+from ..objects import BucketStores, Catalog
+from ..stores import Store
+from . import batch, datasets as dataset_routes, getbatch, internal, ops, samples
 from .auth import TokenAuth
 from .common import ERRORS, Admission, State, describe
 
-ROUTERS = (ops.router, dataset_routes.router, samples.router, batch.router, internal.router)
+ROUTERS = (ops.router, dataset_routes.router, samples.router, batch.router, getbatch.router, internal.router)
 
 
 def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: BlockCache,
-               metrics: Metrics, cluster: Cluster | None = None) -> FastAPI:
-    """The ASGI app over already opened datasets and cache (see ``server.py``)."""
+               metrics: Metrics, cluster: Cluster | None = None, buckets: dict[str, Store] | None = None) -> FastAPI:
+    """The ASGI app over already opened datasets, cache and GetBatch bucket stores (see ``server.py``)."""
     coalescer = Coalescer(cache, metrics, config, cluster)
     admission = Admission({"batch": config.max_inflight_batches, "sample": config.max_inflight_samples}, metrics)
+    bucket_stores = BucketStores(buckets or {})
     state = State(config, datasets, metrics, coalescer, SampleBatcher(coalescer, config.sample_window),
-                  admission, cluster)
+                  admission, cluster, Catalog(bucket_stores, datasets))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -52,6 +56,7 @@ def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: Block
         await coalescer.close()
         for dataset in datasets.values():
             await dataset.store.close()
+        await bucket_stores.close()
 
     app = FastAPI(title="shardfeed", version="1", lifespan=lifespan, responses=ERRORS,
                   description="Batched, ordered sample loading from S3-compatible storage.")
