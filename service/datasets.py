@@ -7,8 +7,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .cache import dataset_id, shard_id
+from . import layouts
 from .index import Index, load_index
-from .stores import Store, open_store
+from .stores import ObjectNotFound, Store, open_store
 
 
 @dataclass
@@ -35,11 +36,21 @@ class Dataset:
         }
 
 
-async def open_dataset(name: str, url: str, store_options: dict | None = None) -> Dataset:
-    """Open the store at ``url`` and load its index (``StoreError``/``IndexFormatError`` if bad)."""
+async def open_dataset(name: str, url: str, store_options: dict | None = None, *,
+                       index_objects: bool = False) -> Dataset:
+    """Open the store at ``url`` and load its index (``StoreError``/``IndexFormatError`` if bad).
+
+    index_objects: without ``index.parquet``, index the loose objects under ``url`` now
+    (the ``objects`` layout, ``layouts.py``), in memory.
+    """
     store = open_store(url, **(store_options or {}))
     try:
-        index = await load_index(store)
+        try:
+            index = await load_index(store)
+        except ObjectNotFound:
+            if not index_objects:
+                raise
+            index = await layouts.index_objects(store)
     except BaseException:
         await store.close()
         raise

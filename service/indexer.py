@@ -1,4 +1,4 @@
-"""``shardfeed index``: build ``index.parquet`` for existing WebDataset tar shards.
+"""The ``tar`` layout: build the index of existing WebDataset tar shards (``shardfeed index``).
 
 Only tar headers are read, with ranged reads: read a window at a header, parse every
 header that lies inside it, and when the next header lies beyond the window (member
@@ -11,9 +11,7 @@ per member, and their data is never downloaded.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -22,9 +20,8 @@ from tqdm import tqdm
 
 from shardfeed.tar import BLOCK, TarFormatError, padding, parse_header, parse_pax
 
-from .index import SCHEMA, Index, IndexFormatError, split_member_name, write_index
-from .sizes import format_size, parse_size
-from .stores import ObjectInfo, Store, open_store
+from .index import SCHEMA, Index, IndexFormatError, split_member_name
+from .stores import ObjectInfo, Store
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -201,26 +198,3 @@ async def index_shards(store: Store, shards: Sequence[str] | None = None, *, win
     if not any(t.num_rows for t in tables):
         raise IndexFormatError(f"{store.url}: the shards hold no samples")
     return await asyncio.to_thread(lambda: Index.from_table(_number_samples(tables)))
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("url", metavar="URL", help="dataset root: s3://bucket/prefix, file:///dir or a path")
-    parser.add_argument("--window", default="1MiB",
-                        help="bytes per ranged header read (default 1MiB)")
-
-
-def run(args: argparse.Namespace) -> int:
-    async def main() -> tuple[Index, str]:
-        async with open_store(args.url) as store:
-            index = await index_shards(store, window=parse_size(args.window), progress=args.progress)
-            # S3Store counts its requests: report what reading the headers cost.
-            cost = (f", {store.requests} store requests, {format_size(store.bytes_read)} read"
-                    if hasattr(store, "requests") else "")
-            await write_index(store, index)
-            return index, cost
-
-    started = time.monotonic()
-    index, cost = asyncio.run(main())
-    print(f"indexed {index.summary()} at {args.url} in {time.monotonic() - started:.1f}s{cost}")
-    return 0
-

@@ -9,7 +9,7 @@ LIST would answer for a whole prefix, but an entry names one object under any pr
 and the listing may be huge; a whole-object GET would need no size, but could not be
 planned into blocks, so it would bypass the cache and the coalescing of concurrent
 requests. An object of a served loose-object dataset needs no HEAD: its index has the
-size. The size is the read extent of every block of the object, so it must be the same
+size (``Index.layout`` ``objects``). The size is the read extent of every block of the object, so it must be the same
 for every request (an object is assumed not to change while it is served; the S3 store
 pins ETags and fails a read that sees a new version).
 
@@ -158,6 +158,10 @@ class Catalog:
         return Span(bucket, key, size, *member)
 
     async def _size(self, bucket: str, key: str) -> int:
+        for dataset, rel in self._owners(bucket, key):
+            code = dataset.index.shard_code(rel) if dataset.index.layout == "objects" else None
+            if code is not None:  # a loose object of a served dataset: its index has the size
+                return int(dataset.extents[code])
         return await self._sizes.get((bucket, key))
 
     async def _head(self, where: tuple[str, str]) -> int:
@@ -174,7 +178,7 @@ class Catalog:
             table = dataset.index.shard_members(rel)
             if table:
                 return table
-        size = await self._sizes.get(where)
+        size = await self._size(bucket, key)
         async with self._lookups:
             try:
                 scan = await scan_shard(self.stores[bucket], ObjectInfo(key, size), self._scan_window)

@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", action="append", default=[], metavar="NAME=URL",
                         help="serve the dataset at URL (file:// or s3://) as NAME; repeatable. "
                              "Default: the embedded digits dataset under --data-dir")
+    parser.add_argument("--index-objects", action="store_true",
+                        help="index a --dataset that has no index.parquet at start, as loose objects "
+                             "(a/0001.jpg + a/0001.cls = one sample), listing its prefix")
     parser.add_argument("--bucket", action="append", default=[], metavar="NAME",
                         help="let GetBatch (/v1/ml/moss, the AIStore SDK's batch API) read this S3 bucket; "
                              "repeatable. Other buckets are refused")
@@ -155,7 +158,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                         max_delay=args.hedge_max_ms / 1e3, budget=args.hedge_budget) if args.hedge else None
     return ServiceConfig(
         store_options=store_options, hedge=hedge,
-        datasets=datasets, buckets=tuple(dict.fromkeys(args.bucket)), host=args.host, port=args.port, cache_dir=args.cache_dir,
+        datasets=datasets, index_objects=args.index_objects, buckets=tuple(dict.fromkeys(args.bucket)), host=args.host, port=args.port, cache_dir=args.cache_dir,
         cache_size=args.cache_size, block_size=args.block_size, merge_gap=args.merge_gap,
         max_store_requests=args.max_store_requests, sample_window=args.sample_window_ms / 1e3,
         max_batch=args.max_batch, max_inflight_batches=args.max_inflight_batches,
@@ -207,7 +210,8 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
             if hedger is not None:
                 buckets[bucket] = hedger.wrap(buckets[bucket])
         for name, url in config.datasets.items():
-            datasets[name] = await open_dataset(name, url, config.store_options)
+            datasets[name] = await open_dataset(name, url, config.store_options,
+                                                index_objects=config.index_objects)
             if hedger is not None:
                 datasets[name].store = hedger.wrap(datasets[name].store)
             log.info("dataset %s: %s (%d samples, %d shards)", name, url, len(datasets[name].index),

@@ -7,6 +7,7 @@ every path it takes is relative to that root and confined to it.
 from __future__ import annotations
 
 import posixpath
+from collections.abc import AsyncIterator
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -72,6 +73,10 @@ class Store(ABC):
     @abstractmethod
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
         """Every object under ``prefix`` (recursively), sorted by path."""
+
+    async def list_pages(self, prefix: str = "") -> AsyncIterator[list[ObjectInfo]]:
+        """``list(prefix)`` a page at a time (a page per LIST request where the backend pages)."""
+        yield await self.list(prefix)
 
     @abstractmethod
     async def head(self, path: str) -> ObjectInfo:

@@ -18,7 +18,7 @@ import asyncio
 import os
 import re
 import xml.etree.ElementTree as ET
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 from urllib.parse import quote, unquote_plus, urlsplit
 
@@ -372,17 +372,22 @@ class S3Store(Store):
         return await self._call("HEAD", key, info)
 
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
+        out: list[ObjectInfo] = []
+        async for page in self.list_pages(prefix):
+            out.extend(page)
+        return sorted(out, key=lambda o: o.path)
+
+    async def list_pages(self, prefix: str = "") -> AsyncIterator[list[ObjectInfo]]:
         root = f"{self.prefix}/" if self.prefix else ""
         query = {"list-type": "2", "prefix": root + prefix, "encoding-type": "url",
                  "max-keys": str(self.list_page_size)}
-        out: list[ObjectInfo] = []
         while True:
             page = await self._call("GET", "", lambda resp: self._body(resp, self.url), query=query)
             objects, token = await asyncio.to_thread(_parse_listing, page, self.url)
-            out.extend(ObjectInfo(key[len(root):], size, etag) for key, size, etag in objects
-                       if key.startswith(root) and not key.endswith("/"))
+            yield [ObjectInfo(key[len(root):], size, etag) for key, size, etag in objects
+                   if key.startswith(root) and not key.endswith("/")]
             if token is None:
-                return sorted(out, key=lambda o: o.path)
+                return
             query["continuation-token"] = token
 
     async def close(self) -> None:
