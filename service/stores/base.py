@@ -7,7 +7,7 @@ every path it takes is relative to that root and confined to it.
 from __future__ import annotations
 
 import posixpath
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -69,6 +69,13 @@ class Store(ABC):
     @abstractmethod
     async def write(self, path: str, data: bytes) -> None:
         """Create or replace ``path`` atomically (readers never see a partial object)."""
+
+    async def write_stream(self, path: str, chunks: AsyncIterable[bytes | memoryview]) -> int:
+        """``write`` the concatenated ``chunks``; returns the size. Backends that can upload in
+        parts (S3 multipart) hold only a part in memory; this default holds the whole object."""
+        data = b"".join([bytes(c) async for c in chunks])
+        await self.write(path, data)
+        return len(data)
 
     @abstractmethod
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
