@@ -52,7 +52,7 @@ class Coalescer:
         bytes could not be read; never partial bytes. With replicas, members of shards
         owned elsewhere are read by their owner, unless ``local``.
         """
-        if self.cluster is None or local:
+        if self.cluster is None or local or not dataset.owned:
             return await self._read_local(dataset, members)
         rows = np.flatnonzero(members.found)
         owner = np.full(len(members), self.cluster.me)
@@ -121,7 +121,7 @@ class Coalescer:
         """
         if not self.cache.writable:
             return
-        if self.cluster is not None:
+        if self.cluster is not None and dataset.owned:
             rows = np.flatnonzero(members.found)
             owners = self.cluster.owners(dataset.url, dataset.index.shards, members.shard[rows])
             members = take(members, rows[owners == self.cluster.me])

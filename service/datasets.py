@@ -24,6 +24,9 @@ class Dataset:
     """Per shard code, the end of its last member's data: reads never go past it."""
     shard_ids: list[str]
     """Per shard code, the shard's name in the cache (``cache.shard_id``)."""
+    owned: bool = True
+    """Whether replicas split its shards by owner; ``False`` for a view made for one request
+    (GetBatch), which the peers do not know: read where it was asked."""
 
     def info(self) -> dict:
         return {

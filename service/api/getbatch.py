@@ -191,7 +191,7 @@ def _plan(spans: list[Span | None], buckets) -> tuple[Dataset, Members]:
     found = np.array([s is not None for s in spans], bool)
     view = Dataset(name="getbatch", url="getbatch:s3://", store=buckets, index=_Paths(paths), id=GETBATCH_ID,
                    extents=np.array([extents[p] for p in paths], np.int64),
-                   shard_ids=[shard_id(p) for p in paths])
+                   shard_ids=[shard_id(p) for p in paths], owned=False)
     members = Members(position=np.arange(n, dtype=np.int64), sample=np.arange(n, dtype=np.int64),
                       field=np.zeros(n, np.int32),
                       shard=np.array([code[s.path] if s else -1 for s in spans], np.int32),
@@ -202,23 +202,23 @@ def _plan(spans: list[Span | None], buckets) -> tuple[Dataset, Members]:
 
 async def _locate(state, entries: list[Entry], coer: bool) -> tuple[list[Span | None], dict[int, str]]:
     catalog = state.catalog
+    found: list[Span | BaseException | None] = [catalog.known(e.bucket, e.objname, e.archpath) for e in entries]
 
-    async def one(entry: Entry) -> Span | BaseException:
+    async def look_up(entry: Entry) -> Span | BaseException:
         try:
-            return _ranged(entry, await catalog.locate(entry.bucket, entry.objname, entry.archpath))
-        except (EntryMissing, StoreError, ApiError) as err:
+            return await catalog.locate(entry.bucket, entry.objname, entry.archpath)
+        except (EntryMissing, StoreError) as err:
             return err
 
-    results = await asyncio.gather(*(one(e) for e in entries))
+    todo = [i for i, span in enumerate(found) if span is None]
+    for i, result in zip(todo, await asyncio.gather(*(look_up(entries[i]) for i in todo))):
+        found[i] = result
     spans: list[Span | None] = []
     errors: dict[int, str] = {}
-    for i, (entry, result) in enumerate(zip(entries, results)):
+    for i, (entry, result) in enumerate(zip(entries, found)):
         if isinstance(result, Span):
-            spans.append(result)
-            continue
-        if isinstance(result, ApiError):
-            raise result
-        if isinstance(result, (EntryMissing, ObjectNotFound)):
+            spans.append(_ranged(entry, result))
+        elif isinstance(result, (EntryMissing, ObjectNotFound)):
             if not coer:
                 raise NotFound(entry.url)
             errors[i] = f"{entry.url} does not exist"
