@@ -143,8 +143,11 @@ class BucketStores(Store):
 class Catalog:
     """Locates entries in the allowed buckets; served datasets lend their indexes."""
 
-    def __init__(self, buckets: BucketStores, datasets: dict[str, Dataset], *, max_objects: int = 1 << 20,
-                 max_members: int = 1 << 22, scan_window: int = 1 << 20, max_lookups: int = 64):
+    def __init__(self, buckets: BucketStores, datasets: dict[str, Dataset], *, max_objects: int = 1 << 18,
+                 max_members: int = 1 << 20, scan_window: int = 1 << 20, max_lookups: int = 64):
+        """max_objects: sizes remembered (about 200 bytes each); max_members: shard members
+        remembered over all scanned shards (about 150 bytes each); max_lookups: HEADs and
+        scans in flight."""
         self.buckets = buckets
         self.stores = buckets.stores
         self._served = _served_roots(datasets)

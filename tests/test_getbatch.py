@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import random
 import tarfile
+import time
 
 import httpx
 import pytest
@@ -193,3 +194,29 @@ def test_an_empty_batch_a_zip_and_malformed_bodies_are_4xx(client, service):
         assert 400 <= resp.status_code < 500, (body, resp.status_code, resp.text)
         assert set(resp.json()["error"]) == {"code", "message"}
     assert httpx.post(f"{service.url}/v1/ml/moss", json={"in": []}).status_code == 405
+
+
+def test_with_replicas_the_replica_asked_reads_the_entries_itself(objects, moto, tmp_path):
+    from service_helpers import metrics
+    from shardfeed.service.process import free_port
+
+    source = objects[0]
+    ports = [free_port() for _ in range(2)]
+    peers = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip("ab", ports))
+    services = [start_service({"ds": f"s3://{BUCKET}/ds"}, cache_dir=tmp_path / f"cache-{i}", port=ports[i],
+                              env=moto.env(), args=["--node-id", "ab"[i], "--peers", peers, "--bucket", BUCKET])
+                for i in range(2)]
+    try:
+        deadline = time.monotonic() + 10  # until each replica sees the other up
+        while any(metrics(s.url)["shardfeed_peers_up"] < 2 for s in services):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        client = Client(services[0].url)
+        keys = [f"loose/{i:04d}.jpg" for i in range(20)]
+        got = fetch(client.batch(keys, bucket=client.bucket(BUCKET, provider="s3")))
+        assert [d for _, d in got] == [source[(BUCKET, k)] for k in keys]
+        seen = metrics(services[0].url)
+        assert seen.get("shardfeed_peer_requests_total", 0) == 0 == seen.get("shardfeed_peer_fallbacks_total", 0)
+    finally:
+        for service in services:
+            service.stop()

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from fastapi import APIRouter, Request
+from pydantic import ValidationError
 from starlette.responses import Response
 
 from ..cache import dataset_id, shard_id
@@ -259,9 +260,8 @@ async def _getbatch(request: Request, state: AppState, bucket: str, provider: st
         raise InvalidRequest("moss: empty input (the request body must be a JSON MossReq)")
     try:
         req = MossReq.model_validate_json(body)
-    except ValueError as err:
-        errors = getattr(err, "errors", None)
-        raise InvalidRequest(describe(errors()) if errors else str(err)) from None
+    except ValidationError as err:
+        raise InvalidRequest(describe(err.errors())) from None
     if not req.entries:
         raise InvalidRequest("moss: empty input")
     if len(req.entries) > config.max_batch:
@@ -311,7 +311,6 @@ async def _multipart(state, entries: list[Entry], members: Members, fmt: Format,
                    opaque=e.source.opaque, size=0 if i in names.errors else sizes[i],
                    err_msg=names.errors.get(i, "")) for i, e in enumerate(entries)]
     meta = MossResp(uuid=secrets.token_hex(8), out=out).model_dump(exclude_defaults=True)
-    meta["uuid"] = meta.get("uuid", "")
     boundary = secrets.token_hex(30)
     body = b"".join([
         f"--{boundary}\r\nContent-Disposition: form-data; name=\"metadata\"\r\n\r\n".encode(),
