@@ -68,3 +68,15 @@ def test_bench_refuses_bad_arguments_with_one_line(tmp_path):
     done = bench("--sizes", "10KiB,lots", cwd=tmp_path)
     assert done.returncode == 1
     assert done.stderr.strip().startswith("shardfeed: error: invalid --sizes '10KiB,lots'")
+
+
+@pytest.mark.timeout(180)
+def test_the_getbatch_benchmark_runs_every_scenario_and_checks_its_bytes():
+    out = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.getbatch", "--objects", "512", "--batch", "128",
+                          "--latency-ms", "0", "--individual", "128", "--workers", "4"],
+                         capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for line in ("individual boto3 GETs", "shardfeed native, cold cache", "shardfeed native, warm cache",
+                 "AIStore SDK GetBatch, warm cache", "GetBatch over httpx (no SDK), warm"):
+        assert line in out.stdout
+    assert "AIStore SDK vs native (warm)" in out.stdout
