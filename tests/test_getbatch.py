@@ -220,3 +220,16 @@ def test_with_replicas_the_replica_asked_reads_the_entries_itself(objects, moto,
     finally:
         for service in services:
             service.stop()
+
+
+def test_with_tokens_the_sdk_needs_its_token(objects, moto, tmp_path):
+    source = objects[0]
+    with start_service({}, cache_dir=tmp_path / "cache", env={**moto.env(), "SHARDFEED_TOKENS": "s3cret"},
+                       args=["--bucket", BUCKET]) as svc:
+        keys = ["loose/0001.jpg"]
+        with pytest.raises(AISError) as err:
+            fetch(Client(svc.url).batch(keys, bucket=Client(svc.url).bucket(BUCKET, provider="s3")))
+        assert err.value.status_code == 401
+        client = Client(svc.url, token="s3cret")
+        assert [d for _, d in fetch(client.batch(keys, bucket=client.bucket(BUCKET, provider="s3")))] == \
+            [source[(BUCKET, "loose/0001.jpg")]]

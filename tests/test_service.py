@@ -307,6 +307,7 @@ def test_a_removed_cache_dir_is_recreated_and_locked_again(s3_dataset, moto, tmp
     (["--peer-timeout", "0"], "--peer-timeout must be positive"),
     (["--cache-size", "lots"], "invalid size value: 'lots'"),
     (["--dataset", "no-equals-sign"], "--dataset expects NAME=URL"),
+    (["--bucket", "Not_A/Bucket"], "--bucket 'Not_A/Bucket' is not an S3 bucket name"),
 ])
 def test_bad_serve_arguments_are_refused_with_one_line(tmp_path, args, message):
     import subprocess
