@@ -147,10 +147,8 @@ def main() -> None:
             client, "loose", batches, size, pool, verify))
         warm = record("shardfeed native, warm cache", scenarios.batch_requests(
             client, "loose", batches, size, pool, verify))
-        # GetBatch caches objects under their bucket and key, apart from the native dataset's
-        # blocks: its first pass is cold, its second warm.
+        # The objects belong to the served dataset: GetBatch reads its (now warm) blocks.
         ais = AisClient(service.url, max_pool_size=max(10, args.workers))
-        record("AIStore SDK GetBatch, cold cache", sdk_batches(ais, batches, size, pool, verify))
         sdk = record("AIStore SDK GetBatch, warm cache", sdk_batches(ais, batches, size, pool, verify))
         raw = record("GetBatch over httpx (no SDK), warm", raw_getbatch(service.url, batches, size, pool, verify))
         print(f"\n{args.objects} loose {format_size(size)} objects, batch {args.batch}, {args.workers} in flight, "

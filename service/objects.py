@@ -42,6 +42,9 @@ class Span:
     extent: int  # the object's size: every read of its blocks stops there
     offset: int
     size: int
+    home: tuple[Dataset, int] | None = None
+    """The served dataset and shard code that index these bytes: read through that dataset,
+    they share its cached blocks (and its replica owners)."""
 
     @property
     def path(self) -> str:
@@ -154,44 +157,64 @@ class Catalog:
         self._scan_window = scan_window
         self._lookups = asyncio.Semaphore(max_lookups)
         self._sizes: Lru[tuple[str, str], int] = Lru(self._head, max_objects)
-        self._tables: Lru[tuple[str, str], dict[str, tuple[int, int]]] = Lru(
-            self._member_table, max_members, weight=lambda table: max(1, len(table)))
+        # (members by name, whether a served index gave them) per shard
+        self._tables: Lru[tuple[str, str], tuple[dict[str, tuple[int, int]], bool]] = Lru(
+            self._member_table, max_members, weight=lambda table: max(1, len(table[0])))
 
     def known(self, bucket: str, key: str, archpath: str) -> Span | None:
         """``locate`` without waiting, when everything it needs is at hand (``None`` otherwise):
         a warm batch then costs no task per entry."""
-        size = self._indexed_size(bucket, key)
-        if size is None:
-            size = self._sizes.peek((bucket, key))
+        loose = self._loose(bucket, key)
+        if loose is not None and not archpath:
+            return loose
+        size = self._sizes.peek((bucket, key)) if loose is None else loose.size
         if size is None:
             return None
         if not archpath:
             return Span(bucket, key, size, 0, size)
         table = self._tables.peek((bucket, key))
-        member = None if table is None else table.get(archpath)
-        return None if member is None else Span(bucket, key, size, *member)
+        return None if table is None else self._member(bucket, key, size, archpath, table)
 
     async def locate(self, bucket: str, key: str, archpath: str) -> Span:
         """The bytes of an entry; ``EntryMissing``, or ``StoreError`` when the store fails."""
+        loose = self._loose(bucket, key)
+        if loose is not None and not archpath:
+            return loose
         size = await self._size(bucket, key)
         if not archpath:
             return Span(bucket, key, size, 0, size)
-        member = (await self._tables.get((bucket, key))).get(archpath)
-        if member is None:
+        span = self._member(bucket, key, size, archpath, await self._tables.get((bucket, key)))
+        if span is None:
             raise EntryMissing(f"{key}/{archpath}")
-        return Span(bucket, key, size, *member)
+        return span
+
+    def _member(self, bucket: str, key: str, size: int, archpath: str,
+                table: tuple[dict[str, tuple[int, int]], bool]) -> Span | None:
+        members, indexed = table
+        member = members.get(archpath)
+        if member is None:
+            return None
+        return Span(bucket, key, size, *member, home=self._home(bucket, key) if indexed else None)
 
     async def _size(self, bucket: str, key: str) -> int:
-        size = self._indexed_size(bucket, key)
-        return size if size is not None else await self._sizes.get((bucket, key))
+        loose = self._loose(bucket, key)
+        return loose.size if loose is not None else await self._sizes.get((bucket, key))
 
-    def _indexed_size(self, bucket: str, key: str) -> int | None:
-        """The size of a loose object of a served dataset, from its index."""
+    def _home(self, bucket: str, key: str) -> tuple[Dataset, int] | None:
+        """The served dataset that has ``key`` as a shard (a loose object: a member), and its code."""
         for dataset, rel in self._owners(bucket, key):
-            code = dataset.index.shard_code(rel) if dataset.index.layout == "objects" else None
+            code = dataset.index.shard_code(rel)
             if code is not None:
-                return int(dataset.extents[code])
+                return dataset, code
         return None
+
+    def _loose(self, bucket: str, key: str) -> Span | None:
+        """A loose object of a served dataset, whole: its index has the size."""
+        home = self._home(bucket, key)
+        if home is None or home[0].index.layout != "objects":
+            return None
+        size = int(home[0].extents[home[1]])
+        return Span(bucket, key, size, 0, size, home=home)
 
     async def _head(self, where: tuple[str, str]) -> int:
         bucket, key = where
@@ -201,12 +224,11 @@ class Catalog:
             except ObjectNotFound:
                 raise EntryMissing(key) from None
 
-    async def _member_table(self, where: tuple[str, str]) -> dict[str, tuple[int, int]]:
+    async def _member_table(self, where: tuple[str, str]) -> tuple[dict[str, tuple[int, int]], bool]:
         bucket, key = where
-        for dataset, rel in self._owners(bucket, key):
-            table = dataset.index.shard_members(rel)
-            if table:
-                return table
+        home = self._home(bucket, key)
+        if home is not None and home[0].index.layout == "tar":
+            return home[0].index.shard_members(home[0].index.shards[home[1]]), True
         size = await self._size(bucket, key)
         async with self._lookups:
             try:
@@ -216,7 +238,7 @@ class Catalog:
         table: dict[str, tuple[int, int]] = {}
         for name, offset, size in zip(scan.names, scan.offsets, scan.sizes):
             table.setdefault(name, (offset, size))
-        return table
+        return table, False
 
     def _owners(self, bucket: str, key: str):
         """Served datasets whose root holds ``key``, with its path relative to that root."""

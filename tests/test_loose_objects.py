@@ -88,3 +88,16 @@ def test_getbatch_reads_objects_of_a_loose_dataset_by_name(service, loose):
 def test_a_dataset_without_index_is_refused_without_index_objects(loose, moto, tmp_path):
     with pytest.raises(RuntimeError, match="shardfeed index"):
         start_service({"built": f"s3://{BUCKET}/built"}, cache_dir=tmp_path / "cache", env=moto.env(), timeout=30)
+
+
+def test_getbatch_shares_the_cached_blocks_of_the_dataset_that_indexes_its_entries(service, loose):
+    from service_helpers import metrics
+
+    with Client(service.url) as client:
+        client.get_batch("built", [20, 21, 22], fields=["jpg"])  # cached through the native API
+    before = metrics(service.url)["shardfeed_store_requests_total"]
+    ais = AisClient(service.url)
+    keys = [f"built/img/{i:04d}.jpg" for i in (22, 20, 21)]
+    got = [data for _, data in ais.batch(keys, bucket=ais.bucket(BUCKET, provider="s3")).get()]
+    assert got == [loose[(i, "jpg")] for i in (22, 20, 21)]
+    assert metrics(service.url)["shardfeed_store_requests_total"] == before  # not one store read

@@ -11,8 +11,10 @@ Errors: the SDK shows the raw body and picks its error class from a ``<provider>
 URL in it, so a missing object answers 404 ``aws://bucket/obj does not exist``. It
 retries 5xx for about 90 s, so only a store outage is a 5xx; everything a retry cannot
 fix is a 4xx. A range outside the object is a 416 even with ``coer``, as in AIStore.
-With replicas, GetBatch entries are read by the replica that got the request
-(the entries are not shards of a served dataset, so they have no owner).
+Entries that one served dataset indexes (its loose objects, or files of its shards by
+archpath) are read through that dataset: its cached blocks, its replica owners. Other
+entries are cached under their bucket and key, and with replicas read by the replica
+that got the request (no peer knows them).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import json
 import secrets
 import zlib
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -150,7 +152,7 @@ def _ranged(entry: Entry, span: Span) -> Span:
     if start >= span.size or size < 0 or start + size > span.size:
         raise ApiError(416, "range_not_satisfiable", f"{entry.url}: range start {start}, length {length} "
                                                      f"is outside its {span.size} bytes")
-    return Span(span.bucket, span.key, span.extent, span.offset + start, size)
+    return replace(span, offset=span.offset + start, size=size)
 
 
 class EntryNames:
@@ -184,21 +186,27 @@ GETBATCH_ID = dataset_id("getbatch:s3://")
 
 
 def _plan(spans: list[Span | None], buckets) -> tuple[Dataset, Members]:
-    """One member per entry over a dataset whose shards are the entries' objects."""
-    paths = sorted({s.path for s in spans if s is not None})
-    code = {p: i for i, p in enumerate(paths)}
-    extents = {s.path: s.extent for s in spans if s is not None}
+    """One member per entry: over the served dataset that indexes all the entries, so they
+    share its cached blocks and replica owners; else over a dataset made for this request
+    whose shards are the entries' objects (GetBatch's own cache namespace)."""
+    homes = {id(s.home[0]) if s.home else None for s in spans if s is not None}
+    if len(homes) == 1 and None not in homes:
+        dataset = next(s.home[0] for s in spans if s is not None)
+        codes = [s.home[1] if s else -1 for s in spans]
+    else:
+        paths = sorted({s.path for s in spans if s is not None})
+        code = {p: i for i, p in enumerate(paths)}
+        extents = {s.path: s.extent for s in spans if s is not None}
+        dataset = Dataset(name="getbatch", url="getbatch:s3://", store=buckets, index=_Paths(paths), id=GETBATCH_ID,
+                          extents=np.array([extents[p] for p in paths], np.int64),
+                          shard_ids=[shard_id(p) for p in paths], owned=False)
+        codes = [code[s.path] if s else -1 for s in spans]
     n = len(spans)
-    found = np.array([s is not None for s in spans], bool)
-    view = Dataset(name="getbatch", url="getbatch:s3://", store=buckets, index=_Paths(paths), id=GETBATCH_ID,
-                   extents=np.array([extents[p] for p in paths], np.int64),
-                   shard_ids=[shard_id(p) for p in paths], owned=False)
-    members = Members(position=np.arange(n, dtype=np.int64), sample=np.arange(n, dtype=np.int64),
-                      field=np.zeros(n, np.int32),
-                      shard=np.array([code[s.path] if s else -1 for s in spans], np.int32),
-                      offset=np.array([s.offset if s else 0 for s in spans], np.int64),
-                      size=np.array([s.size if s else 0 for s in spans], np.int64), found=found)
-    return view, members
+    return dataset, Members(position=np.arange(n, dtype=np.int64), sample=np.arange(n, dtype=np.int64),
+                            field=np.zeros(n, np.int32), shard=np.array(codes, np.int32),
+                            offset=np.array([s.offset if s else 0 for s in spans], np.int64),
+                            size=np.array([s.size if s else 0 for s in spans], np.int64),
+                            found=np.array([s is not None for s in spans], bool))
 
 
 async def _locate(state, entries: list[Entry], coer: bool) -> tuple[list[Span | None], dict[int, str]]:
