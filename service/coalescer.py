@@ -55,7 +55,7 @@ class Coalescer:
         ``host``'s workers (a replica sent them here, taking this host for their owner);
         or this ``node`` itself (a sibling worker sent them).
         """
-        if self.cluster is None or scope == "node":
+        if self.cluster is None or scope == "node" or not dataset.owned:
             return await self._read_local(dataset, members)
         rows = np.flatnonzero(members.found)
         owner = np.full(len(members), self.cluster.me)
@@ -125,7 +125,7 @@ class Coalescer:
         """
         if not self.cache.writable:
             return
-        if self.cluster is not None:
+        if self.cluster is not None and dataset.owned:
             rows = np.flatnonzero(members.found)
             owners = self.cluster.owners(dataset.url, dataset.index.shards, members.shard[rows])
             members = take(members, rows[owners == self.cluster.me])

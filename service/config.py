@@ -43,6 +43,14 @@ class ServiceConfig:
     datasets: dict[str, str] = field(default_factory=dict)
     """Datasets served, ``{name: url}``; empty means the embedded default (see ``server.py``)."""
 
+    index_objects: bool = False
+    """A dataset without ``index.parquet`` is indexed at start as loose objects (one object
+    per member, ``layouts.py``) instead of refused."""
+
+    buckets: tuple[str, ...] = ()
+    """Buckets GetBatch (``/v1/ml/moss``) may read, on the S3 endpoint of the AWS settings; any
+    other bucket is refused, never read with the service's credentials."""
+
     host: str = "127.0.0.1"
     """Interface to bind. Loopback unless told otherwise: exposing a data service is a decision."""
 

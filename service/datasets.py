@@ -7,8 +7,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .cache import dataset_id, shard_id
+from . import layouts
 from .index import Index, load_index
-from .stores import Store, open_store
+from .stores import ObjectNotFound, Store, open_store
 
 
 @dataclass
@@ -23,6 +24,9 @@ class Dataset:
     """Per shard code, the end of its last member's data: reads never go past it."""
     shard_ids: list[str]
     """Per shard code, the shard's name in the cache (``cache.shard_id``)."""
+    owned: bool = True
+    """Whether replicas split its shards by owner; ``False`` for a view made for one request
+    (GetBatch), which the peers do not know: read where it was asked."""
 
     def info(self) -> dict:
         return {
@@ -35,11 +39,21 @@ class Dataset:
         }
 
 
-async def open_dataset(name: str, url: str, store_options: dict | None = None) -> Dataset:
-    """Open the store at ``url`` and load its index (``StoreError``/``IndexFormatError`` if bad)."""
+async def open_dataset(name: str, url: str, store_options: dict | None = None, *,
+                       index_objects: bool = False) -> Dataset:
+    """Open the store at ``url`` and load its index (``StoreError``/``IndexFormatError`` if bad).
+
+    index_objects: without ``index.parquet``, index the loose objects under ``url`` now
+    (the ``objects`` layout, ``layouts.py``), in memory.
+    """
     store = open_store(url, **(store_options or {}))
     try:
-        index = await load_index(store)
+        try:
+            index = await load_index(store)
+        except ObjectNotFound:
+            if not index_objects:
+                raise
+            index = await layouts.index_objects(store)
     except BaseException:
         await store.close()
         raise

@@ -1,21 +1,24 @@
 """The dataset index: ``index.parquet`` on disk, compact numpy arrays in memory.
 
-On disk (docs/architecture.md) the index has one row per tar member: ``sample`` (int64, dense
+On disk (docs/architecture.md) the index has one row per member: ``sample`` (int64, dense
 0..N-1), ``key``, ``field`` (lowercased), ``shard`` (path relative to the dataset
 root), ``offset`` (of the member's data in the shard) and ``size``, with the format
-version in the schema metadata.
+version and the layout in the schema metadata. Layout ``tar`` (the default): members
+are files inside tar shards, and a sample lies in one shard. Layout ``objects``: every
+member is a whole object (the "shard", offset 0), and a sample's objects share its key.
 
 In memory there is no Python object per row: members are stored sorted by sample, in
 their stored order within a sample, as narrow numpy arrays (field and shard as codes
-into small sorted lists, offsets and sizes as int32 where they fit), plus one member
-start and one shard code per sample and the keys as one Arrow string array. That is
-roughly 10 bytes per member plus 12 bytes and the key per sample, so a 10M-sample
-index with two fields per sample stays well under 100 bytes per sample.
+into sorted lists, offsets and sizes as int32 where they fit), plus one member
+start per sample and the keys as one Arrow string array. That is roughly 12 bytes per
+member plus 4 bytes and the key per sample, so a 10M-sample index with two fields per
+sample stays well under 100 bytes per sample.
 """
 
 from __future__ import annotations
 
 import asyncio
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,6 +33,8 @@ from .stores import ObjectNotFound, Store
 INDEX_FILE = "index.parquet"
 VERSION_KEY = b"shardfeed.index.version"
 VERSION = b"1"
+LAYOUT_KEY = b"shardfeed.index.layout"
+LAYOUTS = ("tar", "objects")
 
 SCHEMA = pa.schema(
     [("sample", pa.int64()), ("key", pa.string()), ("field", pa.string()),
@@ -122,13 +127,14 @@ class Index:
     fields: list[str]
     total_bytes: int
 
-    def __init__(self, *, keys: pa.Array, starts: np.ndarray, sample_shard: np.ndarray,
+    def __init__(self, *, keys: pa.Array, starts: np.ndarray, shard: np.ndarray,
                  field: np.ndarray, offset: np.ndarray, size: np.ndarray,
-                 shards: list[str], fields: list[str]):
+                 shards: list[str], fields: list[str], layout: str = "tar"):
         # Internal: callers use from_table(), which validates.
+        self.layout = layout
         self._keys = keys
         self._starts = starts
-        self._shard = sample_shard
+        self._shard = shard
         self._field = field
         self._offset = offset
         self._size = size
@@ -154,9 +160,8 @@ class Index:
     def shard_extents(self) -> np.ndarray:
         """int64 per shard: the end offset of its last member's data (0 for none), vectorised."""
         ends = self._offset.astype(np.int64) + self._size
-        sample_end = np.maximum.reduceat(ends, self._starts[:-1].astype(np.int64))
         extents = np.zeros(len(self.shards), np.int64)
-        np.maximum.at(extents, self._shard, sample_end)
+        np.maximum.at(extents, self._shard, ends)
         return extents
 
     def shard_runs(self) -> tuple[np.ndarray, np.ndarray]:
@@ -193,6 +198,22 @@ class Index:
         """The fields of sample ``i`` in stored member order."""
         i = self._check(int(i))
         return [self.fields[c] for c in self._field[self._starts[i]:self._starts[i + 1]]]
+
+    def shard_members(self, shard: str) -> dict[str, tuple[int, int]]:
+        """``{"<key>.<field>": (offset, size)}`` of every member of one shard (empty if unknown)."""
+        code = self.shard_code(shard)
+        if code is None:
+            return {}
+        rows = np.flatnonzero(self._shard == code)
+        owner = np.searchsorted(self._starts, rows, side="right") - 1
+        keys = self._keys.take(pa.array(owner, pa.int64())).to_pylist()
+        return {f"{key}.{self.fields[f]}": (o, z) for key, f, o, z in
+                zip(keys, self._field[rows].tolist(), self._offset[rows].tolist(), self._size[rows].tolist())}
+
+    def shard_code(self, shard: str) -> int | None:
+        """The code of a shard path, ``None`` if the dataset has no such shard."""
+        code = bisect_left(self.shards, shard)
+        return code if code < len(self.shards) and self.shards[code] == shard else None
 
     def field_codes(self, fields: Sequence[str]) -> np.ndarray:
         """Codes into ``self.fields``; ``UnknownField`` for a name the dataset lacks."""
@@ -254,7 +275,7 @@ class Index:
             position=position.astype(np.int64),
             sample=sample,
             field=field,
-            shard=np.where(found, self._shard[sample], -1).astype(np.int32),
+            shard=np.where(found, self._shard[safe], -1).astype(np.int32),
             offset=np.where(found, self._offset[safe], 0).astype(np.int64),
             size=np.where(found, self._size[safe], 0).astype(np.int64),
             found=found,
@@ -267,6 +288,9 @@ class Index:
         if version not in (None, VERSION):
             raise IndexFormatError(f"unsupported index version {version.decode(errors='replace')!r} "
                                    f"(this shardfeed reads version {VERSION.decode()})")
+        layout = (table.schema.metadata or {}).get(LAYOUT_KEY, b"tar").decode(errors="replace")
+        if layout not in LAYOUTS:
+            raise IndexFormatError(f"unknown index layout {layout!r} (known: {', '.join(LAYOUTS)})")
         for name in SCHEMA.names:
             if name not in table.column_names:
                 raise IndexFormatError(f"index has no {name!r} column")
@@ -308,7 +332,7 @@ class Index:
             raise IndexFormatError(f"index samples are not dense: sample {missing} is missing")
         starts = np.concatenate(([0], np.flatnonzero(step) + 1, [len(sample)]))
         same = step == 0
-        if (same & (shard[1:] != shard[:-1])).any():
+        if layout == "tar" and (same & (shard[1:] != shard[:-1])).any():
             raise IndexFormatError(f"sample {int(sample[_first_row(same & (shard[1:] != shard[:-1]))])} "
                                    "spans more than one shard")
         # Duplicate (sample, field): sort the composite key; nearly sorted already, so cheap.
@@ -332,12 +356,13 @@ class Index:
         return cls(
             keys=sample_keys,
             starts=_narrow(starts),
-            sample_shard=shard[starts[:-1]].astype(np.int32),
+            shard=shard.astype(np.int16 if len(shards) < 2**15 else np.int32),
             field=field.astype(np.int16 if len(fields) < 2**15 else np.int32),
             offset=_narrow(offset),
             size=_narrow(size),
             shards=shards,
             fields=fields,
+            layout=layout,
         )
 
     def to_table(self) -> pa.Table:
@@ -350,11 +375,12 @@ class Index:
                 "key": self._keys.take(pa.array(sample)).cast(pa.string()),
                 "field": pa.DictionaryArray.from_arrays(self._field.astype(np.int32), self.fields)
                                           .cast(pa.string()),
-                "shard": pa.DictionaryArray.from_arrays(self._shard[sample], self.shards).cast(pa.string()),
+                "shard": pa.DictionaryArray.from_arrays(self._shard.astype(np.int32), self.shards)
+                                          .cast(pa.string()),
                 "offset": self._offset.astype(np.int64),
                 "size": self._size.astype(np.int64),
             },
-            schema=SCHEMA,
+            schema=SCHEMA.with_metadata({VERSION_KEY: VERSION, LAYOUT_KEY: self.layout.encode()}),
         )
 
 

@@ -1,9 +1,10 @@
 """``shardfeed pack``: write samples into uncompressed tar shards plus ``index.parquet``.
 
-``write_shards`` is the one shard writer (``pack`` and the seeders use it): it fills a
-shard of about ``shard_size`` in a thread, never splitting a sample, uploads it, and
-writes the index last, so an interrupted run leaves no index that points at missing
-data. Memory stays at about one shard.
+``write_shards`` is the one shard writer (``pack`` and the seeders use it): it streams
+samples into shards of about ``shard_size``, never splitting a sample, uploads each as
+it is laid out (S3: in parts, so memory stays at about one upload part), and writes the
+index last, so an interrupted run leaves no index that points at missing data. The
+source is a directory of files or a store of loose objects (``pack s3://a s3://b``).
 """
 
 from __future__ import annotations
@@ -12,15 +13,18 @@ import argparse
 import asyncio
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections import deque
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 from tqdm import tqdm
 
 from shardfeed.tar import END_OF_ARCHIVE, member_header, padding
 
 from .index import INDEX_FILE, SCHEMA, Index, IndexFormatError, split_member_name, write_index
+from .layouts import index_objects
 from .sizes import parse_size
 from .stores import ObjectNotFound, Store, open_store
 
@@ -34,23 +38,28 @@ def shard_name(n: int) -> str:
     return f"shard-{n:06d}.tar"
 
 
-class _ShardBuilder:
-    """Pulls samples from an iterator and lays them out as tar shards (CPU and file I/O: runs in a thread)."""
+class _ShardWriter:
+    """Lays samples out as tar shards, one shard at a time, as a stream of chunks: a shard
+    never holds more than its store's upload part in memory (``Store.write_stream``)."""
 
-    def __init__(self, samples: Iterator[Sample], shard_size: int, bar: tqdm):
+    def __init__(self, samples: AsyncIterator[Sample], shard_size: int, bar: tqdm):
         self._samples = samples
         self._shard_size = shard_size
         self._bar = bar
         self._held: Sample | None = None  # the sample that did not fit in the previous shard
         self.next_sample = 0
 
-    def build(self, name: str) -> tuple[bytes, pa.Table] | None:
-        """The next shard's bytes and index rows, or ``None`` when the samples are exhausted."""
-        parts: list[bytes] = []
+    async def next_shard(self) -> bool:
+        """Whether any sample is left for another shard."""
+        if self._held is None:
+            self._held = await anext(self._samples, None)
+        return self._held is not None
+
+    async def chunks(self, name: str, rows: dict[str, list]) -> AsyncIterator[bytes]:
+        """The bytes of shard ``name``; its index rows are appended to ``rows`` as they go out."""
         length = 0
-        rows: dict[str, list] = {c: [] for c in SCHEMA.names}
         while True:
-            sample = self._held or next(self._samples, None)
+            sample = self._held or await anext(self._samples, None)
             self._held = None
             if sample is None:
                 break
@@ -66,6 +75,7 @@ class _ShardBuilder:
             if length and length + need + len(END_OF_ARCHIVE) > self._shard_size:
                 self._held = sample  # never split a sample: it opens the next shard
                 break
+            parts = []
             for header, (field, data) in zip(headers, members):
                 length += len(header)
                 for column, value in (("sample", self.next_sample), ("key", key), ("field", field),
@@ -75,10 +85,15 @@ class _ShardBuilder:
                 length += len(data) + padding(len(data))
             self.next_sample += 1
             self._bar.update(sum(len(d) for _, d in members))
-        if not length:
-            return None
-        parts.append(END_OF_ARCHIVE)
-        return b"".join(parts), pa.table(rows, schema=SCHEMA)
+            yield b"".join(parts)
+        yield END_OF_ARCHIVE
+
+
+async def _in_thread(samples: Iterable[Sample]) -> AsyncIterator[Sample]:
+    """A blocking iterator (files on disk, generated data) pulled in a worker thread."""
+    it = iter(samples)
+    while (sample := await asyncio.to_thread(next, it, None)) is not None:
+        yield sample
 
 
 async def _refuse_existing(store: Store) -> None:
@@ -90,29 +105,30 @@ async def _refuse_existing(store: Store) -> None:
     raise FileExistsError(f"{store.url} already holds a dataset ({INDEX_FILE}); choose an empty destination")
 
 
-async def write_shards(store: Store, samples: Iterable[Sample], *, shard_size: int = DEFAULT_SHARD_SIZE,
-                       total_bytes: int | None = None, desc: str = "write", progress: bool = True) -> Index:
+async def write_shards(store: Store, samples: Iterable[Sample] | AsyncIterable[Sample], *,
+                       shard_size: int = DEFAULT_SHARD_SIZE, total_bytes: int | None = None, desc: str = "write",
+                       progress: bool = True) -> Index:
     """Write ``samples`` as ``shard-000000.tar``, ... plus ``index.parquet`` (last), and return the index.
 
     shard_size: target shard size in bytes; a shard holds whole samples only, so one
     sample larger than this gets a shard of its own.
     total_bytes: payload bytes expected, for the progress bar.
     progress: show a tqdm bar (payload bytes) on stderr when it is a terminal.
-    The ``samples`` iterator is consumed in a worker thread, so it may do blocking I/O.
+    A plain iterator of ``samples`` is consumed in a worker thread, so it may do blocking I/O.
     Refuses (``FileExistsError``) a destination that already has an ``index.parquet``.
     """
     if shard_size < 1:
         raise ValueError(f"shard size must be positive, not {shard_size}")
     await _refuse_existing(store)
+    source = samples if isinstance(samples, AsyncIterable) else _in_thread(samples)
     tables = []
     with tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
               disable=None if progress else True) as bar:
-        builder = _ShardBuilder(iter(samples), shard_size, bar)
-        while built := await asyncio.to_thread(builder.build, shard_name(len(tables))):
-            data, table = built
-            await store.write(shard_name(len(tables)), data)
-            del data, built  # free this shard before the next one is built
-            tables.append(table)
+        writer = _ShardWriter(aiter(source), shard_size, bar)
+        while await writer.next_shard():
+            rows: dict[str, list] = {c: [] for c in SCHEMA.names}
+            await store.write_stream(shard_name(len(tables)), writer.chunks(shard_name(len(tables)), rows))
+            tables.append(pa.table(rows, schema=SCHEMA))
     if not tables:
         raise IndexFormatError(f"{store.url}: no samples to write")
     index = await asyncio.to_thread(lambda: Index.from_table(pa.concat_tables(tables)))
@@ -181,19 +197,77 @@ async def pack_directory(src_dir: str | os.PathLike, store: Store, *, shard_size
                               progress=progress)
 
 
+async def _store_samples(src: Store, index: Index, max_bytes: int, max_samples: int) -> AsyncIterator[Sample]:
+    """The samples of a loose-object index, in order, each read whole from ``src``; reads run
+    ahead by at most ``max_samples`` samples and ``max_bytes`` bytes (but always one sample)."""
+    async def fetch(i: int) -> Sample:
+        members = index.lookup([i])
+        paths = [index.shards[code] for code in members.shard.tolist()]
+        datas = await asyncio.gather(*(src.read(path) for path in paths))
+        return index.key(i), [(index.fields[f], data) for f, data in zip(members.field.tolist(), datas)]
+
+    def sample_sizes() -> Iterator[tuple[int, int]]:
+        for lo in range(0, len(index), 4096):  # looked up a slice at a time: the index may be huge
+            members = index.lookup(np.arange(lo, min(lo + 4096, len(index))))
+            yield from enumerate(np.bincount(members.position, weights=members.size).astype(int).tolist(), lo)
+
+    upcoming = sample_sizes()
+    waiting = next(upcoming, None)
+    pending: deque[tuple[asyncio.Task, int]] = deque()
+    ahead = 0
+    try:
+        while waiting is not None or pending:
+            while waiting is not None and len(pending) < max_samples and (
+                    not pending or ahead + waiting[1] <= max_bytes):
+                pending.append((asyncio.create_task(fetch(waiting[0])), waiting[1]))
+                ahead += waiting[1]
+                waiting = next(upcoming, None)
+            task, size = pending.popleft()
+            sample = await task
+            ahead -= size
+            yield sample
+    finally:
+        for task, _ in pending:
+            task.cancel()
+        await asyncio.gather(*(task for task, _ in pending), return_exceptions=True)
+
+
+async def pack_store(src: Store, dest: Store, *, shard_size: int = DEFAULT_SHARD_SIZE, progress: bool = True,
+                     max_read_ahead: int = 256 << 20, max_reads: int = 64) -> Index:
+    """Pack the loose objects under ``src`` (``KEY.FIELD`` objects, grouped as ``layouts.py``
+    does) into shards plus index in ``dest``, streamed: no local copy, memory bounded by
+    ``max_read_ahead`` (objects being read) plus one upload part."""
+    if (dest.url.rstrip("/") + "/").startswith(src.url.rstrip("/") + "/"):
+        raise ValueError(f"the destination {dest.url} lies inside the source {src.url}: "
+                         "packing would read its own shards")
+    await _refuse_existing(dest)
+    index = await index_objects(src, progress=progress)
+    return await write_shards(dest, _store_samples(src, index, max_read_ahead, max_reads), shard_size=shard_size,
+                              total_bytes=index.total_bytes, desc="pack", progress=progress)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", metavar="SRC_DIR", help="directory of KEY.FIELD files (subdirectories kept in keys)")
+    parser.add_argument("src", metavar="SRC", help="directory of KEY.FIELD files (subdirectories kept in keys), "
+                                                   "or a store URL (s3://bucket/prefix) of such objects")
     parser.add_argument("dest", metavar="DEST_URL", help="new dataset root: s3://bucket/prefix, file:///dir or a path")
     parser.add_argument("--shard-size", default="64MiB",
                         help="target shard size, e.g. 64MiB (default)")
+    parser.add_argument("--part-size", default="64MiB",
+                        help="S3 destination: shards larger than this are uploaded in parts of this size "
+                             "(5MiB..5GiB; default 64MiB), the memory a shard takes while written")
 
 
 def run(args: argparse.Namespace) -> int:
     shard_size = parse_size(args.shard_size)
 
+    dest_options = {"part_size": parse_size(args.part_size)} if args.dest.startswith("s3://") else {}
+
     async def main() -> Index:
-        async with open_store(args.dest) as store:
-            return await pack_directory(args.src, store, shard_size=shard_size, progress=args.progress)
+        async with open_store(args.dest, **dest_options) as store:
+            if "://" not in args.src:
+                return await pack_directory(args.src, store, shard_size=shard_size, progress=args.progress)
+            async with open_store(args.src) as src:
+                return await pack_store(src, store, shard_size=shard_size, progress=args.progress)
 
     started = time.monotonic()
     index = asyncio.run(main())

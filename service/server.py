@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ log = logging.getLogger("shardfeed.server")
 
 DEFAULT_DATASET = "digits"
 DEFAULT_DATA_DIR = Path(".shardfeed/datasets")
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.\-_]{1,253}[a-z0-9]")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", action="append", default=[], metavar="NAME=URL",
                         help="serve the dataset at URL (file:// or s3://) as NAME; repeatable. "
                              "Default: the embedded digits dataset under --data-dir")
+    parser.add_argument("--index-objects", action="store_true",
+                        help="index a --dataset that has no index.parquet at start, as loose objects "
+                             "(a/0001.jpg + a/0001.cls = one sample), listing its prefix")
+    parser.add_argument("--bucket", action="append", default=[], metavar="NAME",
+                        help="let GetBatch (/v1/ml/moss, the AIStore SDK's batch API) read this S3 bucket; "
+                             "repeatable. Other buckets are refused")
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
                         help="where the embedded default dataset lives (default: %(default)s)")
     parser.add_argument("--cache-dir", type=Path, default=defaults.cache_dir,
@@ -122,6 +130,9 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         if name in datasets:
             raise ValueError(f"dataset name {name!r} given twice")
         datasets[name] = url
+    for bucket in args.bucket:
+        if not _BUCKET.fullmatch(bucket):
+            raise ValueError(f"--bucket {bucket!r} is not an S3 bucket name")
     tokens = {t.strip() for t in os.environ.get("SHARDFEED_TOKENS", "").split(",") if t.strip()}
     if args.token_file:
         try:
@@ -152,7 +163,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                         max_delay=args.hedge_max_ms / 1e3, budget=args.hedge_budget) if args.hedge else None
     return ServiceConfig(
         store_options=store_options, hedge=hedge,
-        datasets=datasets, host=args.host, port=args.port, cache_dir=args.cache_dir,
+        datasets=datasets, index_objects=args.index_objects, buckets=tuple(dict.fromkeys(args.bucket)), host=args.host, port=args.port, cache_dir=args.cache_dir,
         cache_size=args.cache_size, block_size=args.block_size, merge_gap=args.merge_gap,
         max_store_requests=args.max_store_requests, sample_window=args.sample_window_ms / 1e3,
         max_batch=args.max_batch, max_inflight_batches=args.max_inflight_batches,
@@ -187,23 +198,30 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
     from .datasets import open_dataset
     from .metrics import Metrics
     from .protocol import BoundedHeadProtocol
+    from .stores import open_store
 
-    if not config.datasets:
+    if not config.datasets and not config.buckets:
         config.datasets = {DEFAULT_DATASET: await ensure_default_dataset(data_dir)}
     metrics = Metrics()
     cache = BlockCache(config.cache_dir, config.cache_size, config.block_size, metrics)
     await asyncio.to_thread(cache.open)
     datasets = {}
     hedger = Hedger(config.hedge, metrics.registry) if config.hedge else None
+    buckets = {}
     try:
+        for bucket in config.buckets:
+            buckets[bucket] = open_store(f"s3://{bucket}", **config.store_options)
+            if hedger is not None:
+                buckets[bucket] = hedger.wrap(buckets[bucket])
         for name, url in config.datasets.items():
-            datasets[name] = await open_dataset(name, url, config.store_options)
+            datasets[name] = await open_dataset(name, url, config.store_options,
+                                                index_objects=config.index_objects)
             if hedger is not None:
                 datasets[name].store = hedger.wrap(datasets[name].store)
             log.info("dataset %s: %s (%d samples, %d shards)", name, url, len(datasets[name].index),
                      len(datasets[name].index.shards))
         cluster = build_cluster(config, metrics)
-        app = create_app(config, datasets, cache, metrics, cluster)
+        app = create_app(config, datasets, cache, metrics, cluster, buckets)
         server = uvicorn.Server(uvicorn.Config(
             app, host=config.host, port=config.port, log_level=log_level, access_log=False,
             timeout_graceful_shutdown=30, timeout_keep_alive=30, limit_concurrency=None,
@@ -212,8 +230,8 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
         ))
         await server.serve(sockets=await worker_sockets(config) if config.worker else None)
     finally:
-        for dataset in datasets.values():
-            await dataset.store.close()
+        for store in [*(d.store for d in datasets.values()), *buckets.values()]:
+            await store.close()
         cache.close()
 
 

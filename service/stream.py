@@ -31,12 +31,35 @@ class SampleFailed(Exception):
 
     def __init__(self, dataset: str, sample: int, cause: BaseException | None):
         super().__init__(f"sample {sample} of dataset {dataset!r} could not be read: {cause}")
+        self.sample = sample
         self.cause = cause
 
 
 def missing_name(dataset: str, sample: int) -> str:
     """The zero-length placeholder member for a sample that could not be served."""
     return f"__404__/{dataset}/{sample}"
+
+
+class SampleNames:
+    """``/v1/batch`` member names: ``<key>.<field>``, and ``missing_name`` for a failed sample.
+
+    A batch stream takes a factory of names per group, ``names(dataset, first, samples)``
+    (``first``: the group's first request position, ``samples``: its sample numbers),
+    so another API (GetBatch) can name the same members its own way.
+    """
+
+    def __init__(self, dataset: Dataset, first: int, samples: np.ndarray):
+        self.dataset_name = dataset.name
+        self.fields = dataset.index.fields
+        self.first = first
+        self.samples = samples
+        self.keys = dataset.index.keys(samples)
+
+    def member(self, position: int, field: int) -> str:
+        return f"{self.keys[position - self.first]}.{self.fields[field]}"
+
+    def missing(self, position: int, cause: BaseException | None) -> str:
+        return missing_name(self.dataset_name, int(self.samples[position - self.first]))
 
 
 def _groups(members: Members, n_positions: int, group_bytes: int) -> list[tuple[int, int]]:
@@ -51,39 +74,36 @@ def _groups(members: Members, n_positions: int, group_bytes: int) -> list[tuple[
 
 
 async def render_group(coalescer: Coalescer, dataset: Dataset, members: Members, indices: np.ndarray,
-                       continue_on_error: bool) -> tuple[bytes, int]:
+                       continue_on_error: bool, names=SampleNames) -> tuple[bytes, int]:
     """The tar bytes of one group of member rows, and how many samples it served."""
     payloads = await coalescer.read_members(dataset, members)
-    index = dataset.index
-    fields = index.fields
     # A sample fails as a whole: find, per position, whether any of its members failed.
     failed_rows = [i for i, p in enumerate(payloads) if p is None or isinstance(p, StoreError)]
-    failed_positions = set(members.position[failed_rows].tolist()) if failed_rows else set()
+    failed_positions: dict[int, StoreError | None] = {}  # position -> its first failed member's error
+    for row, position in zip(failed_rows, members.position[failed_rows].tolist()):
+        failed_positions.setdefault(position, payloads[row])
     positions = members.position.tolist()
     first = positions[0] if positions else 0
     samples = indices[first:positions[-1] + 1] if positions else indices[:0]
-    keys = index.keys(samples)  # the group's positions are consecutive
+    naming = names(dataset, first, samples)  # the group's positions are consecutive
     out: list = []
     served = 0
     current = -1
-    key = ""
     for position, field, payload in zip(positions, members.field.tolist(), payloads):
         if position != current:
             current = position
             sample = int(samples[position - first])
             if position in failed_positions:
+                cause = failed_positions[position]
                 if not continue_on_error:
-                    cause = next(p for r, p in enumerate(payloads) if members.position[r] == position
-                                 and (p is None or isinstance(p, StoreError)))
                     raise SampleFailed(dataset.name, sample, cause)
-                out.append(member_header(missing_name(dataset.name, sample), 0))
+                out.append(member_header(naming.missing(position, cause), 0))
                 continue
-            key = keys[position - first]
             served += 1
         elif position in failed_positions:
             continue
         size = len(payload)
-        out.append(member_header(f"{key}.{fields[field]}", size))
+        out.append(member_header(naming.member(position, field), size))
         out.append(payload)
         if size % 512:
             out.append(_PAD[:padding(size)])
@@ -92,8 +112,10 @@ async def render_group(coalescer: Coalescer, dataset: Dataset, members: Members,
 
 async def stream_batch(coalescer: Coalescer, dataset: Dataset, members: Members, indices: np.ndarray, *,
                        continue_on_error: bool, group_bytes: int, prefetch: int,
-                       on_served=None) -> AsyncIterator[bytes]:
-    """Yield the batch's tar stream, one group at a time, ending with the end-of-archive marker."""
+                       on_served=None, names=SampleNames) -> AsyncIterator[bytes]:
+    """Yield the batch's tar stream, one group at a time, ending with the end-of-archive marker.
+
+    ``names`` names the members (``SampleNames`` by default)."""
     groups = _groups(members, len(indices), group_bytes)
     if len(groups) > 1:
         coalescer.prefetch(dataset, members)
@@ -103,7 +125,8 @@ async def stream_batch(coalescer: Coalescer, dataset: Dataset, members: Members,
     def start_next() -> None:
         for lo, hi in upcoming:
             pending.append(asyncio.create_task(
-                render_group(coalescer, dataset, take(members, slice(lo, hi)), indices, continue_on_error)))
+                render_group(coalescer, dataset, take(members, slice(lo, hi)), indices, continue_on_error,
+                             names)))
             return
 
     try:

@@ -24,7 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("shardfeed.service.server", "run the service (the main job)"),
     "seed": ("shardfeed.seeds.synthetic", "write a synthetic dataset (or the sklearn digits)"),
     "pack": ("shardfeed.service.packer", "pack a directory of KEY.FIELD files into tar shards + index"),
-    "index": ("shardfeed.service.indexer", "write index.parquet for existing tar shards (reads headers only)"),
+    "index": ("shardfeed.service.layouts", "write index.parquet for existing tar shards (reads headers only) "
+                                           "or loose objects (--objects)"),
     "demo": ("shardfeed.client.demo", "train a small model through the service"),
     "bench": ("shardfeed.benchmarks.run", "benchmark shardfeed against one GET per sample"),
     "stack": ("shardfeed.stack", "run the docker-compose stack as local processes: SeaweedFS, seeder, 3 replicas"),

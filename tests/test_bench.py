@@ -95,3 +95,15 @@ def test_status_page_benchmark_runs_and_prints_its_figures(tmp_path):
                          r"first load \((\d+) points of history\); 50 calls each", done.stdout)
     assert per_call and int(per_call[3]) > 0, done.stdout
     assert "the pages cost" in done.stdout
+
+
+@pytest.mark.timeout(180)
+def test_the_getbatch_benchmark_runs_every_scenario_and_checks_its_bytes():
+    out = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.getbatch", "--objects", "512", "--batch", "128",
+                          "--latency-ms", "0", "--individual", "128", "--workers", "4"],
+                         capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for line in ("individual boto3 GETs", "shardfeed native, cold cache", "shardfeed native, warm cache",
+                 "AIStore SDK GetBatch, warm cache", "GetBatch over httpx (no SDK), warm"):
+        assert line in out.stdout
+    assert "AIStore SDK vs native (warm)" in out.stdout

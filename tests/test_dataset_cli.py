@@ -202,6 +202,26 @@ def test_index_reads_headers_only_and_jumps_over_large_members(bucket):
     assert bytes_read < 0.15 * shard_bytes
 
 
+@pytest.mark.parametrize("size, samples, most_requests, most_read", [
+    ("1MiB", 12, 12 + 3 + 1, 0.10),  # a probe per member and per end-of-archive, plus the listing
+    ("10KiB", 600, 8, 1.0),  # 3 shards: as many requests as the window-only scan made before the probe
+])
+def test_index_opens_each_shard_with_a_probe_and_grows_the_window_for_small_members(
+        bucket, size, samples, most_requests, most_read):
+    url = f"s3://{bucket}/{size}"
+    ok("seed", url, "--samples", str(samples), "--size", size, "--shard-size", "5MiB" if size == "1MiB" else "3MiB",
+       "--fields", "bin")
+
+    async def go(store):
+        shard_bytes = sum(o.size for o in await store.list())
+        before = store.requests
+        await index_shards(store, progress=False)
+        return store.requests - before, store.bytes_read, shard_bytes
+
+    requests, bytes_read, shard_bytes = run(with_store(url, go))
+    assert requests <= most_requests and bytes_read <= most_read * shard_bytes
+
+
 def test_synthetic_samples_are_deterministic_and_sized():
     assert sample_bytes(1, 5, 4000) == sample_bytes(1, 5, 4000) != sample_bytes(1, 6, 4000)
     assert sample_bytes(1, 5, 4000) != sample_bytes(2, 5, 4000)

@@ -5,15 +5,17 @@ and a well-behaved client running beside it all the while sees no error."""
 
 from __future__ import annotations
 
+import io
 import json
 import socket
+import tarfile
 import time
 from urllib.parse import quote, unquote
 
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from reliability_helpers import SteadyClient, expected_members, peak_rss_mib, received_members
@@ -35,9 +37,25 @@ def dataset(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def service(dataset, tmp_path_factory):
-    with start_service({"train": dataset[0]}, cache_dir=tmp_path_factory.mktemp("fuzz") / "cache",
-                       args=["--max-batch", str(MAX_BATCH), "--max-inflight-batches", "64"]) as svc:
+def gb_bucket(moto):
+    """A bucket GetBatch may read: one object and one tar shard (the fuzzed bodies name them)."""
+    moto.create_bucket("fuzz-gb")
+    s3 = moto.client()
+    s3.put_object(Bucket="fuzz-gb", Key="obj", Body=b"0123456789")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo("a.txt")
+        info.size = 3
+        tar.addfile(info, io.BytesIO(b"abc"))
+    s3.put_object(Bucket="fuzz-gb", Key="shard.tar", Body=buf.getvalue())
+    return "fuzz-gb"
+
+
+@pytest.fixture(scope="module")
+def service(dataset, gb_bucket, moto, tmp_path_factory):
+    with start_service({"train": dataset[0]}, cache_dir=tmp_path_factory.mktemp("fuzz") / "cache", env=moto.env(),
+                       args=["--max-batch", str(MAX_BATCH), "--max-inflight-batches", "64",
+                             "--bucket", gb_bucket]) as svc:
         yield svc
 
 
@@ -144,6 +162,45 @@ def test_any_replica_range_read_gets_bytes_or_a_4xx_json_error(http, shard, offs
         assert_json_error(resp, 400, 404, 413)
 
 
+# -- GetBatch (/v1/ml/moss) -----------------------------------------------------------------
+
+junk = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.text(max_size=20) | st.lists(st.integers(), max_size=2)
+moss_entries = st.fixed_dictionaries({"objname": st.sampled_from(["obj", "shard.tar", "gone", "", "a/../b", "/x", "a/"])
+                                                 | st.text(max_size=40)},
+                                     optional={"bucket": st.sampled_from(["fuzz-gb", "train", "", "nope"]) | junk,
+                                               "provider": st.sampled_from(["aws", "s3", "ais", "gcp", ""]) | junk,
+                                               "archpath": st.sampled_from(["a.txt", "/a.txt", "b.txt", ""]) | junk,
+                                               "opaque": st.text(max_size=10) | junk,
+                                               "start": st.integers(-2, 12) | junk,
+                                               "length": st.integers(-2, 12) | junk})
+moss_bodies = st.fixed_dictionaries({}, optional={
+    "in": st.lists(moss_entries | junk, max_size=5) | junk,
+    "mime": st.sampled_from([".tar", ".tgz", "tar.gz", ".zip", ".tar.lz4", ""]) | junk,
+    "coer": st.booleans() | junk, "onob": st.booleans() | junk, "strm": st.booleans() | junk,
+    "coloc": st.integers(-1, 3) | junk}) | junk
+
+
+@FUZZ
+@given(body=moss_bodies, bucket=st.sampled_from(["", "/fuzz-gb", "/nope", "/fuzz-gb?provider=gcp"]))
+@example(body={"in": [{"objname": "obj"}, {"objname": "shard.tar", "archpath": "/a.txt", "start": 1, "length": -1},
+                      {"objname": "gone"}], "coer": True, "strm": True}, bucket="/fuzz-gb")
+@example(body={"in": [{"objname": "obj", "bucket": "fuzz-gb", "provider": "s3", "start": 2, "length": 3}],
+               "mime": "tgz"}, bucket="")
+def test_any_getbatch_body_gets_an_archive_or_a_4xx_json_error(http, body, bucket):
+    resp = http.request("GET", f"/v1/ml/moss{bucket}", content=json.dumps(body).encode(),
+                        headers={"content-type": "application/json"})
+    if resp.status_code == 200:
+        archive = resp.content
+        if resp.headers["content-type"].startswith("multipart/mixed"):
+            marker = b"Content-Type: application/octet-stream\r\n\r\n"
+            archive = archive[archive.index(marker) + len(marker):]
+        with tarfile.open(fileobj=io.BytesIO(archive), mode="r:*") as tar:
+            assert len(tar.getmembers()) == len(body["in"])
+    else:
+        assert_json_error(resp, 400, 403, 404, 413, 416)
+        assert set(resp.json()["error"]) == {"code", "message"}
+
+
 # -- sample paths ----------------------------------------------------------------------------
 
 segments = st.sampled_from(["train", "..", ".", "%2e%2e", "", "bin", "0", "-1", "1e3", "٣", " 1", "0x1",
@@ -182,7 +239,9 @@ def test_the_api_conforms_to_its_openapi_document(service, bystander, mode):
     """schemathesis generates requests from /openapi.json (valid ones, then invalid ones)
     and checks each answer: no 5xx, status codes, content types and bodies as documented,
     invalid data refused."""
-    schema = schemathesis.openapi.from_url(f"{service.url}/openapi.json")
+    # GetBatch is a GET with a JSON body (AIStore's wire protocol), which schemathesis does
+    # not send; its body is fuzzed by test_any_getbatch_body_gets_an_archive_or_a_4xx_json_error.
+    schema = schemathesis.openapi.from_url(f"{service.url}/openapi.json").exclude(path_regex="^/v1/ml/moss")
 
     def no_floats(value) -> bool:
         if isinstance(value, (list, dict)):

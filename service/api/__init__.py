@@ -4,6 +4,7 @@
     datasets   /v1/datasets[/{name}]
     samples    per-sample GETs, coalesced by ``SampleBatcher``
     batch      POST /v1/batch, the ordered tar stream
+    getbatch   GET /v1/ml/moss, AIStore's GetBatch for the AIStore SDK
     internal   replica-to-replica and worker-to-worker member reads
     routing    /v1/datasets/{name}/routing, for client-side routing
     status     GET /v1/stats and the status page at / and /ui
@@ -29,22 +30,25 @@ from ..errors import ApiError, error_response
 from ..metrics import Metrics
 from ..peers import Cluster
 from ..samples import SampleBatcher
+from ..objects import BucketStores, Catalog
 from ..stats import StatsRecorder
-from . import batch, datasets as dataset_routes, internal, ops, routing, samples, status
+from ..stores import Store
+from . import batch, datasets as dataset_routes, getbatch, internal, ops, routing, samples, status
 from .auth import TokenAuth
 from .common import ERRORS, Admission, State, describe
 
-ROUTERS = (ops.router, dataset_routes.router, routing.router, samples.router, batch.router, internal.router,
-           status.router)
+ROUTERS = (ops.router, dataset_routes.router, routing.router, samples.router, batch.router, getbatch.router,
+           internal.router, status.router)
 
 
 def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: BlockCache,
-               metrics: Metrics, cluster: Cluster | None = None) -> FastAPI:
-    """The ASGI app over already opened datasets and cache (see ``server.py``)."""
+               metrics: Metrics, cluster: Cluster | None = None, buckets: dict[str, Store] | None = None) -> FastAPI:
+    """The ASGI app over already opened datasets, cache and GetBatch bucket stores (see ``server.py``)."""
     coalescer = Coalescer(cache, metrics, config, cluster)
     admission = Admission({"batch": config.max_inflight_batches, "sample": config.max_inflight_samples}, metrics)
+    bucket_stores = BucketStores(buckets or {})
     state = State(config, datasets, metrics, coalescer, SampleBatcher(coalescer, config.sample_window),
-                  admission, cluster, StatsRecorder(metrics.registry))
+                  admission, cluster, StatsRecorder(metrics.registry), Catalog(bucket_stores, datasets))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -58,6 +62,7 @@ def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: Block
         await coalescer.close()
         for dataset in datasets.values():
             await dataset.store.close()
+        await bucket_stores.close()
 
     app = FastAPI(title="shardfeed", version="1", lifespan=lifespan, responses=ERRORS,
                   description="Batched, ordered sample loading from S3-compatible storage.")

@@ -6,21 +6,17 @@ truncated 200."""
 
 from __future__ import annotations
 
-import logging
-import time
-
 import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.responses import Response, StreamingResponse
 
-from ..errors import ApiError, StoreUnavailable
+from ..errors import ApiError
 from ..index import SampleOutOfRange, UnknownField
-from ..stream import SampleFailed, stream_batch
-from .common import TAR, AppState, json_body, read_json
+from ..stream import stream_batch
+from .common import TAR, AppState, json_body, read_json, served_metrics, tar_stream_response
 from .routing import ROUTING_HEADER
 
-log = logging.getLogger("shardfeed.api")
 router = APIRouter(tags=["samples"])
 
 
@@ -41,7 +37,7 @@ class BatchRequest(BaseModel):
 @router.post("/v1/batch", response_class=StreamingResponse, openapi_extra=json_body(BatchRequest),
              responses={200: {"content": {TAR: {}}, "description": "The samples, as an ordered tar stream."}})
 async def batch(request: Request, state: AppState) -> Response:
-    config, metrics = state.config, state.metrics
+    config = state.config
     req = await read_json(request, BatchRequest, config.max_body)
     if req.format != "tar":
         raise ApiError(400, "unsupported_format", f"format {req.format!r} is not supported (supported: tar)")
@@ -69,47 +65,11 @@ async def batch(request: Request, state: AppState) -> Response:
         raise ApiError(404, "unknown_field", f"sample {int(members.sample[row])} has no field "
                                              f"{dataset.index.fields[int(members.field[row])]!r}")
 
-    state.admission.acquire("batch")
-    began = time.perf_counter()
-
-    def finish(status: str) -> None:
-        state.admission.release("batch")
-        metrics.requests.labels("batch", status).inc()
-        metrics.batch_latency.observe(time.perf_counter() - began)
-
-    def served(samples: int, nbytes: int) -> None:
-        metrics.samples.inc(samples)
-        metrics.bytes_served.inc(nbytes)
-
     chunks = stream_batch(state.coalescer, dataset, members, indices, continue_on_error=req.continue_on_error,
-                          group_bytes=config.group_bytes, prefetch=config.prefetch_groups, on_served=served)
-    try:
-        first = await anext(chunks)
-    except BaseException as err:
-        finish("503" if isinstance(err, SampleFailed) else "500")
-        await chunks.aclose()
-        if isinstance(err, SampleFailed):
-            raise StoreUnavailable(str(err)) from None
-        raise
-
-    async def body_stream():
-        status = "500"
-        try:
-            yield first
-            async for chunk in chunks:
-                yield chunk
-            status = "200"
-        except SampleFailed as err:
-            # Headers are gone: end the response early so the client sees a truncated tar.
-            log.warning("batch aborted mid-stream: %s", err)
-            raise
-        finally:
-            await chunks.aclose()
-            finish(status)
-            log.debug("batch dataset=%s samples=%d status=%s ms=%.1f", dataset.name, len(indices), status,
-                      1e3 * (time.perf_counter() - began))
-
+                          group_bytes=config.group_bytes, prefetch=config.prefetch_groups,
+                          on_served=served_metrics(state))
     headers = {"X-Shardfeed-Samples": str(len(indices))}
     if state.cluster is not None:
         headers[ROUTING_HEADER] = state.cluster.version()
-    return StreamingResponse(body_stream(), media_type=TAR, headers=headers)
+    return await tar_stream_response(state, "batch", chunks, media_type=TAR, headers=headers,
+                                     what=f"batch dataset={dataset.name} samples={len(indices)}")

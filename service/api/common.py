@@ -4,6 +4,9 @@ control, bounded body reading and the error schema of the OpenAPI document."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Annotated, TypeVar
@@ -11,15 +14,20 @@ from typing import Annotated, TypeVar
 from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
+from starlette.responses import StreamingResponse
 
 from ..coalescer import Coalescer
 from ..config import ServiceConfig
 from ..datasets import Dataset
-from ..errors import ApiError, InvalidRequest, Overloaded, UnknownDataset
+from ..errors import ApiError, InvalidRequest, Overloaded, StoreUnavailable, UnknownDataset
 from ..metrics import Metrics
+from ..objects import Catalog
 from ..peers import Cluster
 from ..samples import SampleBatcher
 from ..stats import StatsRecorder
+from ..stream import SampleFailed
+
+log = logging.getLogger("shardfeed.api")
 
 TAR = "application/x-tar"
 BODY_TIMEOUT = 10.0
@@ -84,6 +92,8 @@ class State:
     admission: Admission
     cluster: Cluster | None
     stats: StatsRecorder
+    catalog: Catalog
+    """Where GetBatch finds entries: the ``--bucket`` buckets (none: every bucket is refused)."""
 
     def dataset(self, name: str) -> Dataset:
         dataset = self.datasets.get(name)
@@ -146,3 +156,61 @@ def json_body(model: type[BaseModel]) -> dict:
     """``openapi_extra`` documenting a body that the route reads itself (bounded) as ``model``."""
     return {"requestBody": {"required": True, "content": {"application/json": {
         "schema": model.model_json_schema()}}}}
+
+
+def served_metrics(state: State) -> Callable[[int, int], None]:
+    """The ``on_served`` callback of ``stream_batch``: counts samples and bytes sent."""
+    def served(samples: int, nbytes: int) -> None:
+        state.metrics.samples.inc(samples)
+        state.metrics.bytes_served.inc(nbytes)
+
+    return served
+
+
+async def tar_stream_response(state: State, route: str, chunks: AsyncIterator[bytes], *, media_type: str,
+                              headers: dict[str, str], what: str,
+                              failed: Callable[[SampleFailed], ApiError] = lambda err: StoreUnavailable(str(err)),
+                              ) -> StreamingResponse:
+    """Serve a batch stream under admission control (kind ``batch``), with its metrics.
+
+    The first chunk is read before the status line, so a sample that fails in the first
+    group is a real error answer (``failed`` picks it; 503 by default), not a truncated 200.
+    Later failures can only end the response early: the client sees a truncated stream.
+    """
+    metrics = state.metrics
+    state.admission.acquire("batch")
+    began = time.perf_counter()
+
+    def finish(status: str) -> None:
+        state.admission.release("batch")
+        metrics.requests.labels(route, status).inc()
+        metrics.batch_latency.observe(time.perf_counter() - began)
+
+    try:
+        first = await anext(chunks)
+    except BaseException as err:
+        await chunks.aclose()
+        if isinstance(err, SampleFailed):
+            answer = failed(err)
+            finish(str(answer.status))
+            raise answer from None
+        finish("500")
+        raise
+
+    async def body_stream():
+        status = "500"
+        try:
+            yield first
+            async for chunk in chunks:
+                yield chunk
+            status = "200"
+        except SampleFailed as err:
+            # Headers are gone: end the response early so the client sees a truncated stream.
+            log.warning("%s aborted mid-stream: %s", route, err)
+            raise
+        finally:
+            await chunks.aclose()
+            finish(status)
+            log.debug("%s status=%s ms=%.1f", what, status, 1e3 * (time.perf_counter() - began))
+
+    return StreamingResponse(body_stream(), media_type=media_type, headers=headers)

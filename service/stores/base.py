@@ -7,6 +7,7 @@ every path it takes is relative to that root and confined to it.
 from __future__ import annotations
 
 import posixpath
+from collections.abc import AsyncIterable, AsyncIterator
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -69,9 +70,20 @@ class Store(ABC):
     async def write(self, path: str, data: bytes) -> None:
         """Create or replace ``path`` atomically (readers never see a partial object)."""
 
+    async def write_stream(self, path: str, chunks: AsyncIterable[bytes | memoryview]) -> int:
+        """``write`` the concatenated ``chunks``; returns the size. Backends that can upload in
+        parts (S3 multipart) hold only a part in memory; this default holds the whole object."""
+        data = b"".join([bytes(c) async for c in chunks])
+        await self.write(path, data)
+        return len(data)
+
     @abstractmethod
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
         """Every object under ``prefix`` (recursively), sorted by path."""
+
+    async def list_pages(self, prefix: str = "") -> AsyncIterator[list[ObjectInfo]]:
+        """``list(prefix)`` a page at a time (a page per LIST request where the backend pages)."""
+        yield await self.list(prefix)
 
     @abstractmethod
     async def head(self, path: str) -> ObjectInfo:

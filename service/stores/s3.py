@@ -18,7 +18,7 @@ import asyncio
 import os
 import re
 import xml.etree.ElementTree as ET
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 from urllib.parse import quote, unquote_plus, urlsplit
 
@@ -52,6 +52,7 @@ _DENIED_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", 
 _TRANSIENT_STATUS = {429, 500, 502, 503, 504}
 _SIGN_IN_THREAD = 1 << 20  # hashing a larger body for the signature would stall the loop
 _ERROR_BODY_LIMIT = 64 << 10
+MIN_PART, MAX_PART = 5 << 20, 5 << 30  # S3's multipart limits (the last part may be smaller)
 
 
 class _Truncated(ShortRead):
@@ -119,6 +120,7 @@ class S3Store(Store):
         backoff: Backoff | None = None,
         endpoint_url: str | None = None,
         region: str | None = None,
+        part_size: int = 64 << 20,
     ):
         """
         pool_size: most simultaneous connections to the endpoint (more requests queue).
@@ -127,6 +129,7 @@ class S3Store(Store):
         backoff: retry policy for 5xx, SlowDown, timeouts, resets and truncated bodies.
         endpoint_url: overrides ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``.
         region: overrides the region from the AWS config (signing scope and default endpoint).
+        part_size: ``write_stream`` part size (S3 allows 5 MiB to 5 GiB, and 10,000 parts).
         """
         if pool_size < 1 or connect_timeout <= 0 or read_timeout <= 0:
             raise StoreError(f"{url}: pool_size and timeouts must be positive")
@@ -136,6 +139,10 @@ class S3Store(Store):
         self.pool_size = pool_size
         self.list_page_size = 1000
         """Keys per ListObjectsV2 page (S3's maximum is 1000)."""
+        if not MIN_PART <= part_size <= MAX_PART:
+            raise StoreError(f"{url}: part size must be between {MIN_PART} and {MAX_PART} bytes, not {part_size}")
+        self.part_size = part_size
+        """``write_stream`` uploads objects larger than this in parts of this size."""
         self.backoff = backoff or Backoff()
         self.requests = 0
         self.retries = 0
@@ -359,6 +366,64 @@ class S3Store(Store):
         # One PUT: S3 makes the object visible only when complete (limit 5 GiB).
         await self._call("PUT", self._key(path), done, body=data if isinstance(data, bytes) else bytes(data))
 
+    async def write_stream(self, path: str, chunks: AsyncIterable[bytes | memoryview]) -> int:
+        """Upload ``chunks`` as one object holding at most ``part_size`` bytes in memory: one PUT
+        if it fits in a part, else a multipart upload (aborted on any failure, so no partial
+        object ever appears). Returns the object's size."""
+        key = self._key(path)
+        part = bytearray()
+        upload: str | None = None
+        etags: list[str] = []
+        size = 0
+        try:
+            async for chunk in chunks:
+                part += chunk
+                size += len(chunk)
+                while len(part) >= self.part_size:
+                    if upload is None:
+                        upload = await self._call("POST", key, self._upload_id, query={"uploads": ""})
+                    etags.append(await self._put_part(key, upload, len(etags) + 1, bytes(part[:self.part_size])))
+                    del part[:self.part_size]
+            if upload is None:
+                await self.write(path, bytes(part))
+                return size
+            if part or not etags:
+                etags.append(await self._put_part(key, upload, len(etags) + 1, bytes(part)))
+            done = "".join(f"<Part><PartNumber>{n}</PartNumber><ETag>{etag}</ETag></Part>"
+                           for n, etag in enumerate(etags, 1))
+            body = f"<CompleteMultipartUpload>{done}</CompleteMultipartUpload>".encode()
+            await self._call("POST", key, self._completed, query={"uploadId": upload}, body=body)
+            upload = None
+            return size
+        finally:
+            if upload is not None:  # failed or cancelled: drop the parts, never leave a partial object
+                try:
+                    await asyncio.shield(self._call("DELETE", key, _drain, query={"uploadId": upload}))
+                except (StoreError, asyncio.CancelledError):
+                    pass
+
+    async def _upload_id(self, resp: aiohttp.ClientResponse) -> str:
+        found = re.search(rb"<UploadId>([^<]+)</UploadId>", await resp.read())
+        if found is None:
+            raise StoreError(f"{self.url}: CreateMultipartUpload answered without an UploadId")
+        return found.group(1).decode()
+
+    async def _put_part(self, key: str, upload: str, number: int, data: bytes) -> str:
+        async def etag(resp: aiohttp.ClientResponse) -> str:
+            await resp.read()
+            if "ETag" not in resp.headers:
+                raise StoreError(f"{self._object_url(key)}: UploadPart answered without an ETag")
+            return resp.headers["ETag"]
+
+        return await self._call("PUT", key, etag, query={"partNumber": str(number), "uploadId": upload}, body=data)
+
+    async def _completed(self, resp: aiohttp.ClientResponse) -> None:
+        text = await resp.read()  # S3 may answer 200 with an <Error> body
+        if b"<Error>" in text:
+            fields = dict(_ERROR_FIELD.findall(text.decode("utf-8", "replace")))
+            raise StoreError(f"{self.url}: CompleteMultipartUpload failed ({fields.get('Code')}: "
+                             f"{fields.get('Message')})")
+
     async def head(self, path: str) -> ObjectInfo:
         rel = clean_path(path)
         key = self._key(rel)
@@ -372,17 +437,22 @@ class S3Store(Store):
         return await self._call("HEAD", key, info)
 
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
+        out: list[ObjectInfo] = []
+        async for page in self.list_pages(prefix):
+            out.extend(page)
+        return sorted(out, key=lambda o: o.path)
+
+    async def list_pages(self, prefix: str = "") -> AsyncIterator[list[ObjectInfo]]:
         root = f"{self.prefix}/" if self.prefix else ""
         query = {"list-type": "2", "prefix": root + prefix, "encoding-type": "url",
                  "max-keys": str(self.list_page_size)}
-        out: list[ObjectInfo] = []
         while True:
             page = await self._call("GET", "", lambda resp: self._body(resp, self.url), query=query)
             objects, token = await asyncio.to_thread(_parse_listing, page, self.url)
-            out.extend(ObjectInfo(key[len(root):], size, etag) for key, size, etag in objects
-                       if key.startswith(root) and not key.endswith("/"))
+            yield [ObjectInfo(key[len(root):], size, etag) for key, size, etag in objects
+                   if key.startswith(root) and not key.endswith("/")]
             if token is None:
-                return sorted(out, key=lambda o: o.path)
+                return
             query["continuation-token"] = token
 
     async def close(self) -> None:
@@ -392,6 +462,10 @@ class S3Store(Store):
                 await session.close()
             else:
                 session.detach()
+
+
+async def _drain(resp: aiohttp.ClientResponse) -> None:
+    await resp.read()
 
 
 def _parse_listing(xml: bytes, url: str) -> tuple[list[tuple[str, int, str | None]], str | None]:

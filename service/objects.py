@@ -1,0 +1,260 @@
+"""Where GetBatch entries live: plain objects by name, files inside tar shards by archpath.
+
+An entry becomes a ``Span``: an object of an allowed bucket, that object's size, and the
+byte range wanted from it. The coalescer then reads it like a shard member (blocks,
+cache, singleflight), with the object's full size as its extent.
+
+Sizes come from a HEAD per object, remembered in a bounded LRU (``max_objects``). A
+LIST would answer for a whole prefix, but an entry names one object under any prefix
+and the listing may be huge; a whole-object GET would need no size, but could not be
+planned into blocks, so it would bypass the cache and the coalescing of concurrent
+requests. An object of a served loose-object dataset needs no HEAD: its index has the
+size (``Index.layout`` ``objects``). The size is the read extent of every block of the object, so it must be the same
+for every request (an object is assumed not to change while it is served; the S3 store
+pins ETags and fails a read that sees a new version).
+
+A file inside a shard: the shard's member table comes from the index of a served tar
+dataset that holds the shard, else from one scan of the shard's headers (the indexer's
+windowed scan), kept in a bounded LRU of member tables (``max_members`` in all).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Hashable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+from urllib.parse import urlparse
+
+from .datasets import Dataset
+from .indexer import scan_shard
+from .stores import AccessDenied, InvalidPath, ObjectInfo, ObjectNotFound, Store
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+@dataclass(frozen=True)
+class Span:
+    bucket: str
+    key: str
+    extent: int  # the object's size: every read of its blocks stops there
+    offset: int
+    size: int
+    home: tuple[Dataset, int] | None = None
+    """The served dataset and shard code that index these bytes: read through that dataset,
+    they share its cached blocks (and its replica owners)."""
+
+    @property
+    def path(self) -> str:
+        """The object's path in ``BucketStores``."""
+        return f"{self.bucket}/{self.key}"
+
+
+class EntryMissing(LookupError):
+    """The object, the shard, or the file inside the shard does not exist."""
+
+
+class Lru(Generic[K, V]):
+    """An async memo of ``load(key)``: one load per key in flight, at most ``capacity`` weight kept
+    (least recently used dropped first). Errors are not remembered."""
+
+    def __init__(self, load: Callable[[K], Awaitable[V]], capacity: int, weight: Callable[[V], int] = lambda v: 1):
+        self._load = load
+        self._capacity = capacity
+        self._weight = weight
+        self._values: OrderedDict[K, tuple[V, int]] = OrderedDict()
+        self._total = 0
+        self._loading: dict[K, asyncio.Future] = {}
+
+    def peek(self, key: K) -> V | None:
+        """The value if it is loaded already (counts as a use), else ``None``."""
+        if key not in self._values:
+            return None
+        self._values.move_to_end(key)
+        return self._values[key][0]
+
+    async def get(self, key: K) -> V:
+        if key in self._values:
+            self._values.move_to_end(key)
+            return self._values[key][0]
+        pending = self._loading.get(key)
+        if pending is None:
+            pending = self._loading[key] = asyncio.ensure_future(self._load(key))
+            pending.add_done_callback(lambda f: self._loaded(key, f))
+        return await asyncio.shield(pending)
+
+    def _loaded(self, key: K, future: asyncio.Future) -> None:
+        self._loading.pop(key, None)
+        if future.cancelled() or future.exception() is not None:
+            return
+        value = future.result()
+        weight = self._weight(value)
+        if weight > self._capacity:
+            return
+        self._values[key] = (value, weight)
+        self._total += weight
+        while self._total > self._capacity:
+            _, (_, dropped) = self._values.popitem(last=False)
+            self._total -= dropped
+
+
+class BucketStores(Store):
+    """The allowed buckets as one read-only store: path ``<bucket>/<key>``.
+
+    GetBatch entries of several buckets are one batch, so the coalescer reads them through
+    one store; each bucket keeps its own (hedged) store, opened at start.
+    """
+
+    url = "s3://"
+
+    def __init__(self, stores: dict[str, Store]):
+        self.stores = stores
+
+    def _split(self, path: str) -> tuple[Store, str]:
+        bucket, _, key = path.partition("/")
+        store = self.stores.get(bucket)
+        if store is None:
+            raise InvalidPath(f"bucket {bucket!r} is not served")
+        return store, key
+
+    async def read_range(self, path: str, offset: int, size: int) -> bytes:
+        store, key = self._split(path)
+        return await store.read_range(key, offset, size)
+
+    async def read(self, path: str) -> bytes:
+        store, key = self._split(path)
+        return await store.read(key)
+
+    async def head(self, path: str) -> ObjectInfo:
+        store, key = self._split(path)
+        return await store.head(key)
+
+    async def write(self, path: str, data: bytes) -> None:
+        raise AccessDenied(f"{path}: GetBatch buckets are read-only")
+
+    async def list(self, prefix: str = "") -> list[ObjectInfo]:
+        store, key = self._split(prefix)
+        return await store.list(key)
+
+    async def close(self) -> None:
+        for store in self.stores.values():
+            await store.close()
+
+
+class Catalog:
+    """Locates entries in the allowed buckets; served datasets lend their indexes."""
+
+    def __init__(self, buckets: BucketStores, datasets: dict[str, Dataset], *, max_objects: int = 1 << 18,
+                 max_members: int = 1 << 20, scan_window: int = 1 << 20, max_lookups: int = 64):
+        """max_objects: sizes remembered (about 200 bytes each); max_members: shard members
+        remembered over all scanned shards (about 150 bytes each); max_lookups: HEADs and
+        scans in flight."""
+        self.buckets = buckets
+        self.stores = buckets.stores
+        self._served = _served_roots(datasets)
+        self._scan_window = scan_window
+        self._lookups = asyncio.Semaphore(max_lookups)
+        self._sizes: Lru[tuple[str, str], int] = Lru(self._head, max_objects)
+        # (members by name, whether a served index gave them) per shard
+        self._tables: Lru[tuple[str, str], tuple[dict[str, tuple[int, int]], bool]] = Lru(
+            self._member_table, max_members, weight=lambda table: max(1, len(table[0])))
+
+    def known(self, bucket: str, key: str, archpath: str) -> Span | None:
+        """``locate`` without waiting, when everything it needs is at hand (``None`` otherwise):
+        a warm batch then costs no task per entry."""
+        loose = self._loose(bucket, key)
+        if loose is not None and not archpath:
+            return loose
+        size = self._sizes.peek((bucket, key)) if loose is None else loose.size
+        if size is None:
+            return None
+        if not archpath:
+            return Span(bucket, key, size, 0, size)
+        table = self._tables.peek((bucket, key))
+        return None if table is None else self._member(bucket, key, size, archpath, table)
+
+    async def locate(self, bucket: str, key: str, archpath: str) -> Span:
+        """The bytes of an entry; ``EntryMissing``, or ``StoreError`` when the store fails."""
+        loose = self._loose(bucket, key)
+        if loose is not None and not archpath:
+            return loose
+        size = await self._size(bucket, key)
+        if not archpath:
+            return Span(bucket, key, size, 0, size)
+        span = self._member(bucket, key, size, archpath, await self._tables.get((bucket, key)))
+        if span is None:
+            raise EntryMissing(f"{key}/{archpath}")
+        return span
+
+    def _member(self, bucket: str, key: str, size: int, archpath: str,
+                table: tuple[dict[str, tuple[int, int]], bool]) -> Span | None:
+        members, indexed = table
+        member = members.get(archpath)
+        if member is None:
+            return None
+        return Span(bucket, key, size, *member, home=self._home(bucket, key) if indexed else None)
+
+    async def _size(self, bucket: str, key: str) -> int:
+        loose = self._loose(bucket, key)
+        return loose.size if loose is not None else await self._sizes.get((bucket, key))
+
+    def _home(self, bucket: str, key: str) -> tuple[Dataset, int] | None:
+        """The served dataset that has ``key`` as a shard (a loose object: a member), and its code."""
+        for dataset, rel in self._owners(bucket, key):
+            code = dataset.index.shard_code(rel)
+            if code is not None:
+                return dataset, code
+        return None
+
+    def _loose(self, bucket: str, key: str) -> Span | None:
+        """A loose object of a served dataset, whole: its index has the size."""
+        home = self._home(bucket, key)
+        if home is None or home[0].index.layout != "objects":
+            return None
+        size = int(home[0].extents[home[1]])
+        return Span(bucket, key, size, 0, size, home=home)
+
+    async def _head(self, where: tuple[str, str]) -> int:
+        bucket, key = where
+        async with self._lookups:
+            try:
+                return (await self.stores[bucket].head(key)).size
+            except ObjectNotFound:
+                raise EntryMissing(key) from None
+
+    async def _member_table(self, where: tuple[str, str]) -> tuple[dict[str, tuple[int, int]], bool]:
+        bucket, key = where
+        home = self._home(bucket, key)
+        if home is not None and home[0].index.layout == "tar":
+            return home[0].index.shard_members(home[0].index.shards[home[1]]), True
+        size = await self._size(bucket, key)
+        async with self._lookups:
+            try:
+                scan = await scan_shard(self.stores[bucket], ObjectInfo(key, size), self._scan_window)
+            except ValueError as err:  # not a tar file, truncated, corrupt header
+                raise EntryMissing(f"{key}: {err}") from None
+        table: dict[str, tuple[int, int]] = {}
+        for name, offset, size in zip(scan.names, scan.offsets, scan.sizes):
+            table.setdefault(name, (offset, size))
+        return table, False
+
+    def _owners(self, bucket: str, key: str):
+        """Served datasets whose root holds ``key``, with its path relative to that root."""
+        for prefix, dataset in self._served.get(bucket, ()):
+            if not prefix:
+                yield dataset, key
+            elif key.startswith(prefix + "/"):
+                yield dataset, key[len(prefix) + 1:]
+
+
+def _served_roots(datasets: dict[str, Dataset]) -> dict[str, list[tuple[str, Dataset]]]:
+    """Served S3 datasets by bucket, with their key prefix."""
+    roots: dict[str, list[tuple[str, Dataset]]] = {}
+    for dataset in datasets.values():
+        url = urlparse(dataset.url)
+        if url.scheme == "s3":
+            roots.setdefault(url.netloc, []).append((url.path.strip("/"), dataset))
+    return roots
+
