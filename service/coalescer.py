@@ -149,13 +149,16 @@ class Coalescer:
         if len(pairs) * self.block_size <= self.cache.capacity // 4:
             self._start_fetches(dataset, pairs, skip_cached=True)
 
-    def held_blocks(self, keys) -> dict[BlockKey, memoryview]:
-        """The blocks among ``keys`` that the RAM tier holds, as views (no copy, no thread)."""
+    def held_blocks(self, keys, *, all_or_none: bool = False) -> dict[BlockKey, memoryview]:
+        """The blocks among ``keys`` that the RAM tier holds, as views (no copy, no thread);
+        with ``all_or_none``, nothing unless it holds them all."""
         held = {}
         for key in keys:
             block = self.memory.get(key.filename(self.block_size))
             if block is not None:
                 held[key] = memoryview(block)
+            elif all_or_none:
+                return {}
         if held:
             self.metrics.memory_cache_hits.inc(len(held))
         return held

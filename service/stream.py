@@ -22,6 +22,7 @@ from .datasets import Dataset
 from .index import Members
 from .planner import take
 from .stores import StoreError
+from .warm import held_group
 
 _PAD = b"\0" * 512
 
@@ -52,12 +53,20 @@ def _groups(members: Members, n_positions: int, group_bytes: int) -> list[tuple[
 
 async def render_group(coalescer: Coalescer, dataset: Dataset, members: Members, indices: np.ndarray,
                        continue_on_error: bool) -> tuple[bytes, int]:
-    """The tar bytes of one group of member rows, and how many samples it served."""
-    payloads = await coalescer.read_members(dataset, members)
+    """The tar bytes of one group of member rows, and how many samples it served.
+
+    A group whose blocks are all in RAM is framed from them at once (``warm.py``); any
+    other is read through the coalescer first."""
+    held = held_group(coalescer, dataset, members)
+    if held is None:
+        payloads = await coalescer.read_members(dataset, members)
+        failed_rows = [i for i, p in enumerate(payloads) if p is None or isinstance(p, StoreError)]
+    else:
+        payloads = None
+        failed_rows = np.flatnonzero(~members.found).tolist()
     index = dataset.index
     fields = index.fields
     # A sample fails as a whole: find, per position, whether any of its members failed.
-    failed_rows = [i for i, p in enumerate(payloads) if p is None or isinstance(p, StoreError)]
     failed_positions = set(members.position[failed_rows].tolist()) if failed_rows else set()
     positions = members.position.tolist()
     first = positions[0] if positions else 0
@@ -67,14 +76,14 @@ async def render_group(coalescer: Coalescer, dataset: Dataset, members: Members,
     served = 0
     current = -1
     key = ""
-    for position, field, payload in zip(positions, members.field.tolist(), payloads):
+    for row, (position, field) in enumerate(zip(positions, members.field.tolist())):
         if position != current:
             current = position
             sample = int(samples[position - first])
             if position in failed_positions:
                 if not continue_on_error:
-                    cause = next(p for r, p in enumerate(payloads) if members.position[r] == position
-                                 and (p is None or isinstance(p, StoreError)))
+                    cause = None if payloads is None else next(  # None: the index lacks the member
+                        payloads[r] for r in failed_rows if members.position[r] == position)
                     raise SampleFailed(dataset.name, sample, cause)
                 out.append(member_header(missing_name(dataset.name, sample), 0))
                 continue
@@ -82,9 +91,15 @@ async def render_group(coalescer: Coalescer, dataset: Dataset, members: Members,
             served += 1
         elif position in failed_positions:
             continue
-        size = len(payload)
-        out.append(member_header(f"{key}.{fields[field]}", size))
-        out.append(payload)
+        name = f"{key}.{fields[field]}"
+        if held is not None:
+            out += held.frame(row, name)
+            size = held.size[row]
+        else:
+            payload = payloads[row]
+            size = len(payload)
+            out.append(member_header(name, size))
+            out.append(payload)
         if size % 512:
             out.append(_PAD[:padding(size)])
     return b"".join(out), served

@@ -294,6 +294,9 @@ def test_a_removed_cache_dir_is_recreated_and_locked_again(s3_dataset, moto, tmp
         shutil.rmtree(cache)
         assert tar_members(batch(svc.url, {"dataset": "train", "indices": [150, 3]}).content) == \
             expected(source, [150, 3])
+        deadline = time.monotonic() + 30  # blocks are written after their bytes are served
+        while not list(cache.glob("*/*.blk")) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert (cache / ".lock").exists() and list(cache.glob("*/*.blk"))
         with pytest.raises(RuntimeError) as err:
             start_service({"train": s3_dataset[0]}, cache_dir=cache, env=moto.env())
