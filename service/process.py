@@ -19,9 +19,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def scrape_metrics(url: str, timeout: float = 10) -> dict[str, float]:
+def scrape_metrics(url: str, timeout: float = 10, token: str | None = None) -> dict[str, float]:
     """A service's Prometheus metrics summed over labels: ``{"shardfeed_store_requests_total": 3.0}``."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as resp:
+    request = urllib.request.Request(f"{url}/metrics", headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
         text = resp.read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():

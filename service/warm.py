@@ -75,3 +75,19 @@ def held_group(coalescer: Coalescer, dataset: Dataset, members: Members) -> Held
     if len(held) != len(keys):
         return None
     return HeldGroup({pair: held[key] for pair, key in keys.items()}, members, bs)
+
+
+def held_member(coalescer: Coalescer, dataset: Dataset, shard: int, offset: int, size: int) -> memoryview | None:
+    """One member's bytes if they lie in one RAM-held block (and this replica owns the shard)."""
+    if coalescer.memory is None:
+        return None
+    if coalescer.cluster is not None and int(coalescer.cluster.owners(
+            dataset.url, dataset.index.shards, np.array([shard]))[0]) != coalescer.cluster.me:
+        return None
+    bs = coalescer.block_size
+    number = offset // bs
+    local = offset - number * bs
+    if local + size > bs:
+        return None
+    held = coalescer.held_blocks([BlockKey(dataset.id, dataset.shard_ids[shard], number)])
+    return next(iter(held.values()))[local:local + size] if held else None

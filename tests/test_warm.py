@@ -114,3 +114,32 @@ def test_a_shard_header_is_sent_verbatim_only_when_it_names_the_member_exactly()
     prefixed = bytearray(header)
     prefixed[345:348] = b"abc"  # ustar prefix: the name is abc/k/0001.bin
     assert not names_member(bytes(prefixed), b"k/0001.bin", 700)
+
+
+def test_per_sample_gets_from_ram_are_exact_and_keep_auth_errors_and_metrics(dataset, tmp_path):
+    url, source = dataset
+    args = ["--block-size", "64KiB", "--memory-cache", "64MiB"]
+    with start_service({"train": url}, cache_dir=tmp_path / "cache", args=args,
+                       env={"SHARDFEED_TOKENS": "sesame"}) as svc, \
+            httpx.Client(base_url=svc.url, timeout=60, headers={"Authorization": "Bearer sesame"}) as http:
+        assert http.post("/v1/batch", json={"dataset": "train", "indices": list(range(SAMPLES))}).status_code == 200
+        before = metrics(svc.url, token="sesame")
+        for i in range(SAMPLES):
+            for field in ("bin", "CLS", "seg.png"):
+                resp = http.get(f"/v1/datasets/train/samples/{i}/{field}")
+                if (i, field.lower()) in source:
+                    assert resp.status_code == 200 and resp.content == source[(i, field.lower())][1], (i, field)
+                    assert resp.headers["content-type"] == "application/octet-stream"
+                else:
+                    assert resp.status_code == 404 and resp.json()["error"]["code"] == "unknown_field"
+        after = metrics(svc.url, token="sesame")
+        # Every member but the empty ones (which take the routed path) came from RAM.
+        assert after["shardfeed_memory_cache_hits_total"] - before["shardfeed_memory_cache_hits_total"] >= SAMPLES
+        assert after["shardfeed_samples_served_total"] - before["shardfeed_samples_served_total"] == \
+            sum(1 for (i, f) in source if f in ("bin", "cls", "seg.png"))
+        assert httpx.get(f"{svc.url}/v1/datasets/train/samples/1/bin").status_code == 401
+        assert http.get("/v1/datasets/train/samples/999/bin").json()["error"]["code"] == "sample_out_of_range"
+        assert http.get("/v1/datasets/nope/samples/1/bin").json()["error"]["code"] == "unknown_dataset"
+        assert http.get("/v1/datasets/train/samples/x1/bin").json()["error"]["code"] == "invalid_index"
+        assert http.get("/v1/datasets/train/samples/1/nope").json()["error"]["code"] == "unknown_field"
+

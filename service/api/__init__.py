@@ -29,7 +29,7 @@ from ..peers import Cluster
 from ..samples import SampleBatcher
 from . import batch, datasets as dataset_routes, internal, ops, samples
 from .auth import TokenAuth
-from .common import ERRORS, Admission, State, describe
+from .common import ERRORS, Admission, HeldRoutes, State, describe
 
 ROUTERS = (ops.router, dataset_routes.router, samples.router, batch.router, internal.router)
 
@@ -59,6 +59,7 @@ def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: Block
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_middleware(HeldRoutes, state=state, handlers=(samples.held_member,))  # inside TokenAuth
     if config.tokens:
         app.add_middleware(TokenAuth, tokens=config.tokens)
     for router in ROUTERS:
