@@ -9,6 +9,7 @@ headers with no per-member objects beyond the (name, payload) pair.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from zlib import adler32
 
 BLOCK = 512
 END_OF_ARCHIVE = b"\0" * (2 * BLOCK)
@@ -87,7 +88,9 @@ def parse_header(block: bytes | memoryview) -> tuple[bytes, int, bytes]:
     if len(block) != BLOCK:
         raise TarFormatError("truncated tar header")
     stored = block[148:156]
-    checksum = sum(block[:148]) + 256 + sum(block[156:])
+    # The byte sum of each half (at most 256 * 255, below adler32's modulus) is adler32's low
+    # half minus one: the exact checksum in C, where a Python sum over 512 bytes costs microseconds.
+    checksum = (adler32(block[:256]) & 0xFFFF) + (adler32(block[256:]) & 0xFFFF) - 2 - sum(stored) + 256
     try:
         ok = int(stored.strip(b"\0 ") or b"0", 8) == checksum
         size_field = block[124:136]
