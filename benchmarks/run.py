@@ -9,7 +9,10 @@ One run:
    scenarios of ``scenarios.py`` on the same shuffled samples with the same number of
    requests in flight, against a freshly started service (empty cache), in alternating
    order (A B B A ...) so that the drift of a shared machine cancels out;
-3. prints a line per scenario as it goes, then the table and the targets, and writes
+3. measures the server side under ``wrk`` (``serverside.py``: warm batches against the
+   bare pusher with as many processes, per-sample GETs against ``/healthz``), for each
+   ``--serve-workers`` count, when ``wrk`` is installed (a note says so when it is not);
+4. prints a line per scenario as it goes, then the table and the targets, and writes
    ``results.json``, ``results.md``, ``throughput.png`` (and ``profile.txt``) to ``--out``.
 """
 
@@ -44,7 +47,7 @@ from shardfeed.service.process import ServiceProcess, free_port, scrape_metrics,
 from shardfeed.service.sizes import format_size, parse_size
 from shardfeed.service.stores import open_store
 
-from . import hotpath, report, scenarios
+from . import hotpath, report, scenarios, serverside
 from .report import SCENARIOS
 from .s3server import start_moto
 
@@ -69,10 +72,11 @@ class Mode:
     probe: int  # samples measured by the per-request baselines (at least two batches)
     requesters: int
     repeat: int
+    wrk_seconds: float  # per load of the server-side scenario
 
 
-FULL = Mode("1KiB,10KiB,100KiB,1MiB", "16,64,256,1024", 256 << 20, 256, 8192, 1024, 64, 3)
-QUICK = Mode("10KiB,1MiB", "16", 8 << 20, 32, 512, 128, 32, 2)
+FULL = Mode("1KiB,10KiB,100KiB,1MiB", "16,64,256,1024", 256 << 20, 256, 8192, 1024, 64, 3, 5)
+QUICK = Mode("10KiB,1MiB", "16", 8 << 20, 32, 512, 128, 32, 2, 1)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -107,6 +111,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--range-gap", type=parse_size, default=parse_size("4KiB"),
                         help="direct ranged GETs: merge a batch's ranges this close in one shard (default 4KiB)")
     parser.add_argument("--seed", type=int, default=0, help="data and sample order seed (default 0)")
+    parser.add_argument("--server-side", action=argparse.BooleanOptionalAction, default=True,
+                        help="measure the warm service under wrk next to the bare pusher, and per-sample "
+                             "GETs next to /healthz (default: on; skipped with a note without wrk)")
+    parser.add_argument("--serve-workers", default="1",
+                        help="the server-side scenario's axis of `shardfeed serve --workers N` values, e.g. 1,2 "
+                             "(default: %(default)s; above 1 needs a serve that has --workers)")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None,
                         help="profile the hot paths with py-spy after the measurements "
                              "(default: on for the full run when py-spy is installed)")
@@ -134,6 +144,9 @@ class Settings:
     bucket: str
     profile: bool
     progress: bool
+    server_side: bool
+    serve_workers: list[int]
+    wrk_seconds: float
     batches: dict[int, list[int]] = field(default_factory=dict)
     """Per sample size, the batch sizes measured (fits ``max_batch_bytes``, at least 2 batches)."""
     headline: dict[int, int] = field(default_factory=dict)
@@ -177,6 +190,11 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         raise ValueError(f"--endpoint must be an http(s) URL, not {args.endpoint!r}")
     if args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out} exists and is not a directory")
+    serve_workers = _list(args.serve_workers, int, "--serve-workers")
+    if min(serve_workers) < 1 or max(serve_workers) > 256:
+        raise ValueError(f"--serve-workers must be between 1 and 256, not {args.serve_workers!r}")
+    if max(serve_workers) > 1 and not _serve_has_workers():
+        raise ValueError("--serve-workers above 1 needs a `shardfeed serve` that has --workers")
     profile = (not args.quick and hotpath.available()) if args.profile is None else args.profile
     if profile and not hotpath.available():
         raise ValueError("--profile needs py-spy: pip install py-spy")
@@ -189,7 +207,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         requesters=requesters, repeat=repeat, samples=samples, probe=max(2, round(mode.probe * args.scale)),
         shard_size=args.shard_size, block_size=args.block_size, max_batch_bytes=args.max_batch_bytes,
         range_gap=args.range_gap, seed=args.seed, out=args.out, endpoint=args.endpoint, bucket=args.bucket,
-        profile=profile, progress=args.progress,
+        profile=profile, progress=args.progress, server_side=args.server_side, serve_workers=serve_workers,
+        wrk_seconds=mode.wrk_seconds,
     )
     for size in sizes:
         fits = [b for b in settings.batch_sizes if b * size <= settings.max_batch_bytes and 2 * b <= samples[size]]
@@ -197,6 +216,14 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         if fits:
             settings.headline[size] = max([b for b in fits if b <= HEADLINE_BATCH] or fits[:1])
     return settings
+
+
+def _serve_has_workers() -> bool:
+    from shardfeed.service.server import add_arguments as serve_arguments
+
+    parser = argparse.ArgumentParser(add_help=False)
+    serve_arguments(parser)
+    return not parser.parse_known_args(["--workers", "2"])[1]
 
 
 def _chunks(order: np.ndarray, size: int) -> list[list[int]]:
@@ -370,13 +397,13 @@ class Bench:
                 s3.delete_objects(Bucket=self.settings.bucket, Delete={"Objects": keys, "Quiet": True})
 
     @contextmanager
-    def service(self, size: int, endpoint: str) -> Iterator[ServiceProcess]:
+    def service(self, size: int, endpoint: str, extra: list[str] | tuple[str, ...] = ()) -> Iterator[ServiceProcess]:
         """A fresh service (empty cache) serving the shards of ``size`` as ``bench``; its cache
-        is deleted when it stops."""
+        is deleted when it stops. ``extra``: further ``serve`` arguments."""
         self.services += 1
         cache = self.tmp / f"service-{self.services}" / "cache"
         try:
-            args = ["--block-size", str(self.settings.block_size), "--log-level", "warning"]
+            args = ["--block-size", str(self.settings.block_size), "--log-level", "warning", *extra]
             with start_service({DATASET: f"s3://{self.settings.bucket}/{self.shard_prefix(size)}"},
                                cache_dir=cache, env={"AWS_ENDPOINT_URL": endpoint}, args=args) as service:
                 yield service
@@ -462,6 +489,18 @@ class Bench:
                     flip = not flip
                 self.per_sample(latency, url, size)
 
+    def server_side(self, endpoint: str) -> list[dict]:
+        """The server-side scenario (``serverside.py``) at every size, S3 latency +0 ms."""
+        s = self.settings
+        if not serverside.available():
+            self.say(serverside.SKIP_NOTE)
+            return []
+        sizes = [size for size in s.sizes if s.batches[size]]
+        return serverside.run_points(
+            sizes, s.serve_workers, s.samples, HEADLINE_BATCH,
+            lambda size, workers: self.service(size, endpoint, serverside.serve_args(workers)),
+            self.tmp, s.wrk_seconds, s.seed, self.say)
+
     # -- the profile ----------------------------------------------------------------------------
 
     def profile(self, endpoint: str) -> tuple[dict, str]:
@@ -538,6 +577,7 @@ def run(args: argparse.Namespace) -> int:
         minimal_url, minimal = _start_minimal(tmp / "minimal-http.log")
         stack.callback(_stop, minimal)
         bench.matrix(endpoint, minimal_url)
+        server_points = bench.server_side(endpoint) if settings.server_side else []
         found, profile_text = bench.profile(endpoint) if settings.profile else ({}, "")
 
     rows = sorted(bench.rows, key=_sort_key)
@@ -551,13 +591,15 @@ def run(args: argparse.Namespace) -> int:
         "baseline_samples": settings.probe,
         "shard_size": settings.shard_size, "block_size": settings.block_size, "range_gap": settings.range_gap,
         "seed": settings.seed, "s3": settings.endpoint or "moto server (loopback)",
+        "serve_workers": settings.serve_workers, "wrk_seconds": settings.wrk_seconds,
         "elapsed_s": round(time.monotonic() - began, 1),
     }
     out = settings.out
     report.write_json(out / "results.json", {
         "machine": machine, "config": config, "scenarios": SCENARIOS, "results": rows, "targets": goals,
-        "profile": found})
-    (out / "results.md").write_text(report.markdown(rows, machine, config, goals))
+        "profile": found, "server_side": server_points})
+    server_text = serverside.markdown(server_points) if server_points else ""
+    (out / "results.md").write_text(report.markdown(rows, machine, config, goals) + server_text)
     report.plot(out / "throughput.png", rows, settings.latencies, settings.headline)
     if profile_text:
         (out / "profile.txt").write_text(profile_text)
@@ -572,6 +614,8 @@ def run(args: argparse.Namespace) -> int:
         if g["met"] is not None:
             print(f"  +{g['s3_latency_ms']:g}ms {g['scenario']:<15} {g['target']}: {g['value']:.2f} "
                   f"(goal {g['goal']}): {'met' if g['met'] else 'MISSED'}")
+    if server_text:
+        print(server_text)
     unmeasured = sum(g["met"] is None for g in goals)
     if unmeasured:
         print(f"  ({unmeasured} of {len(goals)} targets need points this run did not measure)")

@@ -46,11 +46,11 @@ class HeldGroup:
             if header >= 0 and names_member(block[header:local], raw, size):
                 return [block[header:local + size]]
             return [member_header(name, size), block[local:local + size]]
-        parts = [block[local:]]  # a member over several blocks: joined (large members only)
+        parts = [member_header(name, size), block[local:]]  # a member over several blocks
         end = offset + size
         for number in range(first + 1, (end - 1) // bs + 1):
             parts.append(self.blocks[(self.shard[row], number)][:min(bs, end - number * bs)])
-        return [member_header(name, size), b"".join(parts)]
+        return parts
 
 
 def held_group(coalescer: Coalescer, dataset: Dataset, members: Members) -> HeldGroup | None:
