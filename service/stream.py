@@ -105,6 +105,34 @@ async def render_group(coalescer: Coalescer, dataset: Dataset, members: Members,
     return b"".join(out), served
 
 
+def held_stream_length(coalescer: Coalescer, dataset: Dataset, members: Members, indices: np.ndarray) -> int | None:
+    """The exact length of the batch's tar stream if RAM holds every block it needs, else ``None``.
+
+    Sent as ``Content-Length``, it spares the HTTP server a copy of every chunk (chunked
+    framing joins each chunk with its size line). The blocks are held now and read from
+    disk if RAM lets go of them meanwhile, so the stream can only come out different if
+    the disk copy is lost too and the store fails: with ``continue_on_error`` that sample
+    becomes a shorter ``__404__`` entry, the response ends short, and the client asks again
+    for what it lacks, as after any broken connection.
+    """
+    if held_group(coalescer, dataset, members) is None:
+        return None
+    index = dataset.index
+    missing = np.unique(members.position[~members.found])
+    total = len(END_OF_ARCHIVE) + sum(len(member_header(missing_name(dataset.name, int(indices[p])), 0))
+                                      for p in missing.tolist())
+    rows = ~np.isin(members.position, missing)
+    size = members.size[rows]
+    total += int((size + (-size % 512)).sum())
+    key_bytes = np.array([len(k.encode()) for k in index.keys(indices)], np.int64)
+    field_bytes = np.array([len(f.encode()) for f in index.fields], np.int64)
+    name_bytes = key_bytes[members.position[rows]] + 1 + field_bytes[members.field[rows]]
+    total += 512 * len(name_bytes)
+    for n in name_bytes[name_bytes > 100].tolist():  # a PAX record first (its length depends on the name's only)
+        total += len(member_header("n" * n, 0)) - 512
+    return total
+
+
 async def stream_batch(coalescer: Coalescer, dataset: Dataset, members: Members, indices: np.ndarray, *,
                        continue_on_error: bool, group_bytes: int, prefetch: int,
                        on_served=None) -> AsyncIterator[bytes]:
@@ -129,9 +157,9 @@ async def stream_batch(coalescer: Coalescer, dataset: Dataset, members: Members,
             start_next()
             if on_served is not None:
                 on_served(served, len(chunk))
-            if not pending:
-                chunk += END_OF_ARCHIVE
             yield chunk
+            if not pending:
+                yield END_OF_ARCHIVE  # on its own: appending would copy the whole last group
     finally:
         for task in pending:  # client went away or a sample failed: stop reading ahead
             task.cancel()

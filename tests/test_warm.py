@@ -91,11 +91,15 @@ def test_warm_batches_are_the_exact_members_whatever_the_shards_hold(dataset, tm
             assert tar_members(resp.content) == want
             if round_ > 0:  # the GNU shard's own headers (magic "ustar  ") go out verbatim from RAM
                 assert (b"ustar  \0" in resp.content) == (memory != "0")
+                # Held in RAM, the stream's length is known up front (chunked otherwise).
+                assert resp.headers.get("content-length") == (str(len(resp.content)) if memory != "0" else None)
             for fields in (["seg.png", "bin"], ["CLS"]):
                 resp = http.post("/v1/batch", json={"dataset": "train", "indices": indices, "fields": fields,
                                                      "continue_on_error": True})
                 assert resp.status_code == 200, resp.text
                 assert tar_members(resp.content) == expected(source, indices, [f.lower() for f in fields])
+                if round_ > 0 and memory != "0":
+                    assert resp.headers["content-length"] == str(len(resp.content))
         m = metrics(svc.url)
         assert (m["shardfeed_memory_cache_hits_total"] > 0) == (memory != "0")
 

@@ -16,7 +16,7 @@ from starlette.responses import Response, StreamingResponse
 
 from ..errors import ApiError, StoreUnavailable
 from ..index import SampleOutOfRange, UnknownField
-from ..stream import SampleFailed, stream_batch
+from ..stream import SampleFailed, held_stream_length, stream_batch
 from .common import TAR, AppState, json_body, read_json
 
 log = logging.getLogger("shardfeed.api")
@@ -108,4 +108,8 @@ async def batch(request: Request, state: AppState) -> Response:
             log.debug("batch dataset=%s samples=%d status=%s ms=%.1f", dataset.name, len(indices), status,
                       1e3 * (time.perf_counter() - began))
 
-    return StreamingResponse(body_stream(), media_type=TAR, headers={"X-Shardfeed-Samples": str(len(indices))})
+    headers = {"X-Shardfeed-Samples": str(len(indices))}
+    length = held_stream_length(state.coalescer, dataset, members, indices)
+    if length is not None:
+        headers["Content-Length"] = str(length)
+    return StreamingResponse(body_stream(), media_type=TAR, headers=headers)
