@@ -25,7 +25,6 @@ import os
 import platform
 import select
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,7 +42,7 @@ import numpy as np
 from shardfeed.client import Client
 from shardfeed.seeds.synthetic import member_bytes, seed_dataset
 from shardfeed.service.index import Index
-from shardfeed.service.process import ServiceProcess, free_port, scrape_metrics, start_service
+from shardfeed.service.process import ServiceProcess, free_port, scrape_metrics, start_service, stop_process
 from shardfeed.service.sizes import format_size, parse_size
 from shardfeed.service.stores import open_store
 
@@ -249,16 +248,6 @@ def _median(runs: list[scenarios.Measurement]) -> scenarios.Measurement:
     return sorted(runs, key=lambda m: m.samples / m.seconds)[(len(runs) - 1) // 2]
 
 
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 def _start_proxy(upstream: str, latency: float, log: Path) -> tuple[str, subprocess.Popen]:
     """The delaying S3 proxy as a subprocess (in a thread here it would share our GIL)."""
     port = free_port()
@@ -269,26 +258,9 @@ def _start_proxy(upstream: str, latency: float, log: Path) -> tuple[str, subproc
             stdout=subprocess.PIPE, stderr=err, text=True)
     ready, _, _ = select.select([process.stdout], [], [], 30)
     if not ready or not process.stdout.readline().startswith("s3proxy listening on"):
-        _stop(process)
+        stop_process(process)
         raise RuntimeError(f"the S3 latency proxy did not start (see {log})")
     return f"http://127.0.0.1:{port}", process
-
-
-def _start_minimal(log: Path) -> tuple[str, subprocess.Popen]:
-    port = free_port()
-    with open(log, "ab") as err:
-        process = subprocess.Popen([sys.executable, "-m", "shardfeed.benchmarks.minimal_http", "--port", str(port)],
-                                   stdout=err, stderr=err)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return f"http://127.0.0.1:{port}", process
-        except OSError:
-            if process.poll() is not None or time.monotonic() > deadline:
-                _stop(process)
-                raise RuntimeError(f"the minimal HTTP server did not start (see {log})") from None
-            time.sleep(0.05)
 
 
 def _machine() -> dict:
@@ -479,7 +451,7 @@ class Bench:
             url = endpoint
             if latency:
                 url, proxy = _start_proxy(endpoint, latency, self.tmp / "s3proxy.log")
-                self.stack.callback(_stop, proxy)
+                self.stack.callback(stop_process, proxy)
             for size in s.sizes:
                 if not s.batches[size]:
                     self.say(f"{format_size(size)}: no batch size fits (--max-batch-bytes, "
@@ -574,8 +546,8 @@ def run(args: argparse.Namespace) -> int:
         bench = Bench(settings, stack, tmp)
         endpoint = bench.start_s3()
         bench.seed(endpoint)
-        minimal_url, minimal = _start_minimal(tmp / "minimal-http.log")
-        stack.callback(_stop, minimal)
+        minimal_url, minimal = serverside.start_pusher(1, tmp / "minimal-http.log")
+        stack.callback(stop_process, minimal)
         bench.matrix(endpoint, minimal_url)
         server_points = bench.server_side(endpoint) if settings.server_side else []
         found, profile_text = bench.profile(endpoint) if settings.profile else ({}, "")

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
@@ -41,7 +42,7 @@ import numpy as np
 
 from shardfeed.client import Client
 from shardfeed.seeds.synthetic import member_bytes, seed_dataset
-from shardfeed.service.process import ServiceProcess, free_port, start_service
+from shardfeed.service.process import ServiceProcess, free_port, start_service, stop_process
 from shardfeed.service.sizes import format_size, parse_size
 from shardfeed.service.stores import open_store
 
@@ -154,25 +155,14 @@ def start_pusher(processes: int, log: Path) -> tuple[str, subprocess.Popen]:
     deadline = time.monotonic() + 60
     while True:
         try:
-            urllib.request.urlopen(f"{url}/healthz", timeout=1).close()
+            urllib.request.urlopen(url, timeout=1).close()
+        except urllib.error.HTTPError:  # it answers 404 to anything but a batch: it is up
             return url, process
-        except OSError as err:
-            if getattr(err, "code", None) == 404:  # the pusher answers 404 to anything but a batch
-                return url, process
+        except OSError:
             if process.poll() is not None or time.monotonic() > deadline:
-                process.kill()
+                stop_process(process)
                 raise RuntimeError(f"the bare pusher did not start (see {log})") from None
             time.sleep(0.1)
-
-
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def measure_point(service: ServiceProcess, pusher_url: str, size: int, batch: int, samples: int, workers: int,
@@ -302,7 +292,7 @@ def run_points(sizes: list[int], workers_axis: list[int], samples: dict[int, int
                     points.append(measure_point(service, pusher_url, size, min(batch, n), n, workers, seconds,
                                                 scratch, seed, say, profile))
         finally:
-            stop(pusher)
+            stop_process(pusher)
     return points
 
 

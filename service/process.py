@@ -33,6 +33,18 @@ def scrape_metrics(url: str, timeout: float = 10, token: str | None = None) -> d
     return out
 
 
+def stop_process(process: subprocess.Popen, timeout: float = 10) -> int:
+    """SIGTERM, and SIGKILL after ``timeout`` seconds; the exit status."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode
+
+
 class ServiceProcess:
     """A running service. Use as a context manager, or call ``stop()``."""
 
@@ -48,14 +60,7 @@ class ServiceProcess:
         return self.log_path.read_text(errors="replace")
 
     def stop(self, timeout: float = 10) -> int:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+        return stop_process(self.process, timeout)
 
     def __enter__(self) -> "ServiceProcess":
         return self

@@ -22,7 +22,7 @@ from .datasets import Dataset
 from .index import Members
 from .planner import take
 from .stores import StoreError
-from .warm import held_group
+from .warm import HeldGroup, held_group
 
 _PAD = b"\0" * 512
 
@@ -52,12 +52,14 @@ def _groups(members: Members, n_positions: int, group_bytes: int) -> list[tuple[
 
 
 async def render_group(coalescer: Coalescer, dataset: Dataset, members: Members, indices: np.ndarray,
-                       continue_on_error: bool) -> tuple[bytes, int]:
+                       continue_on_error: bool, held: HeldGroup | None = None, base: int = 0) -> tuple[bytes, int]:
     """The tar bytes of one group of member rows, and how many samples it served.
 
-    A group whose blocks are all in RAM is framed from them at once (``warm.py``); any
-    other is read through the coalescer first."""
-    held = held_group(coalescer, dataset, members)
+    A group whose blocks are all in RAM is framed from them at once (``warm.py``): from
+    ``held``, the whole batch's, where its rows start at ``base``; any other group is read
+    through the coalescer first."""
+    if held is None:
+        held, base = held_group(coalescer, dataset, members), 0
     if held is None:
         payloads = await coalescer.read_members(dataset, members)
         failed_rows = [i for i, p in enumerate(payloads) if p is None or isinstance(p, StoreError)]
@@ -93,8 +95,8 @@ async def render_group(coalescer: Coalescer, dataset: Dataset, members: Members,
             continue
         name = f"{key}.{fields[field]}"
         if held is not None:
-            out += held.frame(row, name)
-            size = held.size[row]
+            out += held.frame(base + row, name)
+            size = held.size[base + row]
         else:
             payload = payloads[row]
             size = len(payload)
@@ -105,18 +107,13 @@ async def render_group(coalescer: Coalescer, dataset: Dataset, members: Members,
     return b"".join(out), served
 
 
-def held_stream_length(coalescer: Coalescer, dataset: Dataset, members: Members, indices: np.ndarray) -> int | None:
-    """The exact length of the batch's tar stream if RAM holds every block it needs, else ``None``.
+def stream_length(dataset: Dataset, members: Members, indices: np.ndarray) -> int:
+    """The exact length of the batch's tar stream if every member found is served.
 
-    Sent as ``Content-Length``, it spares the HTTP server a copy of every chunk (chunked
-    framing joins each chunk with its size line). The blocks are held now and read from
-    disk if RAM lets go of them meanwhile, so the stream can only come out different if
-    the disk copy is lost too and the store fails: with ``continue_on_error`` that sample
-    becomes a shorter ``__404__`` entry, the response ends short, and the client asks again
-    for what it lacks, as after any broken connection.
-    """
-    if held_group(coalescer, dataset, members) is None:
-        return None
+    Known up front when RAM holds every block of the batch (``held_group``: the stream is
+    then framed from those very bytes and cannot fail), and sent as ``Content-Length``, it
+    spares the HTTP server a copy of every chunk (chunked framing joins each chunk with
+    its size line)."""
     index = dataset.index
     missing = np.unique(members.position[~members.found])
     total = len(END_OF_ARCHIVE) + sum(len(member_header(missing_name(dataset.name, int(indices[p])), 0))
@@ -135,10 +132,12 @@ def held_stream_length(coalescer: Coalescer, dataset: Dataset, members: Members,
 
 async def stream_batch(coalescer: Coalescer, dataset: Dataset, members: Members, indices: np.ndarray, *,
                        continue_on_error: bool, group_bytes: int, prefetch: int,
-                       on_served=None) -> AsyncIterator[bytes]:
-    """Yield the batch's tar stream, one group at a time, ending with the end-of-archive marker."""
+                       on_served=None, held: HeldGroup | None = None) -> AsyncIterator[bytes]:
+    """Yield the batch's tar stream, one group at a time, ending with the end-of-archive marker.
+
+    ``held``: the batch's blocks, all held in RAM (``held_group``); then nothing is read."""
     groups = _groups(members, len(indices), group_bytes)
-    if len(groups) > 1:
+    if held is None and len(groups) > 1:
         coalescer.prefetch(dataset, members)
     pending: deque[asyncio.Task] = deque()
     upcoming = iter(groups)
@@ -146,7 +145,8 @@ async def stream_batch(coalescer: Coalescer, dataset: Dataset, members: Members,
     def start_next() -> None:
         for lo, hi in upcoming:
             pending.append(asyncio.create_task(
-                render_group(coalescer, dataset, take(members, slice(lo, hi)), indices, continue_on_error)))
+                render_group(coalescer, dataset, take(members, slice(lo, hi)), indices, continue_on_error,
+                             held, lo)))
             return
 
     try:

@@ -42,8 +42,7 @@ class HeldGroup:
         block = self.blocks[(self.shard[row], first)]
         if local + size <= bs:
             header = local - BLOCK
-            raw = name.encode()
-            if header >= 0 and names_member(block[header:local], raw, size):
+            if header >= 0 and names_member(block.obj, header, name.encode(), size):
                 return [block[header:local + size]]
             return [member_header(name, size), block[local:local + size]]
         parts = [member_header(name, size), block[local:]]  # a member over several blocks

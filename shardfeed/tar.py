@@ -70,16 +70,18 @@ def frame(name: str, payload: bytes | memoryview) -> list[bytes | memoryview]:
     return [member_header(name, len(payload)), payload, b"\0" * padding(len(payload))]
 
 
-def names_member(block: bytes | memoryview, name: bytes, size: int) -> bool:
-    """Whether the 512-byte ``block`` is a plain ustar header of a regular file exactly
-    ``name``, ``size`` bytes long: then it can be sent as is, instead of a new header.
+def names_member(data: bytes, at: int, name: bytes, size: int) -> bool:
+    """Whether the 512 bytes of ``data`` at ``at`` are a plain ustar header of a regular file
+    exactly ``name``, ``size`` bytes long: then they can be sent as they are, instead of a
+    new header.
 
     Checks the fields a reader acts on (name, ustar prefix, size, type), not the checksum:
-    the block comes from a shard whose headers were read and checked when it was indexed.
+    the bytes come from a shard whose headers were read and checked when it was indexed.
+    Compares in place (``startswith`` at an offset): no slice is made.
     """
     n = len(name)
-    return (n <= 100 and block[:n] == name and (n == 100 or block[n] == 0) and block[345] == 0
-            and block[156] in (48, 0) and block[124:136] == b"%011o\0" % size)
+    return (n <= 100 and data.startswith(name, at) and (n == 100 or data[at + n] == 0) and data[at + 345] == 0
+            and data[at + 156] in (48, 0) and data.startswith(b"%011o\0" % size, at + 124))
 
 
 def parse_header(block: bytes | memoryview) -> tuple[bytes, int, bytes]:

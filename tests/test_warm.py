@@ -105,19 +105,22 @@ def test_warm_batches_are_the_exact_members_whatever_the_shards_hold(dataset, tm
 
 
 def test_a_shard_header_is_sent_verbatim_only_when_it_names_the_member_exactly():
+    def names(header: bytes, name: bytes, size: int) -> bool:
+        return names_member(b"x" * 700 + header + b"y" * 900, 700, name, size)  # in place, at an offset
+
     header = member_header("k/0001.bin", 700)
-    assert names_member(header, b"k/0001.bin", 700)
-    assert not names_member(header, b"k/0001.bi", 700)  # a prefix of the name
-    assert not names_member(header, b"k/0001.bin", 701)
-    assert not names_member(member_header("k/0001.BIN", 700), b"k/0001.bin", 700)
+    assert names(header, b"k/0001.bin", 700)
+    assert not names(header, b"k/0001.bi", 700)  # a prefix of the name
+    assert not names(header, b"k/0001.bin", 701)
+    assert not names(member_header("k/0001.BIN", 700), b"k/0001.bin", 700)
     long = "d/" * 60 + "0001.bin"  # PAX record first: the ustar block holds a truncated name
-    assert not names_member(member_header(long, 5)[-512:], long.encode(), 5)
+    assert not names(member_header(long, 5)[-512:], long.encode(), 5)
     directory = bytearray(header)
     directory[156] = ord("5")
-    assert not names_member(bytes(directory), b"k/0001.bin", 700)
+    assert not names(bytes(directory), b"k/0001.bin", 700)
     prefixed = bytearray(header)
     prefixed[345:348] = b"abc"  # ustar prefix: the name is abc/k/0001.bin
-    assert not names_member(bytes(prefixed), b"k/0001.bin", 700)
+    assert not names(bytes(prefixed), b"k/0001.bin", 700)
 
 
 def test_per_sample_gets_from_ram_are_exact_and_keep_auth_errors_and_metrics(dataset, tmp_path):

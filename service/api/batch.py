@@ -16,7 +16,8 @@ from starlette.responses import Response, StreamingResponse
 
 from ..errors import ApiError, StoreUnavailable
 from ..index import SampleOutOfRange, UnknownField
-from ..stream import SampleFailed, held_stream_length, stream_batch
+from ..stream import SampleFailed, stream_batch, stream_length
+from ..warm import held_group
 from .common import TAR, AppState, json_body, read_json
 
 log = logging.getLogger("shardfeed.api")
@@ -80,8 +81,10 @@ async def batch(request: Request, state: AppState) -> Response:
         metrics.samples.inc(samples)
         metrics.bytes_served.inc(nbytes)
 
+    held = held_group(state.coalescer, dataset, members)
     chunks = stream_batch(state.coalescer, dataset, members, indices, continue_on_error=req.continue_on_error,
-                          group_bytes=config.group_bytes, prefetch=config.prefetch_groups, on_served=served)
+                          group_bytes=config.group_bytes, prefetch=config.prefetch_groups, on_served=served,
+                          held=held)
     try:
         first = await anext(chunks)
     except BaseException as err:
@@ -109,7 +112,6 @@ async def batch(request: Request, state: AppState) -> Response:
                       1e3 * (time.perf_counter() - began))
 
     headers = {"X-Shardfeed-Samples": str(len(indices))}
-    length = held_stream_length(state.coalescer, dataset, members, indices)
-    if length is not None:
-        headers["Content-Length"] = str(length)
+    if held is not None:
+        headers["Content-Length"] = str(stream_length(dataset, members, indices))
     return StreamingResponse(body_stream(), media_type=TAR, headers=headers)
