@@ -13,7 +13,8 @@ One run:
    bare pusher with as many processes, per-sample GETs against ``/healthz``), for each
    ``--serve-workers`` count, when ``wrk`` is installed (a note says so when it is not);
 4. prints a line per scenario as it goes, then the table and the targets, and writes
-   ``results.json``, ``results.md``, ``throughput.png`` (and ``profile.txt``) to ``--out``.
+   ``results.json``, ``results.md``, ``results.html`` (the report with the plot embedded),
+   ``throughput.png`` (and ``profile.txt``) to ``--out``.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="a small matrix that runs in well under a minute (the test suite runs it)")
     parser.add_argument("--out", type=Path, default=Path("shardfeed-bench"),
-                        help="directory for results.json, results.md, throughput.png (default: %(default)s)")
+                        help="directory for results.json, results.md, results.html, throughput.png "
+                             "(default: %(default)s)")
     parser.add_argument("--endpoint", help="use this S3/MinIO endpoint (credentials from the AWS settings) "
                                            "instead of starting moto's server")
     parser.add_argument("--bucket", default="shardfeed-bench",
@@ -573,6 +575,8 @@ def run(args: argparse.Namespace) -> int:
     server_text = serverside.markdown(server_points) if server_points else ""
     (out / "results.md").write_text(report.markdown(rows, machine, config, goals) + server_text)
     report.plot(out / "throughput.png", rows, settings.latencies, settings.headline)
+    plot_png = (out / "throughput.png").read_bytes()
+    (out / "results.html").write_text(report.html(rows, machine, config, goals, plot_png))
     if profile_text:
         (out / "profile.txt").write_text(profile_text)
 
@@ -591,6 +595,6 @@ def run(args: argparse.Namespace) -> int:
     unmeasured = sum(g["met"] is None for g in goals)
     if unmeasured:
         print(f"  ({unmeasured} of {len(goals)} targets need points this run did not measure)")
-    print(f"\nwrote {out}/results.json, results.md, throughput.png{', profile.txt' if profile_text else ''} "
+    print(f"\nwrote {out}/results.json, results.md, results.html, throughput.png{', profile.txt' if profile_text else ''} "
           f"in {config['elapsed_s']:.0f}s")
     return 0

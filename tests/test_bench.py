@@ -3,7 +3,9 @@ proxy, the service, the client, the DataLoader and the minimal HTTP server, for 
 
 from __future__ import annotations
 
+import base64
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -74,6 +76,12 @@ def test_quick_bench_measures_every_scenario_at_every_point_with_sane_figures(tm
     assert {g["target"] for g in document["targets"]}  # evaluated, "not measured" where the quick matrix lacks them
     assert (out / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| S3 +ms | size | batch | scenario |" in (out / "results.md").read_text()
+    # The HTML report: the same table, and the plot inside it, so the run is one file to open.
+    page = (out / "results.html").read_text()
+    embedded = re.search(r'<img [^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    assert embedded and base64.b64decode(embedded[1]) == (out / "throughput.png").read_bytes()
+    assert page.count("<tr>") == 1 + len(document["targets"]) + 1 + len(rows)  # header + row per target, per result
+    assert not re.search(r'(src|href)="(?!data:)', page)  # nothing fetched from elsewhere
 
 
 def test_bench_refuses_bad_arguments_with_one_line(tmp_path):
@@ -86,3 +94,17 @@ def test_bench_refuses_bad_arguments_with_one_line(tmp_path):
     done = bench("--serve-workers", "0", cwd=tmp_path)
     assert done.returncode == 1
     assert done.stderr.strip() == "shardfeed: error: --serve-workers must be between 1 and 256, not '0'"
+
+
+@pytest.mark.timeout(150)
+def test_status_page_benchmark_runs_and_prints_its_figures(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.status_page", "--samples", "500",
+                           "--seconds", "1", "--rounds", "1", "--pages", "5", "--calls", "50", "--cpu-seconds", "1"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"median of 1 rounds of 1 s: [\d,]+ samples/s without pages, [\d,]+ with 5 \(\d+ /v1/stats "
+                     r"calls/s\): [-+]\d+\.\d%", done.stdout), done.stdout
+    per_call = re.search(r"CPU per call: (-?\d+\.\d+) ms as the page polls \(\?since=\), (-?\d+\.\d+) ms for a "
+                         r"first load \((\d+) points of history\); 50 calls each", done.stdout)
+    assert per_call and int(per_call[3]) > 0, done.stdout
+    assert "the pages cost" in done.stdout

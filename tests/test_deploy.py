@@ -8,7 +8,8 @@
   version; strict rejects unknown fields, i.e. typos).
 - Consistency: every command line in compose, the Dockerfile and the StatefulSet uses real
   subcommands and flags of `shardfeed` (as its `--help` lists them), the peer lists name
-  every replica, and Prometheus scrapes every replica.
+  every replica, Prometheus scrapes every replica, Grafana is provisioned with Prometheus
+  and the dashboard, and every metric the dashboard queries is exported by a live service.
 - End to end minus Docker: the compose seeder script and the three replica command lines run
   as local processes over the moto S3 server and serve the same batch from every replica.
 - Each validator is also shown rejecting a broken copy of our file, so a pass means something.
@@ -45,6 +46,8 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 PROMETHEUS = ROOT / "deploy" / "prometheus.yml"
+GRAFANA = ROOT / "deploy" / "grafana"
+DASHBOARD = GRAFANA / "dashboards" / "shardfeed.json"
 K8S = ROOT / "deploy" / "k8s"
 
 # Oldest Kubernetes minor the manifests promise to work on, and the newest the schemas know.
@@ -104,7 +107,7 @@ def shardfeed_argvs(svc: dict) -> list[list[str]]:
 
 
 def replicas(model: dict) -> dict[str, dict]:
-    return {name: svc for name, svc in model["services"].items() if svc.get("command", [""])[0] == "serve"}
+    return {name: svc for name, svc in model["services"].items() if (svc.get("command") or [""])[0] == "serve"}
 
 
 def test_compose_file_is_valid_for_docker_compose():
@@ -185,6 +188,64 @@ def test_prometheus_scrapes_metrics_of_every_replica():
     assert job.get("metrics_path", "/metrics") == "/metrics"
     targets = [t for group in job["static_configs"] for t in group["targets"]]
     assert sorted(targets) == sorted(f"{name}:8080" for name in replicas(model))
+
+
+def test_grafana_is_provisioned_with_prometheus_and_the_shardfeed_dashboard():
+    model = compose_model()
+    grafana = model["services"]["grafana"]
+    mounted = {v["target"]: Path(v["source"]).resolve() for v in grafana["volumes"] if v["type"] == "bind"}
+    assert mounted["/etc/grafana/provisioning"] == GRAFANA / "provisioning"
+    assert [p["host_ip"] for p in grafana["ports"]] == ["127.0.0.1"]
+    (source,) = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text())["datasources"]
+    url = urlsplit(source["url"])
+    assert source["type"] == "prometheus" and url.hostname in model["services"]
+    assert str(url.port) in {p["target"] for p in model["services"][url.hostname].get("ports", [])} | {"9090"}
+    (provider,) = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "shardfeed.yml").read_text())["providers"]
+    assert mounted[provider["options"]["path"]] == DASHBOARD.parent
+    assert grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == (
+        f"{provider['options']['path']}/{DASHBOARD.name}")
+    panels = [p for p in json.loads(DASHBOARD.read_text())["panels"] if p["type"] != "row"]
+    assert panels and all(p["datasource"]["uid"] == source["uid"] for p in panels)
+    assert all(t["datasource"]["uid"] == source["uid"] and t["expr"] for p in panels for t in p["targets"])
+
+
+def dashboard_metrics(dashboard: dict) -> set[str]:
+    """Every shardfeed metric name the dashboard's queries use."""
+    return {name for panel in dashboard["panels"] for target in panel.get("targets", ())
+            for name in re.findall(r"\bshardfeed_[a-zA-Z0-9_:]*", target["expr"])}
+
+
+def exported_metrics(text: str) -> set[str]:
+    """The series names a /metrics text can have: its samples, and for families that have no
+    sample yet (labelled counters nobody incremented) the names their type implies."""
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    suffixes = {"histogram": ("_bucket", "_sum", "_count"), "summary": ("_sum", "_count", "")}
+    for family, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M):
+        if kind == "counter" and not family.endswith("_total"):  # older clients name the family without it
+            family += "_total"
+        names |= {family + suffix for suffix in suffixes.get(kind, ("",))}
+    return names
+
+
+def test_every_metric_the_dashboard_queries_is_exported_by_a_live_service(tmp_path):
+    process = subprocess.Popen([tool("shardfeed"), "serve", "--port", str(port := free_port()), "--cache-dir",
+                                str(tmp_path / "cache"), "--data-dir", str(tmp_path / "data")],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, process)
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+            exported = exported_metrics(response.read().decode())
+    finally:
+        process.terminate()
+        process.wait(10)
+    dashboard = json.loads(DASHBOARD.read_text())
+    used = dashboard_metrics(dashboard)
+    assert len(used) >= 15
+    assert used <= exported, f"the dashboard queries metrics the service does not export: {sorted(used - exported)}"
+    # A dashboard that drifted from the code is caught.
+    drifted = json.loads(DASHBOARD.read_text().replace("shardfeed_samples_served_total", "shardfeed_samples_total"))
+    assert dashboard_metrics(drifted) - exported == {"shardfeed_samples_total"}
 
 
 def test_compose_seeder_and_replica_command_lines_run_against_s3(bucket, tmp_path):

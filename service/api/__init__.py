@@ -5,6 +5,7 @@
     samples    per-sample GETs, coalesced by ``SampleBatcher``
     batch      POST /v1/batch, the ordered tar stream
     internal   replica-to-replica member reads
+    status     GET /v1/stats and the status page at / and /ui
 
 Every route gets the service ``State`` from one dependency (``common.AppState``) and
 raises ``ApiError`` (``service/errors.py``) for every error answer.
@@ -27,11 +28,12 @@ from ..errors import ApiError, error_response
 from ..metrics import Metrics
 from ..peers import Cluster
 from ..samples import SampleBatcher
-from . import batch, datasets as dataset_routes, internal, ops, samples
+from ..stats import StatsRecorder
+from . import batch, datasets as dataset_routes, internal, ops, samples, status
 from .auth import TokenAuth
 from .common import ERRORS, Admission, HeldRoutes, State, describe
 
-ROUTERS = (ops.router, dataset_routes.router, samples.router, batch.router, internal.router)
+ROUTERS = (ops.router, dataset_routes.router, samples.router, batch.router, internal.router, status.router)
 
 
 def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: BlockCache,
@@ -40,13 +42,15 @@ def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: Block
     coalescer = Coalescer(cache, metrics, config, cluster)
     admission = Admission({"batch": config.max_inflight_batches, "sample": config.max_inflight_samples}, metrics)
     state = State(config, datasets, metrics, coalescer, SampleBatcher(coalescer, config.sample_window),
-                  admission, cluster)
+                  admission, cluster, StatsRecorder(metrics.registry))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        state.stats.start()
         if cluster is not None:
             cluster.start()
         yield
+        await state.stats.close()
         if cluster is not None:
             await cluster.close()
         await coalescer.close()

@@ -19,6 +19,7 @@ from ..errors import ApiError, InvalidRequest, Overloaded, UnknownDataset
 from ..metrics import Metrics
 from ..peers import Cluster
 from ..samples import SampleBatcher
+from ..stats import StatsRecorder
 
 TAR = "application/x-tar"
 BODY_TIMEOUT = 10.0
@@ -86,6 +87,7 @@ class State:
     batcher: SampleBatcher
     admission: Admission
     cluster: Cluster | None
+    stats: StatsRecorder
 
     def dataset(self, name: str) -> Dataset:
         dataset = self.datasets.get(name)
