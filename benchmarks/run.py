@@ -194,7 +194,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     serve_workers = _list(args.serve_workers, int, "--serve-workers")
     if min(serve_workers) < 1 or max(serve_workers) > 256:
         raise ValueError(f"--serve-workers must be between 1 and 256, not {args.serve_workers!r}")
-    if max(serve_workers) > 1 and not _serve_has_workers():
+    if max(serve_workers) > 1 and not serverside.serve_has_workers():
         raise ValueError("--serve-workers above 1 needs a `shardfeed serve` that has --workers")
     profile = (not args.quick and hotpath.available()) if args.profile is None else args.profile
     if profile and not hotpath.available():
@@ -217,14 +217,6 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         if fits:
             settings.headline[size] = max([b for b in fits if b <= HEADLINE_BATCH] or fits[:1])
     return settings
-
-
-def _serve_has_workers() -> bool:
-    from shardfeed.service.server import add_arguments as serve_arguments
-
-    parser = argparse.ArgumentParser(add_help=False)
-    serve_arguments(parser)
-    return not parser.parse_known_args(["--workers", "2"])[1]
 
 
 def _chunks(order: np.ndarray, size: int) -> list[list[int]]:

@@ -272,6 +272,15 @@ def markdown(points: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def serve_has_workers() -> bool:
+    """Whether ``shardfeed serve`` takes ``--workers`` (the axis above 1 needs it)."""
+    from shardfeed.service.server import add_arguments as serve_arguments
+
+    parser = argparse.ArgumentParser(add_help=False)
+    serve_arguments(parser)
+    return not parser.parse_known_args(["--workers", "2"])[1]
+
+
 def serve_args(workers: int) -> list[str]:
     """``serve`` arguments for one value of the ``--workers`` axis."""
     return [] if workers == 1 else ["--workers", str(workers)]
@@ -338,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     axis = [int(w) for w in args.workers.split(",")]
+    if max(axis) > 1 and not serve_has_workers():
+        parser.error("--workers above 1 needs a `shardfeed serve` that has --workers")
     samples = {s: max(2 * args.batch, args.dataset_bytes // s) for s in sizes}
     with ExitStack() as stack:
         root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="shardfeed-serverside-")))
