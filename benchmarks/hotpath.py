@@ -4,6 +4,9 @@
 and samples its stacks with py-spy meanwhile; ``summarize`` turns that into CPU time per
 served sample and py-spy's shares of it: by module (self time: where the process actually
 is) and by shardfeed function (inclusive time: which stage of our code it is under).
+
+``client_parse_us`` times the client's side of a batch alone: parsing a response stream
+into samples (``python -m shardfeed.benchmarks.hotpath`` prints it per sample size).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -163,3 +167,31 @@ def render(scenario: str, process: str, summary: dict) -> str:
             lines.append(f"  {title}:")
             lines += [f"    {e['share'] * 100:5.1f}%  {e['name']}" for e in summary[key]]
     return "\n".join(lines)
+
+
+def client_parse_us(size: int, batch: int = 256, chunk: int = 64 << 10, rounds: int = 20) -> float:
+    """Microseconds per sample for ``BatchReader`` to parse a batch of ``batch`` members of
+    ``size`` bytes arriving in ``chunk``-byte network reads (the best of ``rounds``)."""
+    from shardfeed.client.samples import BatchReader
+    from shardfeed.tar import END_OF_ARCHIVE, frame
+
+    payload = os.urandom(size)
+    body = b"".join(b"".join(frame(f"{i:09d}.bin", payload)) for i in range(batch)) + END_OF_ARCHIVE
+    chunks = [body[i:i + chunk] for i in range(0, len(body), chunk)]
+    best = float("inf")
+    for _ in range(rounds):
+        began = time.perf_counter()
+        reader = BatchReader("bench", range(batch), ["bin"])
+        samples = 0
+        for piece in chunks:
+            samples += len(reader.feed(piece))
+        samples += len(reader.finish())
+        best = min(best, time.perf_counter() - began)
+        assert samples == batch
+    return best / batch * 1e6
+
+
+if __name__ == "__main__":
+    for size in (1 << 10, 10 << 10, 100 << 10, 1 << 20):
+        print(f"client parse, {size >> 10:>5} KiB samples: {client_parse_us(size, 256 if size < 1 << 20 else 32):8.2f} "
+              "us per sample")

@@ -81,12 +81,14 @@ def main(argv: list[str] | None = None) -> None:
                                      description="Bare HTTP server returning prebuilt batch bodies.")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, required=True, help="port to listen on")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="uvicorn worker processes on the port, to match a multi-process service (default 1)")
     args = parser.parse_args(argv)
     import uvicorn
 
-    config = uvicorn.Config(MinimalApp(), host=args.host, port=args.port, log_level="warning",
-                            access_log=False, lifespan="on")
-    uvicorn.Server(config).run()
+    uvicorn.run(f"{__spec__.name}:MinimalApp", factory=True, host=args.host, port=args.port,
+                workers=args.processes if args.processes > 1 else None, log_level="warning",
+                access_log=False, lifespan="on")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ One run:
    scenarios of ``scenarios.py`` on the same shuffled samples with the same number of
    requests in flight, against a freshly started service (empty cache), in alternating
    order (A B B A ...) so that the drift of a shared machine cancels out;
-3. prints a line per scenario as it goes, then the table and the targets, and writes
+3. measures the server side under ``wrk`` (``serverside.py``: warm batches against the
+   bare pusher with as many processes, per-sample GETs against ``/healthz``), for each
+   ``--serve-workers`` count, when ``wrk`` is installed (a note says so when it is not);
+4. prints a line per scenario as it goes, then the table and the targets, and writes
    ``results.json``, ``results.md``, ``results.html`` (the report with the plot embedded),
    ``throughput.png`` (and ``profile.txt``) to ``--out``.
 """
@@ -24,7 +27,6 @@ import os
 import platform
 import select
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,11 +44,11 @@ import numpy as np
 from shardfeed.client import Client
 from shardfeed.seeds.synthetic import member_bytes, seed_dataset
 from shardfeed.service.index import Index
-from shardfeed.service.process import ServiceProcess, free_port, scrape_metrics, start_service
+from shardfeed.service.process import ServiceProcess, free_port, scrape_metrics, start_service, stop_process
 from shardfeed.service.sizes import format_size, parse_size
 from shardfeed.service.stores import open_store
 
-from . import hotpath, report, scenarios
+from . import hotpath, report, scenarios, serverside
 from .report import SCENARIOS
 from .s3server import S3_SERVERS, S3Server, default_server, start_s3
 
@@ -71,10 +73,11 @@ class Mode:
     probe: int  # samples measured by the per-request baselines (at least two batches)
     requesters: int
     repeat: int
+    wrk_seconds: float  # per load of the server-side scenario
 
 
-FULL = Mode("1KiB,10KiB,100KiB,1MiB", "16,64,256,1024", 256 << 20, 256, 8192, 1024, 64, 3)
-QUICK = Mode("10KiB,1MiB", "16", 8 << 20, 32, 512, 128, 32, 2)
+FULL = Mode("1KiB,10KiB,100KiB,1MiB", "16,64,256,1024", 256 << 20, 256, 8192, 1024, 64, 3, 5)
+QUICK = Mode("10KiB,1MiB", "16", 8 << 20, 32, 512, 128, 32, 2, 1)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,6 +116,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--range-gap", type=parse_size, default=parse_size("4KiB"),
                         help="direct ranged GETs: merge a batch's ranges this close in one shard (default 4KiB)")
     parser.add_argument("--seed", type=int, default=0, help="data and sample order seed (default 0)")
+    parser.add_argument("--server-side", action=argparse.BooleanOptionalAction, default=True,
+                        help="measure the warm service under wrk next to the bare pusher, and per-sample "
+                             "GETs next to /healthz (default: on; skipped with a note without wrk)")
+    parser.add_argument("--serve-workers", default="1",
+                        help="the server-side scenario's axis of `shardfeed serve --workers N` values, e.g. 1,2 "
+                             "(default: %(default)s; above 1 needs a serve that has --workers)")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None,
                         help="profile the hot paths with py-spy after the measurements "
                              "(default: on for the full run when py-spy is installed)")
@@ -142,6 +151,9 @@ class Settings:
     bucket: str
     profile: bool
     progress: bool
+    server_side: bool
+    serve_workers: list[int]
+    wrk_seconds: float
     batches: dict[int, list[int]] = field(default_factory=dict)
     """Per sample size, the batch sizes measured (fits ``max_batch_bytes``, at least 2 batches)."""
     headline: dict[int, int] = field(default_factory=dict)
@@ -186,6 +198,11 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     endpoint = None if args.s3 in S3_SERVERS else args.s3
     if args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out} exists and is not a directory")
+    serve_workers = _list(args.serve_workers, int, "--serve-workers")
+    if min(serve_workers) < 1 or max(serve_workers) > 256:
+        raise ValueError(f"--serve-workers must be between 1 and 256, not {args.serve_workers!r}")
+    if max(serve_workers) > 1 and not serverside.serve_has_workers():
+        raise ValueError("--serve-workers above 1 needs a `shardfeed serve` that has --workers")
     profile = (not args.quick and hotpath.available()) if args.profile is None else args.profile
     if profile and not hotpath.available():
         raise ValueError("--profile needs py-spy: pip install py-spy")
@@ -199,7 +216,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         shard_size=args.shard_size, block_size=args.block_size, max_batch_bytes=args.max_batch_bytes,
         range_gap=args.range_gap, seed=args.seed, out=args.out, endpoint=endpoint,
         s3_server=None if endpoint else args.s3, bucket=args.bucket,
-        profile=profile, progress=args.progress,
+        profile=profile, progress=args.progress, server_side=args.server_side, serve_workers=serve_workers,
+        wrk_seconds=mode.wrk_seconds,
     )
     for size in sizes:
         fits = [b for b in settings.batch_sizes if b * size <= settings.max_batch_bytes and 2 * b <= samples[size]]
@@ -232,16 +250,6 @@ def _median(runs: list[scenarios.Measurement]) -> scenarios.Measurement:
     return sorted(runs, key=lambda m: m.samples / m.seconds)[(len(runs) - 1) // 2]
 
 
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 def _start_proxy(upstream: str, latency: float, log: Path) -> tuple[str, subprocess.Popen]:
     """The delaying S3 proxy as a subprocess (in a thread here it would share our GIL)."""
     port = free_port()
@@ -252,26 +260,9 @@ def _start_proxy(upstream: str, latency: float, log: Path) -> tuple[str, subproc
             stdout=subprocess.PIPE, stderr=err, text=True)
     ready, _, _ = select.select([process.stdout], [], [], 30)
     if not ready or not process.stdout.readline().startswith("s3proxy listening on"):
-        _stop(process)
+        stop_process(process)
         raise RuntimeError(f"the S3 latency proxy did not start (see {log})")
     return f"http://127.0.0.1:{port}", process
-
-
-def _start_minimal(log: Path) -> tuple[str, subprocess.Popen]:
-    port = free_port()
-    with open(log, "ab") as err:
-        process = subprocess.Popen([sys.executable, "-m", "shardfeed.benchmarks.minimal_http", "--port", str(port)],
-                                   stdout=err, stderr=err)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return f"http://127.0.0.1:{port}", process
-        except OSError:
-            if process.poll() is not None or time.monotonic() > deadline:
-                _stop(process)
-                raise RuntimeError(f"the minimal HTTP server did not start (see {log})") from None
-            time.sleep(0.05)
 
 
 def _machine() -> dict:
@@ -380,13 +371,13 @@ class Bench:
                 s3.delete_objects(Bucket=self.settings.bucket, Delete={"Objects": keys, "Quiet": True})
 
     @contextmanager
-    def service(self, size: int, endpoint: str) -> Iterator[ServiceProcess]:
+    def service(self, size: int, endpoint: str, extra: list[str] | tuple[str, ...] = ()) -> Iterator[ServiceProcess]:
         """A fresh service (empty cache) serving the shards of ``size`` as ``bench``; its cache
-        is deleted when it stops."""
+        is deleted when it stops. ``extra``: further ``serve`` arguments."""
         self.services += 1
         cache = self.tmp / f"service-{self.services}" / "cache"
         try:
-            args = ["--block-size", str(self.settings.block_size), "--log-level", "warning"]
+            args = ["--block-size", str(self.settings.block_size), "--log-level", "warning", *extra]
             with start_service({DATASET: f"s3://{self.settings.bucket}/{self.shard_prefix(size)}"},
                                cache_dir=cache, env={"AWS_ENDPOINT_URL": endpoint}, args=args) as service:
                 yield service
@@ -462,7 +453,7 @@ class Bench:
             url = endpoint
             if latency:
                 url, proxy = _start_proxy(endpoint, latency, self.tmp / "s3proxy.log")
-                self.stack.callback(_stop, proxy)
+                self.stack.callback(stop_process, proxy)
             for size in s.sizes:
                 if not s.batches[size]:
                     self.say(f"{format_size(size)}: no batch size fits (--max-batch-bytes, "
@@ -471,6 +462,18 @@ class Bench:
                     self.point(latency, url, size, batch, flip, minimal_url)
                     flip = not flip
                 self.per_sample(latency, url, size)
+
+    def server_side(self, endpoint: str) -> list[dict]:
+        """The server-side scenario (``serverside.py``) at every size, S3 latency +0 ms."""
+        s = self.settings
+        if not serverside.available():
+            self.say(serverside.SKIP_NOTE)
+            return []
+        sizes = [size for size in s.sizes if s.batches[size]]
+        return serverside.run_points(
+            sizes, s.serve_workers, s.samples, HEADLINE_BATCH,
+            lambda size, workers: self.service(size, endpoint, serverside.serve_args(workers)),
+            self.tmp, s.wrk_seconds, s.seed, self.say)
 
     # -- the profile ----------------------------------------------------------------------------
 
@@ -546,9 +549,10 @@ def run(args: argparse.Namespace) -> int:
         bench = Bench(settings, stack, tmp)
         endpoint = bench.start_s3()
         bench.seed(endpoint)
-        minimal_url, minimal = _start_minimal(tmp / "minimal-http.log")
-        stack.callback(_stop, minimal)
+        minimal_url, minimal = serverside.start_pusher(1, tmp / "minimal-http.log")
+        stack.callback(stop_process, minimal)
         bench.matrix(endpoint, minimal_url)
+        server_points = bench.server_side(endpoint) if settings.server_side else []
         found, profile_text = bench.profile(endpoint) if settings.profile else ({}, "")
 
     rows = sorted(bench.rows, key=_sort_key)
@@ -562,13 +566,15 @@ def run(args: argparse.Namespace) -> int:
         "baseline_samples": settings.probe,
         "shard_size": settings.shard_size, "block_size": settings.block_size, "range_gap": settings.range_gap,
         "seed": settings.seed, "s3": settings.endpoint or f"{settings.s3_server} server (loopback)",
+        "serve_workers": settings.serve_workers, "wrk_seconds": settings.wrk_seconds,
         "elapsed_s": round(time.monotonic() - began, 1),
     }
     out = settings.out
     report.write_json(out / "results.json", {
         "machine": machine, "config": config, "scenarios": SCENARIOS, "results": rows, "targets": goals,
-        "profile": found})
-    (out / "results.md").write_text(report.markdown(rows, machine, config, goals))
+        "profile": found, "server_side": server_points})
+    server_text = serverside.markdown(server_points) if server_points else ""
+    (out / "results.md").write_text(report.markdown(rows, machine, config, goals) + server_text)
     report.plot(out / "throughput.png", rows, settings.latencies, settings.headline)
     plot_png = (out / "throughput.png").read_bytes()
     (out / "results.html").write_text(report.html(rows, machine, config, goals, plot_png))
@@ -585,6 +591,8 @@ def run(args: argparse.Namespace) -> int:
         if g["met"] is not None:
             print(f"  +{g['s3_latency_ms']:g}ms {g['scenario']:<15} {g['target']}: {g['value']:.2f} "
                   f"(goal {g['goal']}): {'met' if g['met'] else 'MISSED'}")
+    if server_text:
+        print(server_text)
     unmeasured = sum(g["met"] is None for g in goals)
     if unmeasured:
         print(f"  ({unmeasured} of {len(goals)} targets need points this run did not measure)")

@@ -28,61 +28,89 @@ MISSING = "__missing__"
 """Key set to ``True`` in the placeholder of a sample the service could not serve."""
 
 _NOT_FOUND = "__404__/"
-_COMPACT_AT = 1 << 20  # drop consumed bytes from the buffer once this many have piled up
+_ZERO_BLOCK = bytes(BLOCK)
 
 
 class TarStream:
-    """Incremental tar parser: ``feed(chunk)`` returns the members that chunk completed."""
+    """Incremental tar parser: ``feed(chunk)`` returns the members that chunk completed.
+
+    It walks each chunk in place: a member that lies inside one chunk costs one slice
+    (its only copy); one spread over chunks is joined once, when its last byte arrives;
+    only a header split between chunks is assembled in a small buffer.
+    """
 
     def __init__(self) -> None:
-        self._buf = bytearray()
-        self._pos = 0  # where the next header starts in _buf
+        self._head = bytearray()  # a header block split between chunks
+        self._parts: list = []  # views of the pieces received so far of a member split between chunks
+        self._member: tuple[bytes, int, bytes] | None = None  # (name, size, typeflag) being received
+        self._need = 0  # payload bytes of that member still to come
+        self._skip = 0  # padding bytes still to skip
         self._long_name: bytes | None = None
         self.ended = False
         """True once the end-of-archive marker (a zero block) has been read."""
 
     def feed(self, chunk: bytes) -> list[tuple[str, bytes]]:
         """Add ``chunk``; return the ``(name, payload)`` of each member it completed."""
+        out: list[tuple[str, bytes]] = []
         if self.ended:
-            return []
-        buf = self._buf
-        buf += chunk
-        out = []
-        pos, end = self._pos, len(buf)
-        view = memoryview(buf)
-        try:
-            while pos + BLOCK <= end:
-                header = bytes(view[pos:pos + BLOCK])  # copies: no slice may outlive the view
-                if not any(header):
+            return out
+        if not isinstance(chunk, bytes):
+            chunk = bytes(chunk)
+        pos, end = 0, len(chunk)
+        while pos < end:
+            if self._skip:
+                step = min(self._skip, end - pos)
+                self._skip -= step
+                pos += step
+            elif self._member is not None:
+                need = self._need
+                if need <= end - pos:
+                    payload = chunk[pos:pos + need]
+                    if self._parts:
+                        self._parts.append(payload)
+                        payload = b"".join(self._parts)
+                        self._parts = []
+                    pos += need
+                    self._done(payload, out)
+                else:
+                    self._parts.append(memoryview(chunk)[pos:])  # no copy until the join
+                    self._need -= end - pos
+                    pos = end
+            else:
+                if not self._head and end - pos >= BLOCK:
+                    header = chunk[pos:pos + BLOCK]
+                    pos += BLOCK
+                else:
+                    take = min(BLOCK - len(self._head), end - pos)
+                    self._head += chunk[pos:pos + take]
+                    pos += take
+                    if len(self._head) < BLOCK:
+                        break
+                    header = bytes(self._head)
+                    self._head.clear()
+                if header == _ZERO_BLOCK:
                     self.ended = True
                     break
-                name, size, typeflag = parse_header(header)
-                start = pos + BLOCK
-                if start + size > end:
-                    break  # wait for the rest of this member
-                payload = bytes(view[start:start + size])
-                pos = start + size + padding(size)
-                if typeflag == b"x":
-                    self._long_name = parse_pax(payload).get(b"path", self._long_name)
-                elif typeflag == b"L":
-                    self._long_name = payload.rstrip(b"\0")
-                elif typeflag in (b"0", b"\0"):
-                    out.append(((self._long_name or name).decode(), payload))
-                    self._long_name = None
-                else:
-                    self._long_name = None
-        finally:
-            view.release()  # a live view would forbid resizing the bytearray
-        # pos may lie beyond the buffer while the last member's padding is still in flight;
-        # it then counts the padding bytes to skip in the next chunk.
-        if pos >= end:
-            buf.clear()
-            pos -= end
-        elif pos >= _COMPACT_AT:
-            del buf[:pos]
-            pos = 0
-        self._pos = pos
+                self._member = parse_header(header)
+                self._need = self._member[1]
+                if not self._need:
+                    self._done(b"", out)
         return out
+
+    def _done(self, payload: bytes, out: list[tuple[str, bytes]]) -> None:
+        """The member being received is complete."""
+        name, size, typeflag = self._member
+        self._member = None
+        self._skip = padding(size)
+        if typeflag == b"x":
+            self._long_name = parse_pax(payload).get(b"path", self._long_name)
+        elif typeflag == b"L":
+            self._long_name = payload.rstrip(b"\0")
+        elif typeflag in (b"0", b"\0"):
+            out.append(((self._long_name or name).decode(), payload))
+            self._long_name = None
+        else:
+            self._long_name = None
 
 
 def split_name(name: str) -> tuple[str, str]:

@@ -15,6 +15,8 @@ LRU fits the access pattern: a random epoch touches every block once, and a bloc
 read by one batch is likely to be read again by the next samples of the same shard,
 while the blocks of the batch being served are already in memory and eviction cannot
 hurt it. A second process on the same directory is refused (an exclusive lock).
+Whoever mirrors blocks elsewhere (the RAM tier, ``memtier.py``) sets ``on_forget`` and
+hears of every block that leaves the cache.
 
 Every method here blocks: callers run them in a thread.
 """
@@ -32,7 +34,7 @@ import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from xxhash import xxh3_64_intdigest
 
@@ -111,6 +113,8 @@ class BlockCache:
         self._lock = threading.Lock()
         self._lock_file = None
         self._last_warning = -1e9
+        self.on_forget: Callable[[str], None] = lambda name: None
+        """Called with the file name of every block evicted, replaced or dropped as corrupt."""
 
     # -- lifecycle ---------------------------------------------------------------------
     def open(self) -> None:
@@ -136,6 +140,7 @@ class BlockCache:
                 self._bytes += size
             evicted = self._evict_locked()
         for victim in evicted:  # the capacity may have shrunk since the last run
+            self.on_forget(victim)
             (self.directory / victim).unlink(missing_ok=True)
         self._update_gauges()
         log.info("block cache %s: %d blocks, %d bytes reused", self.directory, len(found), self._bytes)
@@ -167,8 +172,9 @@ class BlockCache:
     def __contains__(self, key: BlockKey) -> bool:
         return key.filename(self.block_size) in self._entries
 
-    def read(self, key: BlockKey, ranges: list[tuple[int, int]]) -> list[bytes] | None:
-        """Bytes ``[start, end)`` of the block for each range, verified; ``None`` if absent or bad."""
+    def read(self, key: BlockKey, ranges: list[tuple[int, int]] | None) -> list[bytes] | None:
+        """Bytes ``[start, end)`` of the block for each range (``None``: the whole block), verified;
+        ``None`` if absent or bad."""
         name = key.filename(self.block_size)
         with self._lock:
             entry = self._entries.get(name)
@@ -180,6 +186,7 @@ class BlockCache:
             if file is None:
                 file = self._open(name, entry)
             fd = file.fileno()
+            ranges = [(0, entry.length)] if ranges is None else ranges
             if max(end for _, end in ranges) > entry.length:
                 raise ValueError("range past the end of the block")
             spans = [(start // CHUNK, (end - 1) // CHUNK) for start, end in ranges]
@@ -239,6 +246,7 @@ class BlockCache:
     def _drop(self, name: str, why: str) -> None:
         log.warning("cache block %s %s: dropped, will refetch", name, why)
         self.metrics.cache_corrupt.inc()
+        self.on_forget(name)
         with self._lock:
             entry = self._entries.pop(name, None)
             self._open_files.pop(name, None)
@@ -265,7 +273,10 @@ class BlockCache:
             self._open_files.pop(name, None)
             self._bytes += size - (old.file_size if old is not None else 0)
             evicted = self._evict_locked()
+        if old is not None:
+            self.on_forget(name)
         for victim in evicted:
+            self.on_forget(victim)
             (self.directory / victim).unlink(missing_ok=True)
         try:
             try:

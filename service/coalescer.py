@@ -1,7 +1,8 @@
 """The coalescer: every read of sample bytes, from a batch or from per-sample GETs, comes here.
 
-For a set of requested members it finds the blocks that hold them, reads cached blocks
-from disk (one thread hop per call), and fetches the missing ones from the store with
+For a set of requested members it finds the blocks that hold them, takes the blocks held
+in RAM (``memtier.py``: no thread hop, no copy), reads other cached blocks from disk (one
+thread hop per call; whole blocks, which then enter the RAM tier), and fetches the missing ones from the store with
 one ranged read per run of nearby blocks. Each block has at most one read in flight
 (singleflight): a second request for it waits on the first. Store reads in flight are
 bounded by a semaphore shared by all requests. A batch plans the store reads of all its
@@ -25,6 +26,7 @@ from .cache import BlockCache, BlockKey
 from .config import ServiceConfig
 from .datasets import Dataset
 from .index import Members
+from .memtier import MemoryTier
 from .metrics import Metrics
 from .peers import Cluster, PeerError
 from .planner import merge_blocks, plan_pieces, take
@@ -39,6 +41,9 @@ class Coalescer:
         self.cluster = cluster
         self.metrics = metrics
         self.block_size = config.block_size
+        self.memory = MemoryTier(config.memory_cache, metrics) if config.memory_cache else None
+        if self.memory is not None:
+            cache.on_forget = self.memory.discard
         self.gap_blocks = config.merge_gap // config.block_size
         self.max_blocks = max(1, config.max_fetch // config.block_size)
         self._store_slots = asyncio.Semaphore(config.max_store_requests)
@@ -90,15 +95,29 @@ class Coalescer:
 
         piece_bytes: dict[int, bytes | memoryview | StoreError] = {}
         remaining = list(blocks)
+        if self.memory is not None:
+            held = self.held_blocks(remaining)
+            for key, block in held.items():
+                for i in blocks[key]:
+                    piece_bytes[i] = block[starts[i]:ends[i]]
+            remaining = [k for k in remaining if k not in held]
         for attempt in range(3):
             # Cached blocks first, all in one thread hop.
             cached = [k for k in remaining if k not in self._inflight and k in self.cache]
             if cached:
-                ranges = {k: [(starts[i], ends[i]) for i in blocks[k]] for k in cached}
+                ranges = {k: None if self.memory is not None else [(starts[i], ends[i]) for i in blocks[k]]
+                          for k in cached}
                 found = await asyncio.to_thread(self._read_cached, ranges)
                 self.metrics.cache_hits.inc(len(found))
                 for key, parts in found.items():
-                    piece_bytes.update(zip(blocks[key], parts))
+                    if self.memory is None:
+                        piece_bytes.update(zip(blocks[key], parts))
+                        continue
+                    if key in self.cache:  # not evicted meanwhile: the tier mirrors the disk
+                        self.memory.put(key.filename(self.block_size), parts[0])
+                    block = memoryview(parts[0])
+                    for i in blocks[key]:
+                        piece_bytes[i] = block[starts[i]:ends[i]]
                 remaining = [k for k in remaining if k not in found]
             if not remaining:
                 break
@@ -134,7 +153,21 @@ class Coalescer:
         if len(pairs) * self.block_size <= self.cache.capacity // 4:
             self._start_fetches(dataset, pairs, skip_cached=True)
 
-    def _read_cached(self, ranges: dict[BlockKey, list[tuple[int, int]]]) -> dict[BlockKey, list[bytes]]:
+    def held_blocks(self, keys, *, all_or_none: bool = False) -> dict[BlockKey, memoryview]:
+        """The blocks among ``keys`` that the RAM tier holds, as views (no copy, no thread);
+        with ``all_or_none``, nothing unless it holds them all."""
+        held = {}
+        for key in keys:
+            block = self.memory.get(key.filename(self.block_size))
+            if block is not None:
+                held[key] = memoryview(block)
+            elif all_or_none:
+                return {}
+        if held:
+            self.metrics.memory_cache_hits.inc(len(held))
+        return held
+
+    def _read_cached(self, ranges: dict[BlockKey, list[tuple[int, int]] | None]) -> dict[BlockKey, list[bytes]]:
         out = {}
         for key, spans in ranges.items():
             parts = self.cache.read(key, spans)
@@ -200,7 +233,11 @@ class Coalescer:
         try:
             # Keep the futures registered until the blocks are on disk, so a request that
             # arrives meanwhile shares these bytes instead of reading them again.
-            await asyncio.to_thread(self._write_blocks, blocks)
+            written = await asyncio.to_thread(self._write_blocks, blocks)
+            if self.memory is not None:
+                for key, block in written:
+                    if key in self.cache:  # not evicted meanwhile: the tier mirrors the disk
+                        self.memory.put(key.filename(self.block_size), bytes(block))
         finally:
             for key in keys:
                 self._inflight.pop(key, None)
@@ -211,10 +248,9 @@ class Coalescer:
             if future is not None and not future.done():
                 future.set_result(error)
 
-    def _write_blocks(self, blocks: list[tuple[BlockKey, memoryview]]) -> None:
-        for key, block in blocks:
-            if key not in self.cache:
-                self.cache.write(key, block)
+    def _write_blocks(self, blocks: list[tuple[BlockKey, memoryview]]) -> list[tuple[BlockKey, memoryview]]:
+        """Cache the blocks not cached yet; the ones written."""
+        return [(key, block) for key, block in blocks if key not in self.cache and self.cache.write(key, block)]
 
     async def close(self) -> None:
         for task in list(self._tasks):

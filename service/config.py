@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .hedge import HedgePolicy
+from .sizes import format_size
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 
@@ -25,6 +26,16 @@ def usable_cores() -> int:
 
 MAX_WORKERS_PER_CORE = 4
 """More workers than this per usable core only add context switches: refused as a mistake."""
+
+
+def machine_memory() -> int:
+    """Bytes of RAM this machine has."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_memory_cache() -> int:
+    """1 GiB, or an eighth of the RAM on a small machine: hot blocks, not the whole cache."""
+    return min(1 * GiB, machine_memory() // 8)
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,11 @@ class ServiceConfig:
 
     cache_size: int = 10 * GiB
     """Most bytes the block cache keeps on disk (least recently used blocks are evicted)."""
+
+    memory_cache: int = field(default_factory=default_memory_cache)
+    """Most bytes of verified blocks kept in RAM in front of the disk cache (``memtier.py``): a
+    hot block is checked once, then served from memory without a thread hop. 0 disables it.
+    Never more than the machine's RAM."""
 
     block_size: int = 1 * MiB
     """Unit of caching and of store reads: shards are fetched in aligned blocks of this size.
@@ -139,3 +155,9 @@ class ServiceConfig:
         if not 1 <= self.workers <= most:
             raise ValueError(f"--workers must be between 1 and {most} ({MAX_WORKERS_PER_CORE} per usable "
                              f"core), not {self.workers}")
+        ram = machine_memory()
+        if self.memory_cache < 0:
+            raise ValueError(f"--memory-cache must not be negative, not {self.memory_cache}")
+        if self.memory_cache > ram:
+            raise ValueError(f"--memory-cache {format_size(self.memory_cache)} is more than this machine's "
+                             f"RAM ({format_size(ram)})")

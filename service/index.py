@@ -216,6 +216,18 @@ class Index:
         code = bisect_left(self.shards, shard)
         return code if code < len(self.shards) and self.shards[code] == shard else None
 
+    def member(self, i: int, field: str) -> tuple[int, int, int] | None:
+        """``(shard code, offset, size)`` of one member of sample ``i`` (already validated), without
+        numpy's per-call overhead: ``None`` if the sample has no such field."""
+        code = self._field_code.get(field)
+        if code is None:
+            return None
+        starts = self._starts
+        for row in range(int(starts[i]), int(starts[i + 1])):
+            if self._field[row] == code:
+                return int(self._shard[row]), int(self._offset[row]), int(self._size[row])
+        return None
+
     def field_codes(self, fields: Sequence[str]) -> np.ndarray:
         """Codes into ``self.fields``; ``UnknownField`` for a name the dataset lacks."""
         try:

@@ -39,6 +39,10 @@ class Metrics:
                                           registry=r)
         self.cache_bytes = Gauge("shardfeed_cache_bytes", "Bytes held in the block cache", registry=r)
         self.cache_blocks = Gauge("shardfeed_cache_blocks", "Blocks held in the block cache", registry=r)
+        self.memory_cache_bytes = Gauge("shardfeed_memory_cache_bytes",
+                                        "Bytes of verified blocks held in RAM (--memory-cache)", registry=r)
+        self.memory_cache_hits = Counter("shardfeed_memory_cache_hits", "Block reads served from RAM",
+                                         registry=r)
         self.coalescing_factor = Gauge("shardfeed_coalescing_factor",
                                        "Samples served per store request since start", registry=r)
         self.inflight_requests = Gauge("shardfeed_inflight_requests", "HTTP requests being served",

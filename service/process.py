@@ -42,9 +42,10 @@ def ensure_free(port: int, what: str, host: str = "127.0.0.1") -> None:
                 from None
 
 
-def scrape_metrics(url: str, timeout: float = 10) -> dict[str, float]:
+def scrape_metrics(url: str, timeout: float = 10, token: str | None = None) -> dict[str, float]:
     """A service's Prometheus metrics summed over labels: ``{"shardfeed_store_requests_total": 3.0}``."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as resp:
+    request = urllib.request.Request(f"{url}/metrics", headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
         text = resp.read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
@@ -53,6 +54,18 @@ def scrape_metrics(url: str, timeout: float = 10) -> dict[str, float]:
             name = name.split("{", 1)[0]
             out[name] = out.get(name, 0.0) + float(value)
     return out
+
+
+def stop_process(process: subprocess.Popen, timeout: float = 10) -> int:
+    """SIGTERM, and SIGKILL after ``timeout`` seconds; the exit status."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode
 
 
 class ServiceProcess:
@@ -70,14 +83,7 @@ class ServiceProcess:
         return self.log_path.read_text(errors="replace")
 
     def stop(self, timeout: float = 10) -> int:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+        return stop_process(self.process, timeout)
 
     def __enter__(self) -> "ServiceProcess":
         return self

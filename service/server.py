@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="block cache directory, ideally local NVMe (default: %(default)s)")
     parser.add_argument("--cache-size", type=parse_size, default=defaults.cache_size,
                         help="most bytes the block cache keeps, e.g. 20GiB (default: 10GiB)")
+    parser.add_argument("--memory-cache", type=parse_size, default=defaults.memory_cache,
+                        help="most bytes of verified blocks kept in RAM in front of the disk cache; "
+                             "0 disables it (default: 1GiB, at most 1/8 of the RAM)")
     parser.add_argument("--block-size", type=parse_size, default=defaults.block_size,
                         help="cache block and store read unit (default: 1MiB)")
     parser.add_argument("--merge-gap", type=parse_size, default=defaults.merge_gap,
@@ -163,8 +166,9 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                         max_delay=args.hedge_max_ms / 1e3, budget=args.hedge_budget) if args.hedge else None
     return ServiceConfig(
         store_options=store_options, hedge=hedge,
-        datasets=datasets, index_objects=args.index_objects, buckets=tuple(dict.fromkeys(args.bucket)), host=args.host, port=args.port, cache_dir=args.cache_dir,
-        cache_size=args.cache_size, block_size=args.block_size, merge_gap=args.merge_gap,
+        datasets=datasets, index_objects=args.index_objects, buckets=tuple(dict.fromkeys(args.bucket)),
+        host=args.host, port=args.port, cache_dir=args.cache_dir, cache_size=args.cache_size,
+        memory_cache=args.memory_cache, block_size=args.block_size, merge_gap=args.merge_gap,
         max_store_requests=args.max_store_requests, sample_window=args.sample_window_ms / 1e3,
         max_batch=args.max_batch, max_inflight_batches=args.max_inflight_batches,
         max_inflight_samples=args.max_inflight_samples, tokens=frozenset(tokens),

@@ -2,7 +2,8 @@
 
 Each worker is a whole service (``server.serve``) that owns the rendezvous share of the
 shards given to its id (``peers.py``) and has its own slice of the cache
-(``cache_dir/worker-<i>``, ``cache_size / N``), so no block is cached twice on a host.
+(``cache_dir/worker-<i>``, ``cache_size / N``, ``memory_cache / N``), so no block is
+cached twice on a host.
 All workers accept on the public port (``SO_REUSEPORT``: the kernel spreads the
 connections), so a plain HTTP client gets any batch, whole and in order, from any
 worker: members owned by a sibling come over that sibling's Unix socket. Each worker
@@ -120,7 +121,8 @@ def supervise(config: ServiceConfig, serve_worker: Callable[[ServiceConfig], Non
     rundir = tempfile.mkdtemp(prefix="shardfeed-")  # short: a Unix socket path has 107 bytes at most
     sockets = tuple(os.path.join(rundir, f"w{i}.sock") for i in range(count))
     workers = [_Worker(replace(config, port=port, cache_dir=config.cache_dir / f"worker-{i}",
-                               cache_size=config.cache_size // count, worker=WorkerPlace(i, ports, sockets)))
+                               cache_size=config.cache_size // count, memory_cache=config.memory_cache // count,
+                               worker=WorkerPlace(i, ports, sockets)))
                for i in range(count)]
     stop: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, frame: stop.append(signum))

@@ -7,22 +7,24 @@ from __future__ import annotations
 import base64
 import json
 import re
+import shutil
 import subprocess
 import sys
 
 import pytest
 
 from shardfeed.benchmarks.report import SCENARIOS
+from shardfeed.benchmarks.serverside import SKIP_NOTE
 
 KIB10, MIB1 = 10 << 10, 1 << 20
 
 
 def bench(*args: str, cwd) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "shardfeed", "bench", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=150)
+                          text=True, timeout=240)
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(270)
 def test_quick_bench_measures_every_scenario_at_every_point_with_sane_figures(tmp_path):
     done = bench("--quick", "--out", "out", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -60,6 +62,19 @@ def test_quick_bench_measures_every_scenario_at_every_point_with_sane_figures(tm
         if r["scenario"] == "shardfeed-warm" and r["sample_size"] == KIB10:
             assert r["ratio"] > 2, where  # the point of the service, with a wide margin for a busy machine
 
+    # The server-side scenario under wrk, or the note that says why not.
+    if shutil.which("wrk") is None:
+        assert SKIP_NOTE in done.stdout and document["server_side"] == []
+    else:
+        points = document["server_side"]
+        assert {(p["sample_size"], p["serve_workers"]) for p in points} == {(KIB10, 1), (MIB1, 1)}
+        for p in points:
+            assert p["batch"]["samples_per_s"] > 0 and p["pusher"]["samples_per_s"] > 0, p
+            assert p["batch_vs_pusher"] > 0 and p["sample_vs_healthz"] > 0, p
+            assert 0 < p["batch"]["service_cpu_us_per_sample"] < 1e5, p
+            assert p["batch"]["load"] >= 0
+        assert "## Server side (wrk, warm cache)" in (out / "results.md").read_text()
+
     assert {g["target"] for g in document["targets"]}  # evaluated, "not measured" where the quick matrix lacks them
     assert (out / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| S3 +ms | size | batch | scenario |" in (out / "results.md").read_text()
@@ -81,6 +96,9 @@ def test_bench_refuses_bad_arguments_with_one_line(tmp_path):
     done = bench("--s3", "minio", cwd=tmp_path)
     assert done.returncode == 1
     assert done.stderr.strip() == "shardfeed: error: --s3 must be seaweedfs, moto or an http(s) URL, not 'minio'"
+    done = bench("--serve-workers", "0", cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.strip() == "shardfeed: error: --serve-workers must be between 1 and 256, not '0'"
 
 
 @pytest.mark.timeout(150)

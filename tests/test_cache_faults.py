@@ -31,8 +31,9 @@ def dataset(moto):
 
 @pytest.fixture
 def service(dataset, moto, tmp_path):
+    # No RAM tier: every read goes to the block files these tests damage.
     with start_service({"train": dataset[0]}, cache_dir=tmp_path / "cache", env=moto.env(),
-                       args=["--block-size", "64KiB", "--merge-gap", "0"]) as svc:
+                       args=["--block-size", "64KiB", "--merge-gap", "0", "--memory-cache", "0"]) as svc:
         yield svc
 
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from shardfeed.client import MISSING, ShardfeedConnectionError, ShardfeedError
 from shardfeed.client.samples import BatchReader, TarStream, split_name
-from shardfeed.tar import END_OF_ARCHIVE, member_header, padding
+from shardfeed.tar import END_OF_ARCHIVE, TarFormatError, member_header, padding
 
 
 def tar_bytes(members: list[tuple[str, bytes]], end: bool = True) -> bytes:
@@ -40,6 +40,21 @@ def test_members_come_out_whole_however_the_stream_is_cut(cuts):
     parser = TarStream()
     assert feed_in_pieces(parser, data, [c % len(data) for c in cuts]) == MEMBERS
     assert parser.ended
+
+
+def test_a_stream_fed_one_byte_at_a_time_gives_the_same_bytes_payloads():
+    data = tar_bytes(MEMBERS)
+    parser = TarStream()
+    got = feed_in_pieces(parser, data, list(range(len(data))))
+    assert got == MEMBERS and all(type(payload) is bytes for _, payload in got)
+    assert parser.ended and parser.feed(b"more") == []
+
+
+def test_a_bad_header_checksum_is_refused():
+    data = bytearray(tar_bytes(MEMBERS))
+    data[40] ^= 1  # inside the first header's name field
+    with pytest.raises(TarFormatError, match="checksum"):
+        TarStream().feed(bytes(data))
 
 
 def test_members_written_by_python_tarfile_with_pax_names_are_read():

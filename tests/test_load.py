@@ -103,8 +103,11 @@ def test_overload_is_refused_with_429_and_clients_that_back_off_succeed(dataset,
     batches = [[rng.randrange(SAMPLES) for _ in range(500)] for _ in range(12)]
     # Retry-After is a fixed 1 s and clients honour it exactly, so the refused ones come back
     # together: about 12 / 3 rounds, within the client's 6 tries.
+    # No RAM tier: a per-sample GET answered from RAM holds its slot for no time at all, so
+    # only reads that wait (on disk or the store) can pile up to be refused.
     with start_service({"train": dataset[0]}, cache_dir=tmp_path / "cache", env=moto.env(),
-                       args=["--max-inflight-batches", "3", "--max-inflight-samples", "8"]) as svc:
+                       args=["--max-inflight-batches", "3", "--max-inflight-samples", "8",
+                             "--memory-cache", "0"]) as svc:
         answers = asyncio.run(gather_batches(svc.url, batches))
         refused = [a for a in answers if a[0] == 429]
         assert refused and all(a[0] in (200, 429) for a in answers)

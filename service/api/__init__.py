@@ -35,7 +35,7 @@ from ..stats import StatsRecorder
 from ..stores import Store
 from . import batch, datasets as dataset_routes, getbatch, internal, ops, routing, samples, status
 from .auth import TokenAuth
-from .common import ERRORS, Admission, State, describe
+from .common import ERRORS, Admission, HeldRoutes, State, describe
 
 ROUTERS = (ops.router, dataset_routes.router, routing.router, samples.router, batch.router, getbatch.router,
            internal.router, status.router)
@@ -70,6 +70,7 @@ def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: Block
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_middleware(HeldRoutes, state=state, handlers=(samples.held_member,))  # inside TokenAuth
     if config.tokens:
         app.add_middleware(TokenAuth, tokens=config.tokens)
     for router in ROUTERS:

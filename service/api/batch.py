@@ -13,7 +13,8 @@ from starlette.responses import Response, StreamingResponse
 
 from ..errors import ApiError
 from ..index import SampleOutOfRange, UnknownField
-from ..stream import stream_batch
+from ..stream import stream_batch, stream_length
+from ..warm import held_group
 from .common import TAR, AppState, json_body, read_json, served_metrics, tar_stream_response
 from .routing import ROUTING_HEADER
 
@@ -65,11 +66,14 @@ async def batch(request: Request, state: AppState) -> Response:
         raise ApiError(404, "unknown_field", f"sample {int(members.sample[row])} has no field "
                                              f"{dataset.index.fields[int(members.field[row])]!r}")
 
+    held = held_group(state.coalescer, dataset, members)
     chunks = stream_batch(state.coalescer, dataset, members, indices, continue_on_error=req.continue_on_error,
                           group_bytes=config.group_bytes, prefetch=config.prefetch_groups,
-                          on_served=served_metrics(state))
+                          on_served=served_metrics(state), held=held)
     headers = {"X-Shardfeed-Samples": str(len(indices))}
     if state.cluster is not None:
         headers[ROUTING_HEADER] = state.cluster.version()
+    if held is not None:  # every byte is in RAM: the length is known, no chunked framing
+        headers["Content-Length"] = str(stream_length(dataset, members, indices))
     return await tar_stream_response(state, "batch", chunks, media_type=TAR, headers=headers,
                                      what=f"batch dataset={dataset.name} samples={len(indices)}")

@@ -67,6 +67,10 @@ class Admission:
         self.inflight[kind] += 1
         self.metrics.inflight_requests.inc()
 
+    def full(self, kind: str) -> bool:
+        """Whether ``acquire(kind)`` would refuse now."""
+        return self.inflight[kind] >= self.limits[kind]
+
     def release(self, kind: str) -> None:
         self.inflight[kind] -= 1
         self.metrics.inflight_requests.dec()
@@ -100,6 +104,25 @@ class State:
         if dataset is None:
             raise UnknownDataset(name, list(self.datasets))
         return dataset
+
+
+class HeldRoutes:
+    """ASGI middleware in front of the routed app, for the hottest requests: each handler
+    ``(state, scope, send) -> bool`` may answer a request whose data is at hand (in RAM)
+    without routing, dependency resolution or request objects; when none does, the routed
+    endpoint answers it, errors included, so every check and error is written once."""
+
+    def __init__(self, app, state: State, handlers):
+        self.app = app
+        self.state = state
+        self.handlers = handlers
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            for handler in self.handlers:
+                if await handler(self.state, scope, send):
+                    return
+        await self.app(scope, receive, send)
 
 
 async def _state(request: Request) -> State:  # async: FastAPI would run a plain function in a thread

@@ -1,5 +1,6 @@
 """Per-sample GETs: one member's raw bytes, or one sample as a tar. Concurrent GETs are
-coalesced into batches by ``SampleBatcher`` (``--sample-window-ms``)."""
+coalesced into batches by ``SampleBatcher`` (``--sample-window-ms``). A member whose block
+is in RAM is answered at once by ``held_member``, a plain ASGI handler (``HeldRoutes``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from ..datasets import Dataset
 from ..errors import ApiError, StoreUnavailable
 from ..index import UnknownField
 from ..stores import StoreError
+from ..warm import held_member as held_bytes
 from .common import TAR, AppState, State
 
 log = logging.getLogger("shardfeed.api")
@@ -48,6 +50,31 @@ async def get_sample(name: str, i: str, state: AppState) -> Response:
     return Response(b"".join(out), media_type=TAR)
 
 
+async def held_member(state: State, scope, send) -> bool:
+    """``GET /v1/datasets/{name}/samples/{i}/{field}`` of a member held in RAM, answered here;
+    ``False`` (nothing sent) for any other request, which ``get_member`` then answers."""
+    parts = scope["path"].split("/")
+    if len(parts) != 7 or parts[4] != "samples" or parts[2] != "datasets" or parts[1] != "v1" \
+            or scope["method"] != "GET":
+        return False
+    dataset, text = state.datasets.get(parts[3]), parts[5]
+    if dataset is None or not (text.isascii() and text.isdigit()) or len(text) > 19 \
+            or int(text) >= len(dataset.index) or state.admission.full("sample"):
+        return False
+    began = time.perf_counter()
+    sample = int(text)
+    member = dataset.index.member(sample, parts[6].lower())
+    payload = held_bytes(state.coalescer, dataset, *member) if member is not None and member[2] else None
+    if payload is None:
+        return False
+    with state.admission.slot("sample"):
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"application/octet-stream"), (b"content-length", b"%d" % len(payload))]})
+        await send({"type": "http.response.body", "body": bytes(payload)})
+    _count_served(state, dataset, sample, 1, len(payload), began)
+    return True
+
+
 def sample_number(dataset: Dataset, text: str) -> int:
     if not (text.isascii() and text.isdigit()) or len(text) > 19:
         raise ApiError(400, "invalid_index", f"sample index must be a non-negative integer, not {text[:40]!r}")
@@ -67,11 +94,17 @@ async def _read_sample(state: State, dataset: Dataset, sample: int, field: int) 
         if payload is None or isinstance(payload, StoreError):
             metrics.requests.labels("sample", "503").inc()
             raise StoreUnavailable(f"sample {sample} of {dataset.name!r} could not be read from the store: {payload}")
+    if parts:  # none: the sample lacks the field, and the caller answers 404
+        _count_served(state, dataset, sample, len(parts), sum(len(p) for _, p in parts), began)
+    return parts
+
+
+def _count_served(state: State, dataset: Dataset, sample: int, members: int, nbytes: int, began: float) -> None:
+    metrics = state.metrics
     metrics.requests.labels("sample", "200").inc()
     metrics.samples.inc()
-    metrics.bytes_served.inc(sum(len(p) for _, p in parts))
+    metrics.bytes_served.inc(nbytes)
     elapsed = time.perf_counter() - began
     metrics.sample_latency.observe(elapsed)
     if log.isEnabledFor(logging.DEBUG):
-        log.debug("sample dataset=%s i=%d members=%d ms=%.2f", dataset.name, sample, len(parts), 1e3 * elapsed)
-    return parts
+        log.debug("sample dataset=%s i=%d members=%d ms=%.2f", dataset.name, sample, members, 1e3 * elapsed)
