@@ -31,12 +31,12 @@ from aistore.sdk import Client as AisClient
 
 from shardfeed.client import Client
 from shardfeed.seeds.synthetic import member_bytes
-from shardfeed.service.process import start_service
+from shardfeed.service.process import start_service, stop_process
 from shardfeed.service.sizes import format_size, parse_size
 from shardfeed.tar import iter_members
 
 from . import scenarios
-from .run import _start_proxy, _stop
+from .run import _start_proxy
 from .s3server import start_moto
 
 BUCKET = "getbatch-bench"
@@ -101,7 +101,7 @@ def main() -> None:
         stack.callback(moto.stop)
         os.environ.update(moto.env())
         proxy, process = _start_proxy(moto.endpoint, args.latency_ms, tmp / "proxy.log")
-        stack.callback(_stop, process)
+        stack.callback(stop_process, process)
         pool = stack.enter_context(ThreadPoolExecutor(args.workers))
         s3 = boto3.client("s3", endpoint_url=proxy, config=botocore.config.Config(
             s3={"addressing_style": "path"}, max_pool_connections=args.workers + 8))
