@@ -1,7 +1,8 @@
 """DataLoader epochs on one node: shardfeed against MosaicML Streaming, over the same S3.
 
 The loader a user would otherwise pick, tried as a new user would: the same samples
-(``bin`` bytes and a ``cls`` label) on one S3 server (moto on loopback), as shardfeed
+(``bin`` bytes and a ``cls`` label) on one S3 server on loopback (SeaweedFS, or moto with
+``--s3 moto``), as shardfeed
 shards for ``shardfeed serve`` and as Streaming's MDS shards. Each loader runs
 ``DataLoader(batch_size=64, num_workers=4)``, shuffled, for two epochs: the first on
 cold caches (a fresh service cache; a fresh Streaming local directory), the second warm.
@@ -34,7 +35,7 @@ from pathlib import Path
 
 from torch.utils.data import DataLoader
 
-from shardfeed.benchmarks.s3server import start_moto
+from shardfeed.benchmarks.s3server import S3_SERVERS, default_server, start_s3
 from shardfeed.client.torch import ShardfeedDataset, ShardfeedIterableDataset, ShardfeedLoader
 from shardfeed.seeds.synthetic import member_bytes, parse_sizes
 from shardfeed.service.process import start_service
@@ -107,13 +108,13 @@ def streaming_round(streaming, remote: str, local: Path, sizes, seed: int) -> li
     return _epochs(loader, sizes, "index")
 
 
-def write_mds(streaming, moto, samples: int, sizes, shard_size: int, tmp: Path) -> str:
+def write_mds(streaming, server, samples: int, sizes, shard_size: int, tmp: Path) -> str:
     out = tmp / "mds"
     with streaming.MDSWriter(out=str(out), columns={"index": "int", "bin": "bytes", "cls": "bytes"},
                              size_limit=shard_size) as writer:
         for i in range(samples):
             writer.write({"index": i, "bin": member_bytes(0, i, "bin", sizes), "cls": member_bytes(0, i, "cls", sizes)})
-    s3 = moto.client()
+    s3 = server.client()
     for path in out.iterdir():
         s3.upload_file(str(path), "bench", f"mds/{path.name}")
     return "s3://bench/mds"
@@ -127,6 +128,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--service-workers", type=int, default=len(os.sched_getaffinity(0)),
                         help="shardfeed serve --workers (default: the usable cores)")
+    parser.add_argument("--s3", choices=S3_SERVERS, default=default_server(),
+                        help="the S3 server both loaders read from (default: SeaweedFS when installed)")
     args = parser.parse_args(argv)
     # 4 DataLoader workers on fewer cores is the setting compared, not a mistake to warn about.
     warnings.filterwarnings("ignore", message="This DataLoader will create")
@@ -136,18 +139,18 @@ def main(argv=None) -> int:
     streaming = import_streaming()
     if streaming is None:
         print("MosaicML Streaming is not installed (pip install mosaicml-streaming): measuring shardfeed alone")
-    moto = start_moto()
+    server = start_s3(args.s3)
     with tempfile.TemporaryDirectory() as tmp_name, contextlib.ExitStack() as stack:
-        stack.callback(moto.stop)
+        stack.callback(server.stop)
         tmp = Path(tmp_name)
-        moto.create_bucket("bench")
-        env = {**os.environ, **moto.env()}
-        os.environ.update(moto.env())
-        os.environ["S3_ENDPOINT_URL"] = moto.endpoint  # Streaming's name for a custom endpoint
+        server.create_bucket("bench")
+        env = {**os.environ, **server.env()}
+        os.environ.update(server.env())
+        os.environ["S3_ENDPOINT_URL"] = server.endpoint  # Streaming's name for a custom endpoint
         subprocess.run([sys.executable, "-m", "shardfeed", "-q", "seed", "s3://bench/data", "--samples",
                         str(args.samples), "--size", args.size, "--shard-size", args.shard_size,
                         "--fields", "bin,cls"], check=True, env=env)
-        remote = write_mds(streaming, moto, args.samples, sizes, shard_size, tmp) if streaming else None
+        remote = write_mds(streaming, server, args.samples, sizes, shard_size, tmp) if streaming else None
         kinds = ["shardfeed-map", "shardfeed-iterable"] + (["streaming"] if streaming else [])
         results: dict[str, list[list[float]]] = {k: [] for k in kinds}
         for r in range(args.rounds):
@@ -156,12 +159,13 @@ def main(argv=None) -> int:
                     rates = streaming_round(streaming, remote, tmp / f"local-{r}", sizes, seed=r)
                 else:
                     with start_service({"bench": "s3://bench/data"}, cache_dir=tmp / f"cache-{kind}-{r}",
-                                       env=moto.env(), workers=args.service_workers) as svc:
+                                       env=server.env(), workers=args.service_workers) as svc:
                         rates = shardfeed_round(kind, svc.url, sizes, seed=r)
                 results[kind].append(rates)
                 print(f"round {r + 1} {kind:20s} cold {rates[0]:8.0f}  warm {rates[1]:8.0f} samples/s", flush=True)
     print(f"\n{args.samples} x {args.size} samples, DataLoader(batch_size={BATCH}, num_workers={LOADER_WORKERS}), "
-          f"shuffled, medians of {args.rounds} rounds; shardfeed serve --workers {args.service_workers}; "
+          f"shuffled, medians of {args.rounds} rounds, {server.kind} S3; shardfeed serve --workers "
+          f"{args.service_workers}; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     medians = {k: [statistics.median(r[e] for r in v) for e in range(2)] for k, v in results.items()}
     for kind, (cold, warm) in medians.items():
