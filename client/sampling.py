@@ -134,6 +134,12 @@ class EpochSampler:
                        self.world_size * num_workers):
             yield stream[j * bs:(j + 1) * bs]
 
+    def rank_order(self) -> np.ndarray:
+        """Every sample this rank still reads this epoch, in the order its batches come
+        (what a plan announces to the service, see ``ShardfeedSampler``)."""
+        batches = list(self.batches())
+        return np.concatenate(batches) if batches else np.zeros(0, np.int64)
+
     def advance(self, batches: int = 1) -> None:
         """Record that every rank's training loop took ``batches`` more batches."""
         self.consumed = min(self.samples, self.consumed + batches * self.step)

@@ -4,6 +4,7 @@
     datasets   /v1/datasets[/{name}]
     samples    per-sample GETs, coalesced by ``SampleBatcher``
     batch      POST /v1/batch, the ordered tar stream
+    plans      /v1/datasets/{name}/plans[/{id}]: announced orders (``service/plans/``)
     internal   replica-to-replica member reads
 
 Every route gets the service ``State`` from one dependency (``common.AppState``) and
@@ -27,26 +28,34 @@ from ..errors import ApiError, error_response
 from ..metrics import Metrics
 from ..peers import Cluster
 from ..samples import SampleBatcher
-from . import batch, datasets as dataset_routes, internal, ops, samples
+from ..plans.prefetch import Prefetcher
+from ..plans.registry import Plans
+from . import batch, datasets as dataset_routes, internal, ops, plans as plan_routes, samples
 from .auth import TokenAuth
 from .common import ERRORS, Admission, State, describe
 
-ROUTERS = (ops.router, dataset_routes.router, samples.router, batch.router, internal.router)
+ROUTERS = (ops.router, dataset_routes.router, samples.router, batch.router, internal.router, plan_routes.router)
 
 
 def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: BlockCache,
                metrics: Metrics, cluster: Cluster | None = None) -> FastAPI:
     """The ASGI app over already opened datasets and cache (see ``server.py``)."""
     coalescer = Coalescer(cache, metrics, config, cluster)
+    plans = Plans(config, cache, metrics)
+    coalescer.fetch_policy = plans
+    cache.victims = plans.victim_order
+    prefetcher = Prefetcher(plans, coalescer, config)
     admission = Admission({"batch": config.max_inflight_batches, "sample": config.max_inflight_samples}, metrics)
     state = State(config, datasets, metrics, coalescer, SampleBatcher(coalescer, config.sample_window),
-                  admission, cluster)
+                  admission, cluster, plans, prefetcher)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if cluster is not None:
             cluster.start()
+        prefetcher.start()
         yield
+        await prefetcher.close()
         if cluster is not None:
             await cluster.close()
         await coalescer.close()

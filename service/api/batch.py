@@ -70,6 +70,8 @@ async def batch(request: Request, state: AppState) -> Response:
 
     state.admission.acquire("batch")
     began = time.perf_counter()
+    state.plans.observe(dataset, indices)
+    state.prefetcher.wake()
 
     def finish(status: str) -> None:
         state.admission.release("batch")

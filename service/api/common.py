@@ -18,6 +18,8 @@ from ..datasets import Dataset
 from ..errors import ApiError, InvalidRequest, Overloaded, UnknownDataset
 from ..metrics import Metrics
 from ..peers import Cluster
+from ..plans.prefetch import Prefetcher
+from ..plans.registry import Plans
 from ..samples import SampleBatcher
 
 TAR = "application/x-tar"
@@ -82,6 +84,8 @@ class State:
     batcher: SampleBatcher
     admission: Admission
     cluster: Cluster | None
+    plans: Plans
+    prefetcher: Prefetcher
 
     def dataset(self, name: str) -> Dataset:
         dataset = self.datasets.get(name)
@@ -102,7 +106,11 @@ Model = TypeVar("Model", bound=BaseModel)
 
 async def read_json(request: Request, model: type[Model], limit: int) -> Model:
     """The request body, at most ``limit`` bytes, validated as ``model`` (400 otherwise)."""
-    body = await read_body(request, limit)
+    return parse_json(await read_body(request, limit), model)
+
+
+def parse_json(body: bytes, model: type[Model]) -> Model:
+    """``body`` validated as ``model`` (400 otherwise)."""
     try:
         return model.model_validate_json(body)
     except ValidationError as err:

@@ -1,0 +1,303 @@
+"""The plans a service holds, and what they say about blocks: next use, and whether a
+missing block is worth fetching whole.
+
+Positions are plan positions (one per sample read); distances from different plans are
+compared as they are, which assumes their readers move at about the same speed (ranks of
+one job do). Every query is a binary search in arrays built once per plan, so the
+eviction policy can rank all the cached blocks on each eviction.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..cache import BlockCache, BlockKey
+from ..config import ServiceConfig
+from ..datasets import Dataset
+from ..errors import ApiError, Overloaded
+from ..metrics import Metrics
+
+HORIZON_EVERY = 0.1
+"""Seconds between recomputations of the cache horizon (cheap, but not per request)."""
+
+
+class Geometry:
+    """Where each sample of a dataset lies in blocks, numbered densely over all shards."""
+
+    def __init__(self, dataset: Dataset, block_size: int):
+        index = dataset.index
+        n = len(index)
+        members = index.lookup(np.arange(n, dtype=np.int64))
+        bounds = np.searchsorted(members.position, np.arange(n))
+        start = np.minimum.reduceat(members.offset.astype(np.int64), bounds)
+        end = np.maximum.reduceat(members.offset.astype(np.int64) + members.size, bounds)
+        shard = members.shard[bounds].astype(np.int64)
+        per_shard = -(-dataset.extents.astype(np.int64) // block_size)
+        self.base = np.concatenate([[0], np.cumsum(per_shard)[:-1]]).astype(np.int64)
+        self.blocks = int(per_shard.sum())
+        self.first = self.base[shard] + start // block_size
+        self.span = np.maximum(end - 1, start) // block_size - start // block_size + 1
+        self.sample_bytes = end - start
+        self.mean_bytes = max(1.0, float(self.sample_bytes.mean()))
+        self.shard_code = {sid: code for code, sid in enumerate(dataset.shard_ids)}
+
+    def gid(self, shards: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        return self.base[np.asarray(shards, dtype=np.int64)] + np.asarray(blocks, dtype=np.int64)
+
+    def blocks_of(self, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per plan position, the blocks its sample touches: ``(gid, position)`` pairs."""
+        span = self.span[order]
+        position = np.repeat(np.arange(len(order), dtype=np.int64), span)
+        rank = np.arange(int(span.sum())) - np.repeat(np.cumsum(span) - span, span)
+        return np.repeat(self.first[order], span) + rank, position
+
+
+@dataclass(eq=False)
+class Plan:
+    id: str
+    dataset: Dataset
+    kind: str
+    ttl: float
+    order: np.ndarray
+    complete: bool
+    geometry: Geometry
+    fields: list[str] | None = None
+    """The fields the reader asks for (all by default): what is read ahead."""
+    position: int = 0
+    """The reader's place: the first position of the latest batch it was seen reading."""
+    batch: int = 1
+    """Length of the latest batch seen; reads this far behind ``position`` still count."""
+    deadline: float = 0.0
+    ahead_blocks: int = 0
+    """Positions up to which whole blocks were read ahead."""
+    ahead_ranges: int = 0
+    """Positions up to which sample ranges were read ahead."""
+    by_sample: np.ndarray = field(init=False, repr=False)
+    by_block: np.ndarray = field(init=False, repr=False)
+    blocks: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.build()
+
+    def build(self) -> None:
+        """Sorted ``sample * L + position`` and ``block * L + position`` keys, for searches."""
+        length = self.length
+        positions = np.arange(length, dtype=np.int64)
+        self.by_sample = np.sort(self.order * length + positions)
+        gids, where = self.geometry.blocks_of(self.order)
+        self.by_block = np.sort(gids * length + where)
+        self.blocks = np.unique(gids)
+
+    @property
+    def length(self) -> int:
+        return max(1, len(self.order))
+
+    @property
+    def behind(self) -> int:
+        """Positions behind ``position`` whose reads may still be in flight."""
+        return 4 * self.batch
+
+    def touch(self) -> None:
+        self.deadline = time.monotonic() + self.ttl
+
+    def next_use(self, gids: np.ndarray, start: int) -> np.ndarray:
+        """Per block, its first position at or after ``start`` (``inf`` if none)."""
+        length = self.length
+        at = np.searchsorted(self.by_block, gids * length + start)
+        keys = self.by_block[np.minimum(at, len(self.by_block) - 1)] if len(self.by_block) else gids * 0
+        hit = (at < len(self.by_block)) & (keys // length == gids)
+        return np.where(hit, keys % length, np.inf)
+
+    def uses(self, gids: np.ndarray, start: int, stop: int) -> np.ndarray:
+        """Per block, how many positions in ``[start, stop)`` touch it."""
+        length = self.length
+        return (np.searchsorted(self.by_block, gids * length + min(stop, length))
+                - np.searchsorted(self.by_block, gids * length + start))
+
+    def describe(self) -> dict:
+        return {"id": self.id, "dataset": self.dataset.name, "kind": self.kind, "samples": len(self.order),
+                "complete": self.complete, "position": self.position, "ttl": self.ttl,
+                "expires_in": round(max(0.0, self.deadline - time.monotonic()), 3)}
+
+
+class Plans:
+    """Every plan held, bounded; the cache's eviction policy and the coalescer's fetch policy."""
+
+    def __init__(self, config: ServiceConfig, cache: BlockCache, metrics: Metrics):
+        self.config = config
+        self.cache = cache
+        self.metrics = metrics
+        self.block_size = config.block_size
+        self._plans: dict[str, Plan] = {}
+        self._geometry: dict[str, Geometry] = {}  # by dataset id
+        self._lock = threading.Lock()  # geometry is built in threads
+        self.horizon = math.inf
+        """Plan positions ahead within which the cache can keep every block the plans read."""
+        self._horizon_at = 0.0
+
+    # -- the registry --------------------------------------------------------------------
+    def geometry(self, dataset: Dataset) -> Geometry:
+        """The dataset's block geometry, built on first use (blocking: call in a thread)."""
+        with self._lock:
+            geometry = self._geometry.get(dataset.id)
+            if geometry is None:
+                geometry = self._geometry[dataset.id] = Geometry(dataset, self.block_size)
+        return geometry
+
+    def check_room(self, samples: int, *, new: bool = True) -> None:
+        """413 when a plan of ``samples`` positions is too long; 429 when no ``new`` plan fits."""
+        self.expire()
+        if samples > self.config.max_plan_samples:
+            raise ApiError(413, "plan_too_large", f"a plan of {samples} positions; the limit is "
+                                                  f"{self.config.max_plan_samples}")
+        if new and len(self._plans) >= self.config.max_plans:
+            raise Overloaded(f"{len(self._plans)} plans held, the limit (--max-plans); delete finished "
+                             "plans or retry when one expires")
+
+    def build(self, dataset: Dataset, kind: str, order: np.ndarray, ttl: float | None, complete: bool,
+              fields: list[str] | None) -> Plan:
+        """A new plan, not yet held (blocking: call in a thread, then ``insert``)."""
+        ttl = min(ttl or self.config.plan_ttl, self.config.plan_ttl)
+        plan = Plan(secrets.token_hex(8), dataset, kind, ttl, order, complete, self.geometry(dataset), fields)
+        plan.touch()
+        return plan
+
+    def insert(self, plan: Plan) -> None:
+        """Hold ``plan`` (429 if the limit was reached meanwhile)."""
+        self.check_room(len(plan.order))
+        self._plans[plan.id] = plan
+        self._horizon_at = 0.0
+        self.metrics.plans.set(len(self._plans))
+
+    def replace(self, plan: Plan) -> None:
+        """Hold ``plan`` in place of the plan with its id (a longer order of the same reader)."""
+        self._plans[plan.id] = plan
+        self._horizon_at = 0.0
+        self.metrics.plans.set(len(self._plans))
+
+    def get(self, dataset: Dataset, plan_id: str) -> Plan:
+        self.expire()
+        plan = self._plans.get(plan_id)
+        if plan is None or plan.dataset is not dataset:
+            raise ApiError(404, "unknown_plan", f"no plan {plan_id[:40]!r} for dataset {dataset.name!r} "
+                                                "(expired or deleted: register it again)")
+        return plan
+
+    def remove(self, plan: Plan) -> None:
+        self._plans.pop(plan.id, None)
+        self._horizon_at = 0.0
+        self.metrics.plans.set(len(self._plans))
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        for plan in [p for p in self._plans.values() if p.deadline < now]:
+            self.remove(plan)
+
+    def live(self, dataset: Dataset | None = None) -> list[Plan]:
+        return [p for p in list(self._plans.values()) if dataset is None or p.dataset is dataset]
+
+    # -- what readers tell us ------------------------------------------------------------------
+    def observe(self, dataset: Dataset, indices: np.ndarray) -> None:
+        """Move the plan that ``indices`` (a batch being served) belongs to, if any, to it."""
+        if not len(indices):
+            return
+        for plan in self.live(dataset):
+            length = plan.length
+            window = max(16 * len(indices), 1024)
+            start = max(0, plan.position - window)
+            at = np.searchsorted(plan.by_sample, indices * length + start)
+            keys = plan.by_sample[np.minimum(at, len(plan.by_sample) - 1)]
+            found = (at < len(plan.by_sample)) & (keys // length == indices)
+            where = keys % length
+            match = found & (where < plan.position + window)
+            if 2 * int(match.sum()) >= len(indices):
+                plan.position = max(plan.position, int(where[match].min()))
+                plan.batch = len(indices)
+                plan.touch()
+                return
+
+    # -- what the cache and the coalescer ask -------------------------------------------------------
+    def refresh_horizon(self) -> None:
+        """How far ahead the cache reaches: the next-use distance of the block that just fits."""
+        now = time.monotonic()
+        if now - self._horizon_at < HORIZON_EVERY:
+            return
+        self._horizon_at = now
+        distances = [np.zeros(0)]
+        for dataset_plans in self._by_dataset().values():
+            best = np.full(dataset_plans[0].geometry.blocks, np.inf)
+            for plan in dataset_plans:
+                np.minimum.at(best, plan.blocks, plan.next_use(plan.blocks, plan.position) - plan.position)
+            distances.append(best[best < np.inf])
+        distances = np.concatenate(distances)
+        capacity = self.cache.capacity // self.block_size if self.cache.writable else 0
+        if len(distances) <= capacity:
+            self.horizon = math.inf
+        else:
+            self.horizon = float(np.partition(distances, capacity)[capacity])
+
+    def whole_blocks(self, dataset: Dataset, shards: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """Per missing block, whether to fetch and cache it whole (else: its samples' ranges).
+
+        Whole unless plans read the block and the samples they read from it before it
+        would be evicted (within the horizon) add up to less than half a block: then the
+        block would go before paying for itself.
+        """
+        plans = self.live(dataset)
+        whole = np.ones(len(blocks), dtype=bool)
+        if not plans or self.horizon == math.inf:
+            return whole
+        geometry = plans[0].geometry
+        gids = geometry.gid(shards, blocks)
+        covered = np.zeros(len(blocks), dtype=bool)
+        uses = np.zeros(len(blocks), dtype=np.int64)
+        for plan in plans:
+            start = max(0, plan.position - plan.behind)
+            covered |= plan.next_use(gids, start) < math.inf
+            uses += plan.uses(gids, start, plan.position + int(self.horizon) + 1)
+        return ~covered | (uses * geometry.mean_bytes >= self.block_size / 2)
+
+    def victim_order(self, names: list[str]) -> list[str]:
+        """Cache file names (least recently used first) in the order to evict them: blocks
+        no plan reads again (least recently used first), then the farthest next use first."""
+        groups = self._by_dataset()
+        if not groups:
+            return names
+        never: list[str] = []
+        planned: dict[str, tuple[list[str], list[int]]] = {}
+        for name in names:
+            key = BlockKey.from_filename(name)
+            plans = groups.get(key.dataset)
+            code = plans[0].geometry.shard_code.get(key.shard) if plans else None
+            if code is None:
+                never.append(name)
+                continue
+            entry = planned.setdefault(key.dataset, ([], []))
+            entry[0].append(name)
+            entry[1].append(int(plans[0].geometry.base[code]) + key.block)
+        ranked: list[tuple[float, int, str]] = []
+        for dataset_id, (dataset_names, gids) in planned.items():
+            gids_array = np.array(gids, dtype=np.int64)
+            until = np.full(len(gids), np.inf)
+            for plan in groups[dataset_id]:
+                start = max(0, plan.position - plan.behind)
+                until = np.minimum(until, plan.next_use(gids_array, start) - start)
+            for i, (name, d) in enumerate(zip(dataset_names, until.tolist())):
+                if d == math.inf:
+                    never.append(name)
+                else:
+                    ranked.append((-d, i, name))
+        ranked.sort()
+        return never + [name for _, _, name in ranked]
+
+    def _by_dataset(self) -> dict[str, list[Plan]]:
+        groups: dict[str, list[Plan]] = {}
+        for plan in self.live():
+            groups.setdefault(plan.dataset.id, []).append(plan)
+        return groups
