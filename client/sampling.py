@@ -140,6 +140,14 @@ class EpochSampler:
         batches = list(self.batches())
         return np.concatenate(batches) if batches else np.zeros(0, np.int64)
 
+    def plan(self) -> dict[str, Any]:
+        """The plan (``POST /v1/datasets/{name}/plans``) of this rank's rest of the epoch:
+        the service computes ``rank_order()`` from it with this same code."""
+        return {"kind": "sampler", "seed": self.seed, "epoch": self.epoch, "rank": self.rank,
+                "world_size": self.world_size, "batch_size": self.batch_size, "shuffle": self.shuffle,
+                "locality": list(self.locality) if self.locality else None, "drop_last": self.drop_last,
+                "consumed": self.consumed}
+
     def advance(self, batches: int = 1) -> None:
         """Record that every rank's training loop took ``batches`` more batches."""
         self.consumed = min(self.samples, self.consumed + batches * self.step)

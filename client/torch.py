@@ -4,6 +4,10 @@
   fetches each batch with ONE request (through ``__getitems__``). Works with any
   sampler (``shuffle=True``, ``DistributedSampler``), ``pin_memory`` and
   ``persistent_workers``.
+- :class:`ShardfeedSampler`: ``DistributedSampler`` semantics for a ``ShardfeedDataset``
+  (rank, world size, ``set_epoch``, ``drop_last`` or padding) whose order the service
+  computes too: each epoch it registers a plan, so the service reads ahead of the
+  DataLoader and keeps the blocks that are read next (``client/plans.py``).
 - :class:`ShardfeedIterableDataset`, iterable: yields whole batches in a deterministic
   global order drawn from ``(seed, epoch)``, split over ranks and workers with equal
   batch counts per rank, prefetched in the background, resumable mid-epoch with
@@ -24,9 +28,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate, get_worker_info
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate, get_worker_info
 
 from .decode import Decoder, make_decoder
+from .plans import PlanHandle
 from .sampling import EpochSampler
 from .sync import Client
 
@@ -98,6 +103,54 @@ class ShardfeedDataset(Dataset):
     def __getitems__(self, indices: list[int]) -> list:
         """The whole DataLoader batch in one request (PyTorch calls this when it exists)."""
         return self.source.fetch(indices)
+
+
+class ShardfeedSampler(Sampler[int]):
+    """``DistributedSampler`` for a :class:`ShardfeedDataset` that announces its order.
+
+    The same contract as ``torch.utils.data.DistributedSampler``: each epoch (set with
+    :meth:`set_epoch`) a permutation drawn from ``(seed, epoch)`` (the identity without
+    ``shuffle``), padded by wrapping around to a multiple of ``num_replicas`` (trimmed
+    instead with ``drop_last``); rank ``r`` takes every ``num_replicas``-th index from
+    ``r``. Every sample is read once per epoch across the ranks. The permutation comes
+    from :mod:`.sampling`, not ``torch.randperm``: the service runs that same code on the
+    plan this sampler registers at the start of each epoch, so it reads ahead of the
+    DataLoader and evicts the blocks read last.
+
+    Args:
+        dataset: the map-style dataset (its client and fields are the plan's).
+        num_replicas, rank: by default from ``torch.distributed`` if initialised, else 1 and 0.
+        shuffle, seed, drop_last: as for ``DistributedSampler``.
+        plan: ``False`` to register no plan (the order is the same).
+    """
+
+    def __init__(self, dataset: ShardfeedDataset, num_replicas: int | None = None, rank: int | None = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False, plan: bool = True):
+        rank, world_size = _rank_and_world_size(rank, num_replicas)
+        # One sample per "batch": the batches go round-robin to the ranks, which is
+        # DistributedSampler's stride.
+        self.sampler = EpochSampler(len(dataset), 1, seed=seed, shuffle=shuffle, drop_last=drop_last,
+                                    rank=rank, world_size=world_size)
+        source = dataset.source
+        self.plan = PlanHandle(source.client, source.dataset, source.fields) if plan else None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[int]:
+        order = self.sampler.rank_order().tolist()
+        if self.plan is None:
+            yield from order
+            return
+        self.plan.register(self.sampler.plan())
+        world_size = self.sampler.world_size
+        for k, index in enumerate(order):
+            if k % 1024 == 1023:
+                self.plan.refresh(lambda: {**self.sampler.plan(), "consumed": k * world_size})
+            yield index
 
 
 class ShardfeedIterableDataset(IterableDataset):
