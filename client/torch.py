@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, defa
 from .decode import Decoder, make_decoder
 from .plans import PlanHandle
 from .sampling import EpochSampler
+from .shuffles import LOCAL, cache_window
 from .sync import Client
 
 T = TypeVar("T")
@@ -164,16 +165,21 @@ class ShardfeedIterableDataset(IterableDataset):
             as for :class:`ShardfeedDataset`.
         batch_size: samples per batch.
         seed: with the epoch, selects the order; the same seed gives the same order.
-        shuffle: ``False`` walks the samples in index order.
+        shuffle: ``False`` walks the samples in index order, ``True`` draws a uniform
+            permutation, or the name of a mode of :mod:`.shuffles` (``"windows"``: a
+            window of shards sliding through the epoch, for a cache smaller than the dataset).
         drop_last: at the end of an epoch, drop the samples that do not fill a batch on
             every rank. By default they are padded instead, by wrapping around to the start
             of the epoch's order, so every batch is full (a few samples repeat).
         rank, world_size: this process's place in a distributed job; by default taken
             from ``torch.distributed`` if it is initialised, else 0 and 1. Give both or neither.
-        shard_window: shard-locality mode: shuffle whole shards, then shuffle samples
-            within each run of ``shard_window`` shards. The service then needs only that
-            many shards in its cache at a time (use it when the cache is smaller than the
-            dataset), at the price of a less random order (see :mod:`.sampling`).
+        shard_window: shards in play at once for the locality modes (``"windows"``,
+            ``"blocks"``; with ``shuffle=True`` it selects ``"blocks"``). The service then
+            needs only that many shards in its cache at a time, at the price of a less
+            random order. By default sized from the cache the service reports
+            (:func:`.shuffles.cache_window`).
+        plan: register each pass's order with the service (``ShardfeedLoader`` does it,
+            or call :meth:`announce`), so it reads ahead and keeps what is read next.
         collate_fn: turns the list of samples of a batch into the batch (default:
             ``torch.utils.data.default_collate``); ``None`` yields the list.
         prefetch: batches each worker fetches ahead in a background thread while the
@@ -181,8 +187,8 @@ class ShardfeedIterableDataset(IterableDataset):
     """
 
     def __init__(self, url: str | Sequence[str] | Client, dataset: str, *, batch_size: int, seed: int = 0,
-                 shuffle: bool = True, drop_last: bool = False, rank: int | None = None,
-                 world_size: int | None = None, shard_window: int | None = None,
+                 shuffle: bool | str = True, drop_last: bool = False, rank: int | None = None,
+                 world_size: int | None = None, shard_window: int | None = None, plan: bool = True,
                  fields: Sequence[str] | None = None, decode: bool | Mapping[str, Decoder] = False,
                  transform: Callable[[dict], Any] | None = None,
                  collate_fn: Callable[[list], Any] | None = default_collate, prefetch: int = 2,
@@ -193,6 +199,8 @@ class ShardfeedIterableDataset(IterableDataset):
         rank, world_size = _rank_and_world_size(rank, world_size)
         samples = int(self.source.info["samples"])
         locality = None
+        if shard_window is None and shuffle in LOCAL:
+            shard_window = cache_window(self.source.info)
         if shard_window is not None:
             shards = max(1, int(self.source.info["shards"]))
             # Shards hold runs of consecutive indices, about samples/shards long each.
@@ -201,6 +209,12 @@ class ShardfeedIterableDataset(IterableDataset):
                                     rank=rank, world_size=world_size, locality=locality)
         self.collate_fn = collate_fn
         self.prefetch = prefetch
+        self.plan = PlanHandle(self.source.client, dataset, self.source.fields) if plan else None
+
+    def announce(self) -> None:
+        """Register the rest of this rank's epoch as a plan (replacing the previous one)."""
+        if self.plan is not None:
+            self.plan.register(self.sampler.plan())
 
     def __iter__(self) -> Iterator[Any]:
         worker = get_worker_info()
@@ -272,8 +286,12 @@ class ShardfeedLoader:
         self.options = dataloader_options
 
     def __iter__(self) -> Iterator[Any]:
+        self.dataset.announce()
+        plan = self.dataset.plan
         for batch in DataLoader(self.dataset, batch_size=None, **self.options):
             self.dataset.advance(1)
+            if plan is not None:
+                plan.refresh(self.dataset.sampler.plan)
             yield batch
         if self.dataset.sampler.finished:
             self.dataset.set_epoch(self.dataset.epoch + 1)

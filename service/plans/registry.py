@@ -204,23 +204,30 @@ class Plans:
 
     # -- what readers tell us ------------------------------------------------------------------
     def observe(self, dataset: Dataset, indices: np.ndarray) -> None:
-        """Move the plan that ``indices`` (a batch being served) belongs to, if any, to it."""
-        if not len(indices):
+        """Move the plan that ``indices`` (a batch being served) belongs to, if any, to it.
+
+        A batch belongs to the plan where most of its samples sit next to each other (a
+        batch is a run of consecutive plan positions) not too far from where the plan's
+        reader was last seen; in another reader's random order they are scattered.
+        """
+        n = len(indices)
+        if not n:
             return
-        for plan in self.live(dataset):
+        best, best_score, best_start = None, n / 2, 0
+        for plan in reversed(self.live(dataset)):  # the newest wins a tie (the same order registered again)
             length = plan.length
-            window = max(16 * len(indices), 1024)
-            start = max(0, plan.position - window)
-            at = np.searchsorted(plan.by_sample, indices * length + start)
+            reach = 64 * n + 1024  # readers' workers run ahead of each other
+            at = np.searchsorted(plan.by_sample, indices * length + max(0, plan.position - reach))
             keys = plan.by_sample[np.minimum(at, len(plan.by_sample) - 1)]
-            found = (at < len(plan.by_sample)) & (keys // length == indices)
-            where = keys % length
-            match = found & (where < plan.position + window)
-            if 2 * int(match.sum()) >= len(indices):
-                plan.position = max(plan.position, int(where[match].min()))
-                plan.batch = len(indices)
-                plan.touch()
-                return
+            where = np.where((at < len(plan.by_sample)) & (keys // length == indices), keys % length, -10 * n)
+            middle = int(np.median(where))
+            close = np.abs(where - middle) <= n
+            if close.sum() > best_score and middle < plan.position + reach:
+                best, best_score, best_start = plan, int(close.sum()), int(where[close].min())
+        if best is not None:
+            best.position = max(best.position, best_start)
+            best.batch = n
+            best.touch()
 
     # -- what the cache and the coalescer ask -------------------------------------------------------
     def refresh_horizon(self) -> None:

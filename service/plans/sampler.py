@@ -27,7 +27,8 @@ class Request(PlanRequest):
     rank: StrictInt = Field(0, ge=0)
     world_size: StrictInt = Field(1, ge=1, le=1 << 20)
     batch_size: StrictInt = Field(ge=1, le=1 << 24)
-    shuffle: StrictBool = True
+    shuffle: StrictBool | str = Field(True, description="False, True, or a shuffle mode's name "
+                                                         "(shardfeed.client.shuffles).")
     locality: list[StrictInt] | None = Field(None, min_length=2, max_length=2,
                                              description="[block, window] of the locality shuffles.")
     drop_last: StrictBool = False
