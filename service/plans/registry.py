@@ -81,6 +81,7 @@ class Plan:
     by_sample: np.ndarray = field(init=False, repr=False)
     by_block: np.ndarray = field(init=False, repr=False)
     blocks: np.ndarray = field(init=False, repr=False)
+    _chains: tuple[float, np.ndarray] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.build()
@@ -101,7 +102,7 @@ class Plan:
     @property
     def behind(self) -> int:
         """Positions behind ``position`` whose reads may still be in flight."""
-        return 4 * self.batch
+        return self.batch
 
     def touch(self) -> None:
         self.deadline = time.monotonic() + self.ttl
@@ -114,11 +115,32 @@ class Plan:
         hit = (at < len(self.by_block)) & (keys // length == gids)
         return np.where(hit, keys % length, np.inf)
 
-    def uses(self, gids: np.ndarray, start: int, stop: int) -> np.ndarray:
-        """Per block, how many positions in ``[start, stop)`` touch it."""
+    def chain(self, gids: np.ndarray, start: int, horizon: float) -> np.ndarray:
+        """Per block, its next use from ``start`` on and the uses after it that come each
+        within ``horizon`` positions of the previous one: the reads a copy cached for that
+        next use serves before it would be evicted."""
         length = self.length
-        return (np.searchsorted(self.by_block, gids * length + min(stop, length))
-                - np.searchsorted(self.by_block, gids * length + start))
+        if not len(self.by_block):
+            return np.zeros(len(gids), dtype=np.int64)
+        at = np.searchsorted(self.by_block, gids * length + start)
+        keys = self.by_block[np.minimum(at, len(self.by_block) - 1)]
+        hit = (at < len(self.by_block)) & (keys // length == gids)
+        ends = self._chain_ends(horizon)
+        return np.where(hit, ends[np.minimum(at, len(ends) - 1)] - at + 1, 0)
+
+    def _chain_ends(self, horizon: float) -> np.ndarray:
+        """Per entry of ``by_block``, the last entry of its run of uses of one block whose
+        gaps are at most ``horizon`` (kept while the horizon moves less than 10%)."""
+        if self._chains is not None and abs(self._chains[0] - horizon) <= 0.1 * max(horizon, 1.0):
+            return self._chains[1]
+        length = self.length
+        gids, positions = self.by_block // length, self.by_block % length
+        breaks = np.ones(len(gids), dtype=bool)  # the last entry, and where the next use is too late
+        breaks[:-1] = (gids[1:] != gids[:-1]) | (positions[1:] - positions[:-1] > horizon)
+        ends = np.where(breaks, np.arange(len(gids)), len(gids))
+        ends = np.minimum.accumulate(ends[::-1])[::-1]
+        self._chains = (horizon, ends)
+        return ends
 
     def describe(self) -> dict:
         return {"id": self.id, "dataset": self.dataset.name, "kind": self.kind, "samples": len(self.order),
@@ -240,7 +262,9 @@ class Plans:
         for dataset_plans in self._by_dataset().values():
             best = np.full(dataset_plans[0].geometry.blocks, np.inf)
             for plan in dataset_plans:
-                np.minimum.at(best, plan.blocks, plan.next_use(plan.blocks, plan.position) - plan.position)
+                # A batch is read at once: its blocks are all needed now.
+                until = np.maximum(0, plan.next_use(plan.blocks, plan.position) - plan.position - plan.batch)
+                np.minimum.at(best, plan.blocks, until)
             distances.append(best[best < np.inf])
         distances = np.concatenate(distances)
         capacity = self.cache.capacity // self.block_size if self.cache.writable else 0
@@ -252,9 +276,10 @@ class Plans:
     def whole_blocks(self, dataset: Dataset, shards: np.ndarray, blocks: np.ndarray) -> np.ndarray:
         """Per missing block, whether to fetch and cache it whole (else: its samples' ranges).
 
-        Whole unless plans read the block and the samples they read from it before it
-        would be evicted (within the horizon) add up to less than half a block: then the
-        block would go before paying for itself.
+        Whole unless plans read the block and the samples a cached copy would serve
+        before it is evicted (the chain of its uses each within the horizon of the
+        previous one) add up to less than half a block: then the block would go before
+        paying for itself.
         """
         plans = self.live(dataset)
         whole = np.ones(len(blocks), dtype=bool)
@@ -267,7 +292,7 @@ class Plans:
         for plan in plans:
             start = max(0, plan.position - plan.behind)
             covered |= plan.next_use(gids, start) < math.inf
-            uses += plan.uses(gids, start, plan.position + int(self.horizon) + 1)
+            uses += plan.chain(gids, start, self.horizon + plan.batch)
         return ~covered | (uses * geometry.mean_bytes >= self.block_size / 2)
 
     def victim_order(self, names: list[str]) -> list[str]:
@@ -293,8 +318,8 @@ class Plans:
             gids_array = np.array(gids, dtype=np.int64)
             until = np.full(len(gids), np.inf)
             for plan in groups[dataset_id]:
-                start = max(0, plan.position - plan.behind)
-                until = np.minimum(until, plan.next_use(gids_array, start) - start)
+                until = np.minimum(until, np.maximum(0, plan.next_use(gids_array, plan.position)
+                                                     - plan.position - plan.batch))
             for i, (name, d) in enumerate(zip(dataset_names, until.tolist())):
                 if d == math.inf:
                     never.append(name)
