@@ -206,13 +206,13 @@ def main(argv=None) -> int:
                     row["distinct"], row["rho"] = quality(order, args.batch, per_shard)
                     rows.append(row)
                     print(_format(row, None), flush=True)
-        warm = {(r["shuffle"], r["loader"]): r["rate"] for r in rows
+        warm = {(r["shuffle"], r["loader"], r["plan"]): r["rate"] for r in rows
                 if _cache_bytes(r["cache"], shard_bytes) >= shard_bytes and r["epoch"] == args.epochs - 1}
         if warm:
-            print("\nwith the ratio to the warm epoch (cache >= dataset, last epoch) of the same order:")
+            print("\nwith the ratio to the warm epoch (cache >= dataset, last epoch) of the same order and plan:")
             print(header)
             for row in rows:
-                print(_format(row, warm.get((row["shuffle"], row["loader"]))))
+                print(_format(row, warm.get((row["shuffle"], row["loader"], row["plan"]))))
         print(f"\nshuffle quality at each cache size (batches of {args.batch}; {per_shard} samples per shard; "
               f"py1e with shuffle_block_size = window x samples per shard):")
         print(f"{'cache':>6} {'window':>6} {'shuffle':>8} {'shards/batch':>12} {'rho':>6}")

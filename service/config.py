@@ -96,7 +96,7 @@ class ServiceConfig:
     """Plans held at once, all datasets together (429 beyond); one per rank and epoch."""
 
     max_plan_samples: int = 1 << 22
-    """Most positions in one plan (413 beyond). A plan costs about 24 bytes per position."""
+    """Most positions in one plan (413 beyond). A plan costs about 40 bytes per position."""
 
     plan_ttl: float = 600.0
     """Seconds a plan lives after its last registration or use; a client whose plan is

@@ -162,6 +162,7 @@ class Plans:
         self.horizon = math.inf
         """Plan positions ahead within which the cache can keep every block the plans read."""
         self._horizon_at = 0.0
+        self._parsed: dict[str, tuple[str, str, int]] = {}  # cache file name -> its key
 
     # -- the registry --------------------------------------------------------------------
     def geometry(self, dataset: Dataset) -> Geometry:
@@ -303,16 +304,22 @@ class Plans:
             return names
         never: list[str] = []
         planned: dict[str, tuple[list[str], list[int]]] = {}
+        if len(self._parsed) > 4 * len(names):  # names of evicted blocks pile up
+            self._parsed.clear()
         for name in names:
-            key = BlockKey.from_filename(name)
-            plans = groups.get(key.dataset)
-            code = plans[0].geometry.shard_code.get(key.shard) if plans else None
+            parsed = self._parsed.get(name)
+            if parsed is None:
+                key = BlockKey.from_filename(name)
+                parsed = self._parsed[name] = (key.dataset, key.shard, key.block)
+            dataset_id, shard, block = parsed
+            plans = groups.get(dataset_id)
+            code = plans[0].geometry.shard_code.get(shard) if plans else None
             if code is None:
                 never.append(name)
                 continue
-            entry = planned.setdefault(key.dataset, ([], []))
+            entry = planned.setdefault(dataset_id, ([], []))
             entry[0].append(name)
-            entry[1].append(int(plans[0].geometry.base[code]) + key.block)
+            entry[1].append(int(plans[0].geometry.base[code]) + block)
         ranked: list[tuple[float, int, str]] = []
         for dataset_id, (dataset_names, gids) in planned.items():
             gids_array = np.array(gids, dtype=np.int64)
