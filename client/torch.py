@@ -149,7 +149,7 @@ class ShardfeedSampler(Sampler[int]):
         self.plan.register(self.sampler.plan())
         world_size = self.sampler.world_size
         for k, index in enumerate(order):
-            if k % 1024 == 1023:
+            if k % 64 == 63:  # refresh() itself asks the service only every CHECK_EVERY seconds
                 self.plan.refresh(lambda: {**self.sampler.plan(), "consumed": k * world_size})
             yield index
 

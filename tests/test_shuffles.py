@@ -55,7 +55,7 @@ def test_locality_modes_resume_elastically_and_need_locality():
 
 
 def test_cache_window_fits_the_reported_cache():
-    info = {"shards": 100, "bytes": 100 * 4 << 20, "cache": {"bytes": 100 << 20}}
-    assert cache_window(info) == 18  # 3/4 of 25 shards
-    assert cache_window({**info, "cache": {"bytes": 1 << 40}}) == 100
-    assert cache_window({**info, "cache": {"bytes": 0}}) == 1
+    info = {"shards": 100, "bytes": 100 * 4 << 20, "cache": {"bytes": 100 << 20, "block_size": 1 << 20}}
+    assert cache_window(info) == 13  # 3/4 of 100 blocks, 5.4 blocks per shard of 4.4 MiB
+    assert cache_window({**info, "cache": {"bytes": 1 << 40, "block_size": 1 << 20}}) == 100
+    assert cache_window({**info, "cache": {"bytes": 0, "block_size": 1 << 20}}) == 1

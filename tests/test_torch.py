@@ -211,3 +211,21 @@ def test_shardfeed_sampler_registers_its_plan_and_the_dataloader_reads_the_sourc
     list(loader)
     ids = [p["id"] for p in httpx.get(f"{service.url}/v1/datasets/train/plans").json()]
     assert sampler.plan.id in ids and old not in ids  # a new epoch replaces the plan
+
+
+def test_shardfeed_sampler_registers_again_when_the_service_dropped_its_plan(tmp_path, monkeypatch):
+    monkeypatch.setattr("shardfeed.client.plans.CHECK_EVERY", 0.0)
+    url = seed_synthetic(tmp_path / "train", samples=SAMPLES)
+    with start_service({"train": url}, cache_dir=tmp_path / "cache", args=["--plan-ttl", "1"]) as svc:
+        ds = ShardfeedDataset(svc.url, "train")
+        sampler = ShardfeedSampler(ds, seed=3)
+        seen = []
+        for k, index in enumerate(sampler):
+            if k == 0:
+                first = sampler.plan.id
+                time.sleep(1.5)  # no batch read: the plan expires
+            seen.append(index)
+        assert sampler.plan.id != first  # registered again, for the rest of the epoch
+        plan = httpx.get(f"{svc.url}/v1/datasets/train/plans/{sampler.plan.id}").json()
+        assert 0 < plan["samples"] < SAMPLES
+    assert sorted(seen) == list(range(SAMPLES))  # nothing lost

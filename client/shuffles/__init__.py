@@ -35,11 +35,18 @@ LOCAL = frozenset({"blocks", "windows"})
 CACHE_SHARE = 0.75
 """Share of the service's cache a locality window may fill; the rest holds what is read ahead."""
 
+TAR_OVERHEAD = 1.1
+"""Shard bytes per payload byte (tar headers and padding), for small samples."""
+
 
 def cache_window(info: dict) -> int:
     """Shards in play at once that fit the cache a dataset description reports
-    (``GET /v1/datasets/{name}``); all of them when the cache holds the dataset."""
+    (``GET /v1/datasets/{name}``); all of them when the cache holds the dataset.
+
+    A shard takes its bytes in cache blocks, plus one block where it starts and ends
+    mid-block."""
     shards = max(1, int(info["shards"]))
-    cache = info.get("cache", {}).get("bytes", 0)
-    shard_bytes = max(1, int(info["bytes"]) // shards)
-    return int(max(1, min(shards, CACHE_SHARE * cache // shard_bytes)))
+    cache = info.get("cache", {})
+    block = max(1, int(cache.get("block_size", 1 << 20)))
+    footprint = TAR_OVERHEAD * int(info["bytes"]) / shards / block + 1
+    return int(max(1, min(shards, CACHE_SHARE * cache.get("bytes", 0) / block // footprint)))
