@@ -16,7 +16,7 @@ What the service does with the plans it holds (``registry.Plans``):
 - orders the cache's eviction candidates: blocks no plan reads again first (least
   recently used first), then the farthest next use first;
 - tells the coalescer which missing blocks to fetch whole: only those whose samples the
-  plans read within the cache's horizon add up to half a block; for the others it reads
+  plans read before it would be evicted add up to half of it; for the others it reads
   just the samples' ranges (``ranges.py``) and caches nothing.
 
 Without a plan the service behaves as before. Plans live in memory only, are bounded in

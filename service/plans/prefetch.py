@@ -75,24 +75,34 @@ class Prefetcher:
         stop = min(len(plan.order), reach)
         start = max(plan.ahead_ranges, plan.position)
         if stop > start:
-            # Within the memory left: the samples' bytes, as a prefix of the plan.
-            sizes = np.cumsum(geometry.sample_bytes[plan.order[start:stop]])
-            stop = start + int(np.searchsorted(sizes, self.coalescer.ranges.room(), side="right"))
+            stop = self._within_memory(plan, start, stop)
             if stop > start:
                 pieces = self._pieces(plan, start, stop)
-                whole = self.coalescer.whole_blocks_wanted(plan.dataset, pieces)
-                rows = [i for i, pair in enumerate(zip(pieces.shard.tolist(), pieces.block.tolist()))
-                        if pair not in whole]
-                if rows:
-                    self.coalescer.ranges.read_ahead(plan.dataset, spans_of(pieces, rows, self.config.block_size))
+                self._ranges_ahead(plan, pieces, self.coalescer.whole_blocks_wanted(plan.dataset, pieces))
                 plan.ahead_ranges = stop
+        # Whole blocks only within half the horizon, where the decision is the reader's:
+        # ranges of the blocks now judged not worth it, if the first pass left them.
         horizon = self.plans.horizon
-        stop = min(len(plan.order), reach if horizon == math.inf else plan.position + int(horizon / 2))
+        stop = min(len(plan.order), reach if horizon == math.inf else plan.position + int(horizon / 2) + plan.batch)
         start = max(plan.ahead_blocks, plan.position)
         if stop > start:
             pieces = self._pieces(plan, start, stop)
-            self.coalescer.fetch_ahead(plan.dataset, self.coalescer.whole_blocks_wanted(plan.dataset, pieces))
+            whole = self.coalescer.whole_blocks_wanted(plan.dataset, pieces)
+            self.coalescer.fetch_ahead(plan.dataset, whole)
+            if self._within_memory(plan, start, stop) == stop:
+                self._ranges_ahead(plan, pieces, whole)
             plan.ahead_blocks = stop
+
+    def _within_memory(self, plan: Plan, start: int, stop: int) -> int:
+        """How far from ``start`` the samples' bytes fit in the memory left for ranges."""
+        sizes = np.cumsum(plan.geometry.sample_bytes[plan.order[start:stop]])
+        return start + int(np.searchsorted(sizes, self.coalescer.ranges.room(), side="right"))
+
+    def _ranges_ahead(self, plan: Plan, pieces, whole: set) -> None:
+        """Read ahead the ranges of the pieces outside the ``whole`` blocks."""
+        rows = [i for i, pair in enumerate(zip(pieces.shard.tolist(), pieces.block.tolist())) if pair not in whole]
+        if rows:
+            self.coalescer.ranges.read_ahead(plan.dataset, spans_of(pieces, rows, self.config.block_size))
 
     def _pieces(self, plan: Plan, start: int, stop: int):
         """The block pieces of plan positions ``[start, stop)`` this replica reads."""
