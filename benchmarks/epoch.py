@@ -36,7 +36,7 @@ import numpy as np
 from shardfeed.benchmarks.run import _start_proxy, _stop
 from shardfeed.benchmarks.s3server import start_moto
 from shardfeed.client.sampling import EpochSampler
-from shardfeed.client.shuffles import LOCAL, SHUFFLES, cache_window
+from shardfeed.client.shuffles import LOCAL, SHUFFLES, cache_window, shard_samples
 from shardfeed.seeds.synthetic import member_bytes, parse_sizes
 from shardfeed.service.process import scrape_metrics, start_service
 from shardfeed.service.sizes import parse_size
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
                                env=s3, args=["--block-size", args.block_size, "--no-hedge",
                                              "--plan-memory", args.plan_memory]) as svc:
                 info = httpx.get(f"{svc.url}/v1/datasets/bench").json()
-                per_shard = -(-n // info["shards"])
+                per_shard = shard_samples(info)
                 locality = (per_shard, cache_window(info)) if mode in LOCAL else None
                 windows[cache] = cache_window(info)
                 for epoch in range(args.epochs):

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, defa
 from .decode import Decoder, make_decoder
 from .plans import PlanHandle
 from .sampling import EpochSampler
-from .shuffles import LOCAL, cache_window
+from .shuffles import LOCAL, cache_window, shard_samples
 from .sync import Client
 
 T = TypeVar("T")
@@ -202,9 +202,7 @@ class ShardfeedIterableDataset(IterableDataset):
         if shard_window is None and shuffle in LOCAL:
             shard_window = cache_window(self.source.info)
         if shard_window is not None:
-            shards = max(1, int(self.source.info["shards"]))
-            # Shards hold runs of consecutive indices, about samples/shards long each.
-            locality = (-(-samples // shards), shard_window)
+            locality = (shard_samples(self.source.info), shard_window)
         self.sampler = EpochSampler(samples, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last,
                                     rank=rank, world_size=world_size, locality=locality)
         self.collate_fn = collate_fn

@@ -50,3 +50,10 @@ def cache_window(info: dict) -> int:
     block = max(1, int(cache.get("block_size", 1 << 20)))
     footprint = TAR_OVERHEAD * int(info["bytes"]) / shards / block + 1
     return int(max(1, min(shards, CACHE_SHARE * cache.get("bytes", 0) / block // footprint)))
+
+
+def shard_samples(info: dict) -> int:
+    """Samples per shard, the locality modes' ``block``: shards hold runs of consecutive
+    indices, typically ``shard_samples`` long (older services: samples / shards)."""
+    typical = int(info.get("shard_samples") or 0)
+    return typical if typical > 0 else -(-int(info["samples"]) // max(1, int(info["shards"])))

@@ -301,7 +301,9 @@ class Plans:
             start = max(0, plan.position - plan.behind)
             covered |= plan.next_use(gids, start) < math.inf
             uses += plan.chain(gids, start, self.horizon + plan.batch)
-        return ~covered | (uses * geometry.mean_bytes >= self.block_size * WHOLE_SHARE)
+        # A shard's last block is short: fetching it whole costs only what it holds.
+        size = np.minimum(self.block_size, plan.dataset.extents[shards] - blocks * self.block_size)
+        return ~covered | (uses * geometry.mean_bytes >= size * WHOLE_SHARE)
 
     def victim_order(self, names: list[str]) -> list[str]:
         """Cache file names (least recently used first) in the order to evict them: blocks
