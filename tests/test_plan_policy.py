@@ -72,7 +72,8 @@ def test_every_shuffle_reads_about_the_dataset_once_through_a_quarter_cache_with
     lru_bytes, _ = replay(dataset, tmp_path, order, 0.25, plan=False)
     plan_bytes, plan_requests = replay(dataset, tmp_path, order, 0.25, plan=True)
     assert plan_bytes <= 1.2 and plan_requests <= 1.0
-    assert plan_bytes <= lru_bytes
+    if mode == "uniform":  # LRU evicts blocks before most of their samples are read
+        assert plan_bytes < lru_bytes / 2
 
 
 def test_next_use_eviction_alone_beats_lru_on_a_random_order(dataset, tmp_path, monkeypatch):
