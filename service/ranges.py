@@ -4,9 +4,10 @@ evicted before enough of its samples are read (``service/plans/``).
 Caching a whole 1 MiB block pays only if the cache keeps it while many of its samples
 are read. With a cache smaller than the dataset and a random order, most blocks are
 evicted after one or two of their samples are read, so a block fetch costs a whole
-block for a sample or two (LRU over blocks read 18.8x the dataset). For such blocks the
-coalescer asks for just the members' byte ranges instead; ranges of one shard closer
-than ``range_gap`` are merged into one read. The bytes are not cached.
+block for a sample or two (LRU over 1 MiB blocks reads about 18x the dataset per
+epoch). For such blocks the coalescer asks for just the members' byte ranges instead;
+ranges of one shard closer than ``range_gap`` are merged into one read. The bytes are
+not cached.
 
 Ranges can also be read ahead of a plan's reader (``read_ahead``), held in memory until
 the reader takes them, within ``plan_memory`` bytes; one never taken is dropped after
