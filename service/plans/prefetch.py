@@ -29,6 +29,9 @@ log = logging.getLogger("shardfeed.plans")
 TICK = 0.05
 """Seconds between passes when no batch arrives."""
 
+STEP = 256
+"""Plan positions whose blocks are asked for at once (at least a batch)."""
+
 
 class Prefetcher:
     def __init__(self, plans: Plans, coalescer: Coalescer, config: ServiceConfig):
@@ -74,24 +77,28 @@ class Prefetcher:
         reach = plan.position + max(plan.batch, int(self.config.plan_ahead / geometry.mean_bytes))
         stop = min(len(plan.order), reach)
         start = max(plan.ahead_ranges, plan.position)
-        if stop > start:
-            stop = self._within_memory(plan, start, stop)
-            if stop > start:
-                pieces = self._pieces(plan, start, stop)
-                self._ranges_ahead(plan, pieces, self.coalescer.whole_blocks_wanted(plan.dataset, pieces))
-                plan.ahead_ranges = stop
+        stop = self._within_memory(plan, start, stop) if stop > start else start
+        # In plan order, a few batches at a time: store reads queue first come, first
+        # served, so what is read first must be asked for first.
+        step = max(plan.batch, STEP)
+        for first in range(start, stop, step):
+            last = min(stop, first + step)
+            pieces = self._pieces(plan, first, last)
+            self._ranges_ahead(plan, pieces, self.coalescer.whole_blocks_wanted(plan.dataset, pieces))
+            plan.ahead_ranges = last
         # Whole blocks only within half the horizon, where the decision is the reader's:
         # ranges of the blocks now judged not worth it, if the first pass left them.
         horizon = self.plans.horizon
         stop = min(len(plan.order), reach if horizon == math.inf else plan.position + int(horizon / 2) + plan.batch)
         start = max(plan.ahead_blocks, plan.position)
-        if stop > start:
-            pieces = self._pieces(plan, start, stop)
+        for first in range(start, stop, step):
+            last = min(stop, first + step)
+            pieces = self._pieces(plan, first, last)
             whole = self.coalescer.whole_blocks_wanted(plan.dataset, pieces)
             self.coalescer.fetch_ahead(plan.dataset, whole)
-            if self._within_memory(plan, start, stop) == stop:
+            if self._within_memory(plan, first, last) == last:
                 self._ranges_ahead(plan, pieces, whole)
-            plan.ahead_blocks = stop
+            plan.ahead_blocks = last
 
     def _within_memory(self, plan: Plan, start: int, stop: int) -> int:
         """How far from ``start`` the samples' bytes fit in the memory left for ranges."""
