@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 
 import httpx
-import numpy as np
 import pytest
 
 from sample_data import make_dataset, s3_put

@@ -106,11 +106,6 @@ class Plan:
     def length(self) -> int:
         return max(1, len(self.order))
 
-    @property
-    def behind(self) -> int:
-        """Positions behind ``position`` whose reads may still be in flight."""
-        return self.batch
-
     def touch(self) -> None:
         self.deadline = time.monotonic() + self.ttl
 
@@ -298,7 +293,7 @@ class Plans:
         covered = np.zeros(len(blocks), dtype=bool)
         uses = np.zeros(len(blocks), dtype=np.int64)
         for plan in plans:
-            start = max(0, plan.position - plan.behind)
+            start = max(0, plan.position - plan.batch)  # reads of that batch may be in flight
             covered |= plan.next_use(gids, start) < math.inf
             uses += plan.chain(gids, start, self.horizon + plan.batch)
         # A shard's last block is short: fetching it whole costs only what it holds.
