@@ -1,10 +1,11 @@
 # One word each: `make demo` (set up + run the main job on the embedded default),
-# `make test` (set up + run the tests).
+# `make test` (set up + run the tests), `make stack` (set up + the compose stack as local
+# processes: SeaweedFS, seeder, three replicas; Ctrl-C stops it).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test serve bench bench-quick clean
+.PHONY: demo test stack serve bench bench-quick clean
 
 $(BIN)/shardfeed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +20,9 @@ demo: $(BIN)/shardfeed
 
 test: $(BIN)/shardfeed
 	$(BIN)/pytest -q
+
+stack: $(BIN)/shardfeed
+	$(BIN)/shardfeed stack
 
 serve: $(BIN)/shardfeed
 	$(BIN)/shardfeed serve

@@ -1,5 +1,6 @@
-"""Epochs through the service over S3 (moto), with a cache of a given share of the dataset,
-a shuffle mode, the map-style or the iterable loader's order, and a plan or not.
+"""Epochs through the service over S3 (SeaweedFS, or moto with ``--s3 moto``), with a cache of
+a given share of the dataset, a shuffle mode, the map-style or the iterable loader's order,
+and a plan or not.
 
 For each combination a fresh service reads ``--epochs`` epochs (the first is cold), every
 sample checked byte for byte, and one row is printed per epoch: samples/s (and its ratio
@@ -34,7 +35,7 @@ import httpx
 import numpy as np
 
 from shardfeed.benchmarks.run import _start_proxy, _stop
-from shardfeed.benchmarks.s3server import start_moto
+from shardfeed.benchmarks.s3server import S3_SERVERS, default_server, start_s3
 from shardfeed.client.sampling import EpochSampler
 from shardfeed.client.shuffles import LOCAL, SHUFFLES, cache_window, shard_samples
 from shardfeed.seeds.synthetic import member_bytes, parse_sizes
@@ -133,6 +134,8 @@ def main(argv=None) -> int:
     parser.add_argument("--plan-memory", default="8MiB",
                         help="the service's --plan-memory: small, so that memory does not act as the cache")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--s3", choices=S3_SERVERS, default=default_server(),
+                        help="the S3 server to start on loopback (default here: %(default)s)")
     args = parser.parse_args(argv)
     lists = {name: getattr(args, name).split(",") for name in ("cache_size", "shuffle", "loader", "plan")}
     for mode in lists["shuffle"]:
@@ -144,15 +147,15 @@ def main(argv=None) -> int:
     sizes = parse_sizes(args.size)
     n = args.samples
     with ExitStack() as stack:
-        moto = start_moto()
-        stack.callback(moto.stop)
-        moto.create_bucket("bench")
-        env = {**os.environ, **moto.env()}
+        server = start_s3(args.s3)
+        stack.callback(server.stop)
+        server.create_bucket("bench")
+        env = {**os.environ, **server.env()}
         subprocess.run([sys.executable, "-m", "shardfeed", "-q", "seed", "s3://bench/data", "--samples",
                         str(n), "--size", args.size, "--shard-size", args.shard_size], check=True, env=env)
-        listing = moto.client().list_objects_v2(Bucket="bench", Prefix="data/")["Contents"]
+        listing = server.client().list_objects_v2(Bucket="bench", Prefix="data/")["Contents"]
         shard_bytes = sum(o["Size"] for o in listing if o["Key"].endswith(".tar"))
-        s3 = moto.env()
+        s3 = server.env()
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         if args.latency_ms:
             url, proxy = _start_proxy(s3["AWS_ENDPOINT_URL"], args.latency_ms, tmp / "s3proxy.log")
@@ -166,7 +169,7 @@ def main(argv=None) -> int:
                 field = name.rsplit(".", 1)[1]
                 assert bytes(data) == member_bytes(0, int(i), field, sizes), f"sample {i} {field} differs"
 
-        print(f"dataset: {n} samples x {args.size} in {args.shard_size} shards on moto S3 "
+        print(f"dataset: {n} samples x {args.size} in {args.shard_size} shards on {server.kind} S3 "
               f"({shard_bytes / 2**20:.1f} MiB of shards), +{args.latency_ms:g} ms per S3 request; "
               f"batches of {args.batch}, {args.workers} concurrent; block {args.block_size}; "
               f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)

@@ -9,7 +9,6 @@ is) and by shardfeed function (inclusive time: which stage of our code it is und
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import shardfeed.benchmarks
 import shardfeed.client
 import shardfeed.seeds
 import shardfeed.service
+from shardfeed.service.process import installed_script
 
 RATE = 200
 """Stack samples per second per process (py-spy reads them without pausing the process)."""
@@ -38,7 +38,7 @@ _OURS = {os.path.dirname(m.__file__) + "/": m.__name__.removeprefix("shardfeed")
 
 def available() -> bool:
     """Whether py-spy is installed (it is optional: ``pip install py-spy``)."""
-    return shutil.which("py-spy") is not None
+    return installed_script("py-spy") is not None
 
 
 def cpu_seconds(pid: int) -> float:
@@ -64,7 +64,7 @@ def profiled(pids: dict[str, int], directory: Path) -> Iterator[Recording]:
         recording.paths[name] = directory / f"{name}.txt"
         with open(directory / f"{name}.log", "wb") as log:
             spies[name] = subprocess.Popen(
-                ["py-spy", "record", "--pid", str(pid), "--rate", str(RATE), "--format", "raw", "--nonblocking",
+                [installed_script("py-spy"), "record", "--pid", str(pid), "--rate", str(RATE), "--format", "raw", "--nonblocking",
                  "--full-filenames", "--output", str(recording.paths[name])],
                 stdout=subprocess.DEVNULL, stderr=log)
         before[name] = cpu_seconds(pid)

@@ -1,4 +1,5 @@
-"""One service versus three replicas on this machine, over one moto S3.
+"""One service versus three replicas on this machine, over one S3 server (SeaweedFS, or moto with
+``--s3 moto``).
 
 Reports, for a random epoch cold then warm: samples/s, store requests and cache hit
 ratio per replica; and the cost of a peer hop: the latency of a warm per-sample GET
@@ -23,7 +24,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from shardfeed.benchmarks.s3server import start_moto
+from shardfeed.benchmarks.s3server import S3_SERVERS, default_server, start_s3
 from shardfeed.service.cache import shard_id
 from shardfeed.service.index import load_index
 from shardfeed.service.process import free_port, scrape_metrics, start_service
@@ -79,24 +80,26 @@ def main(argv=None) -> int:
     parser.add_argument("--size", default="10KiB")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--s3", choices=S3_SERVERS, default=default_server(),
+                        help="the S3 server to start on loopback (default here: %(default)s)")
     args = parser.parse_args(argv)
 
-    moto = start_moto()
+    s3 = start_s3(args.s3)
     try:
-        moto.create_bucket("bench")
+        s3.create_bucket("bench")
         subprocess.run([sys.executable, "-m", "shardfeed", "-q", "seed", "s3://bench/data", "--samples",
                         str(args.samples), "--size", args.size, "--shard-size", "4MiB"],
-                       check=True, env={**os.environ, **moto.env()})
+                       check=True, env={**os.environ, **s3.env()})
         url = "s3://bench/data"
         with tempfile.TemporaryDirectory() as tmp:
-            with start_service({"bench": url}, cache_dir=Path(tmp) / "single", env=moto.env()) as svc:
+            with start_service({"bench": url}, cache_dir=Path(tmp) / "single", env=s3.env()) as svc:
                 cold = _epoch([svc.url], args.samples, args.batch, args.workers, 0)
                 warm = _epoch([svc.url], args.samples, args.batch, args.workers, 1)
                 _report("1 service", [svc.url], cold, warm)
 
             ports = [free_port() for _ in range(3)]
             peers = ",".join(f"r{i}=http://127.0.0.1:{p}" for i, p in enumerate(ports))
-            replicas = [start_service({"bench": url}, cache_dir=Path(tmp) / f"r{i}", port=port, env=moto.env(),
+            replicas = [start_service({"bench": url}, cache_dir=Path(tmp) / f"r{i}", port=port, env=s3.env(),
                                       args=["--node-id", f"r{i}", "--peers", peers])
                         for i, port in enumerate(ports)]
             try:
@@ -110,7 +113,7 @@ def main(argv=None) -> int:
                 cluster = httpx.get(f"{urls[0]}/v1/cluster").json()
                 assert [p["id"] for p in cluster["peers"]] == ["r0", "r1", "r2"]
                 cache0 = {p.name.split("-")[0] for p in (Path(tmp) / "r0").glob("*/*.blk")}
-                index = asyncio.run(_load_index(url, moto.env()))
+                index = asyncio.run(_load_index(url, s3.env()))
                 members = index.lookup(np.arange(len(index)), ["cls"])
                 owned = np.array([shard_id(path) in cache0 for path in index.shards])[members.shard]
                 own = members.sample[owned][:: max(1, owned.sum() // 20)][:20].tolist()
@@ -123,7 +126,7 @@ def main(argv=None) -> int:
                 for r in replicas:
                     r.stop()
     finally:
-        moto.stop()
+        s3.stop()
     return 0
 
 

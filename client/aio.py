@@ -15,10 +15,10 @@ import httpx
 
 from shardfeed.retry import retry_async
 
-from .errors import ShardfeedConnectionError
+from .errors import ShardfeedConnectionError, ShardfeedError
 from .http import (
-    ERROR_BODY_LIMIT, BaseClient, as_indices, batch_body, dataset_path, parse_json, sample_path,
-    status_error, transport_error,
+    ERROR_BODY_LIMIT, ROUTING_HEADER, BaseClient, Via, as_indices, batch_body, dataset_path, merge_order,
+    parse_json, routing_path, sample_path, status_error, transport_error,
 )
 from .samples import BatchReader
 
@@ -67,10 +67,35 @@ class AsyncClient(BaseClient):
         indices = as_indices(indices)
         if not indices:
             return
+        if self.router.due(dataset):
+            self.router.load(dataset, await self._routing_table(dataset))
+        parts = self.router.split(dataset, indices)
+        if len(parts) == 1:
+            async for sample in self._stream(dataset, indices, fields, continue_on_error, parts[0].owner):
+                yield sample
+            return
+        answers = [asyncio.ensure_future(self._collect(dataset, part.indices, fields, continue_on_error, part.owner))
+                   for part in parts]
+        try:
+            for part, row in merge_order(parts):
+                yield (await answers[part])[row]
+        finally:
+            for answer in answers:
+                answer.cancel()
+            await asyncio.gather(*answers, return_exceptions=True)
+
+    async def _collect(self, dataset: str, indices: list[int], fields: Sequence[str] | None,
+                       continue_on_error: bool, owner: str | None) -> list[dict]:
+        return [s async for s in self._stream(dataset, indices, fields, continue_on_error, owner)]
+
+    async def _stream(self, dataset: str, indices: list[int], fields: Sequence[str] | None,
+                      continue_on_error: bool, owner: str | None) -> AsyncIterator[dict]:
+        """The samples of one request, sent to ``owner`` first (see ``Client._stream``)."""
         reader = BatchReader(dataset, indices, fields)
+        via = Via(self.endpoints, self.router, dataset, owner)
         while True:
             base, response, chunks, ready = await retry_async(
-                lambda: self._open_batch(reader, fields, continue_on_error),
+                lambda: self._open_batch(reader, fields, continue_on_error, via),
                 backoff=self.backoff, retryable=self._verdict)
             try:
                 for sample in ready:
@@ -93,6 +118,12 @@ class AsyncClient(BaseClient):
                     raise error
             finally:
                 await response.aclose()
+
+    async def _routing_table(self, dataset: str) -> dict | None:
+        try:
+            return await self._call("GET", routing_path(dataset), parse_json)
+        except ShardfeedError:
+            return None
 
     async def aclose(self) -> None:
         """Close the connections of this process and loop (the client stays usable)."""
@@ -129,11 +160,11 @@ class AsyncClient(BaseClient):
             raise status_error(response.status_code, response.headers, response.content, url)
         return parse(response)
 
-    async def _open_batch(self, reader: BatchReader, fields: Sequence[str] | None, continue_on_error: bool
-                          ) -> tuple[str, httpx.Response, AsyncIterator[bytes] | None, list[dict]]:
+    async def _open_batch(self, reader: BatchReader, fields: Sequence[str] | None, continue_on_error: bool,
+                          via: Via) -> tuple[str, httpx.Response, AsyncIterator[bytes] | None, list[dict]]:
         """Send the batch request for the samples not yet delivered; read until one arrives."""
         http = self._session()
-        base = self.endpoints.pick()
+        base = via.pick()
         url = base + "/v1/batch"
         reader.restart(url)
         body = batch_body(reader.dataset, list(reader.remaining()), fields, continue_on_error)
@@ -144,6 +175,7 @@ class AsyncClient(BaseClient):
         try:
             if response.status_code >= 400:
                 raise status_error(response.status_code, response.headers, await _head(response), url)
+            self.router.saw(reader.dataset, response.headers.get(ROUTING_HEADER))
             chunks = response.aiter_bytes()
             ready: list[dict] = []
             async for chunk in chunks:

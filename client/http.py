@@ -6,7 +6,9 @@ what to send, where to send it, what an answer means and whether to try again is
 
 from __future__ import annotations
 
+import bisect
 import email.utils
+import math
 import operator
 import os
 import random
@@ -14,7 +16,7 @@ import ssl
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import quote
 
 import httpx
@@ -27,6 +29,8 @@ DEFAULT_BACKOFF = Backoff(attempts=6, base=0.1, cap=10.0)
 """Six tries over about 3 s of jittered waits; a ``Retry-After`` up to 10 s is honoured."""
 
 _RETRY_STATUSES = frozenset({429, 502, 503, 504})
+ROUTING_HEADER = "x-shardfeed-routing"
+"""Batch answers carry the answering node's routing table version in this header."""
 ERROR_BODY_LIMIT = 64 * 1024
 """Bytes of an error response read at most: it is a short JSON document, never a stream."""
 
@@ -111,6 +115,7 @@ class BaseClient:
         down_for: float = 5.0,
         max_connections: int = 16,
         verify: bool | str = True,
+        route: bool = True,
     ):
         """
         Args:
@@ -127,6 +132,9 @@ class BaseClient:
             verify: for ``https://`` URLs, check the server's certificate (True), against a
                 CA bundle file (a path, e.g. the service's self-signed certificate), or not
                 at all (False).
+            route: send each part of a batch straight to the replica or worker that owns
+                its shards, from the service's routing table (see :class:`Router`);
+                False sends every batch whole to the next URL of the rotation.
         """
         self.urls = parse_urls(url)
         if timeout <= 0 or connect_timeout <= 0:
@@ -143,6 +151,7 @@ class BaseClient:
         self.max_connections = max_connections
         self.verify = verify
         self.endpoints = Endpoints(self.urls, down_for)
+        self.router = Router(enabled=route)
         self._http: Any = None
         self._owner: Any = None
         self._session_lock = threading.Lock()
@@ -195,6 +204,142 @@ class BaseClient:
                     return 0.0  # fail over to another URL at once
             return True
         return None
+
+
+class Part(NamedTuple):
+    """The samples of a batch that go to one owner: their positions in the batch and indices."""
+
+    owner: str | None
+    positions: list[int]
+    indices: list[int]
+
+
+class RoutingTable:
+    """One dataset's ``GET /v1/datasets/{name}/routing``: samples ``starts[i]`` up to
+    ``starts[i + 1]`` are owned by ``urls[owner[i]]``."""
+
+    def __init__(self, doc: dict):
+        try:
+            self.version = str(doc["version"])
+            self.starts = [operator.index(i) for i in doc["starts"]]
+            self.urls = parse_urls(list(doc["urls"])) if doc["urls"] else []
+            self.owner = [self.urls[o] for o in doc["owner"]] if self.urls else []
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise ShardfeedError(f"malformed routing table: {exc!r:.200}") from None
+        if len(self.owner) != len(self.starts) or self.starts != sorted(self.starts):
+            raise ShardfeedError("malformed routing table: starts and owners do not match")
+
+    def owner_of(self, index: int) -> str | None:
+        run = bisect.bisect_right(self.starts, index) - 1
+        return self.owner[run] if run >= 0 and self.owner else None
+
+
+class Router:
+    """Client-side routing: splits a batch into one part per owning node, and merges the parts.
+
+    The service publishes, per dataset, which replica or worker owns which samples, with
+    a version that changes with ownership. Sending each owner its own part saves the
+    hop from the node reached to the owner. The table is only advice: any node serves
+    any batch correctly, so a stale table costs a hop or a retry, never a wrong, missing
+    or reordered sample. A table is fetched on first use, again (at most once per
+    ``refresh`` seconds) when an answer carries another version or an owner failed,
+    and not for ``retry`` seconds after a fetch failed (a service without routing).
+    """
+
+    def __init__(self, enabled: bool = True, refresh: float = 1.0, retry: float = 60.0):
+        self.enabled = enabled
+        self.refresh = refresh
+        self.retry = retry
+        self._tables: dict[str, RoutingTable] = {}
+        self._due: dict[str, float] = {}  # dataset -> monotonic time its table is (re)fetched
+        self._fetched: dict[str, float] = {}
+
+    def due(self, dataset: str) -> bool:
+        """Whether ``dataset``'s table should be fetched before the next batch."""
+        return self.enabled and self._due.get(dataset, 0.0) <= time.monotonic()
+
+    def load(self, dataset: str, doc: dict | None) -> None:
+        """Take a fetched table (``None``: the fetch failed; route nothing for a while)."""
+        now = time.monotonic()
+        self._fetched[dataset] = now
+        table = None
+        if doc is not None:
+            try:
+                table = RoutingTable(doc)
+            except ShardfeedError:
+                pass
+        if table is None:
+            self._tables.pop(dataset, None)
+            self._due[dataset] = now + self.retry
+        else:
+            self._tables[dataset] = table
+            self._due[dataset] = math.inf
+
+    def saw(self, dataset: str, version: str | None) -> None:
+        """An answer came with routing ``version``: refetch the table if ours is another."""
+        table = self._tables.get(dataset)
+        if table is not None and version is not None and version != table.version:
+            self.expire(dataset)
+
+    def expire(self, dataset: str) -> None:
+        """Fetch ``dataset``'s table again soon (an owner failed, or the version moved on)."""
+        if dataset in self._tables:
+            self._due[dataset] = self._fetched.get(dataset, 0.0) + self.refresh
+
+    def version(self, dataset: str) -> str | None:
+        """The version of the table held for ``dataset`` (``None``: no table)."""
+        table = self._tables.get(dataset)
+        return table.version if table is not None else None
+
+    def split(self, dataset: str, indices: list[int]) -> list[Part]:
+        """The batch as one part per owner (a single ownerless part without a table)."""
+        table = self._tables.get(dataset) if self.enabled else None
+        if table is None or not table.urls:
+            return [Part(None, list(range(len(indices))), indices)]
+        parts: dict[str | None, Part] = {}
+        for position, index in enumerate(indices):
+            owner = table.owner_of(index)
+            part = parts.get(owner)
+            if part is None:
+                part = parts[owner] = Part(owner, [], [])
+            part.positions.append(position)
+            part.indices.append(index)
+        return list(parts.values())
+
+
+def merge_order(parts: list[Part]) -> list[tuple[int, int]]:
+    """For each position of the batch, in order: ``(part, row within that part's answer)``."""
+    order: list[tuple[int, int]] = [(0, 0)] * sum(len(p.positions) for p in parts)
+    for number, part in enumerate(parts):
+        for row, position in enumerate(part.positions):
+            order[position] = (number, row)
+    return order
+
+
+class Via:
+    """Where the tries of one request go: its owner first, then the client's rotation.
+
+    Moving off the owner expires the dataset's routing table, so the next batch asks
+    for a fresh one.
+    """
+
+    def __init__(self, endpoints: Endpoints, router: Router, dataset: str, owner: str | None):
+        self.endpoints = endpoints
+        self.router = router
+        self.dataset = dataset
+        self.owner = owner
+
+    def pick(self) -> str:
+        owner, self.owner = self.owner, None
+        if owner is not None:
+            return owner
+        self.router.expire(self.dataset)
+        return self.endpoints.pick()
+
+
+def routing_path(dataset: str) -> str:
+    """Path of ``GET /v1/datasets/{name}/routing``."""
+    return f"/v1/datasets/{quote(dataset, safe='')}/routing"
 
 
 def sample_path(dataset: str, index: int, field: str | None = None) -> str:

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import httpx
 
 from shardfeed.retry import retry_sync
 
-from .errors import ShardfeedConnectionError
+from .errors import ShardfeedConnectionError, ShardfeedError
 from .http import (
-    ERROR_BODY_LIMIT, BaseClient, as_indices, batch_body, dataset_path, parse_json, plan_path, sample_path,
-    status_error, transport_error,
+    ERROR_BODY_LIMIT, ROUTING_HEADER, BaseClient, Via, as_indices, batch_body, dataset_path, merge_order,
+    parse_json, plan_path, routing_path, sample_path, status_error, transport_error,
 )
 from .samples import BatchReader
 
@@ -80,15 +81,34 @@ class Client(BaseClient):
         """Like :meth:`get_batch`, but yields each sample as soon as it has arrived.
 
         If the connection breaks mid-stream, the samples not yet yielded are asked for
-        again (from another URL, if there are several); nothing is yielded twice.
+        again (from another URL, if there are several); nothing is yielded twice. With
+        routing (see :class:`~shardfeed.client.http.Router`), each owner's part of the
+        batch is sent to it at once, and the samples are yielded in the order asked.
         """
         indices = as_indices(indices)
         if not indices:
             return
+        if self.router.due(dataset):
+            self.router.load(dataset, self._routing_table(dataset))
+        parts = self.router.split(dataset, indices)
+        if len(parts) == 1:
+            yield from self._stream(dataset, indices, fields, continue_on_error, parts[0].owner)
+            return
+        with ThreadPoolExecutor(len(parts) - 1, thread_name_prefix="shardfeed-part") as pool:
+            answers = [pool.submit(lambda part=part: list(self._stream(
+                dataset, part.indices, fields, continue_on_error, part.owner))) for part in parts[1:]]
+            first = list(self._stream(dataset, parts[0].indices, fields, continue_on_error, parts[0].owner))
+            for part, row in merge_order(parts):
+                yield first[row] if part == 0 else answers[part - 1].result()[row]
+
+    def _stream(self, dataset: str, indices: list[int], fields: Sequence[str] | None, continue_on_error: bool,
+                owner: str | None) -> Iterator[dict]:
+        """The samples of one request, sent to ``owner`` first; see :meth:`iter_batch`."""
         reader = BatchReader(dataset, indices, fields)
+        via = Via(self.endpoints, self.router, dataset, owner)
         while True:
             base, response, chunks, ready = retry_sync(
-                lambda: self._open_batch(reader, fields, continue_on_error),
+                lambda: self._open_batch(reader, fields, continue_on_error, via),
                 backoff=self.backoff, retryable=self._verdict)
             try:
                 yield from ready
@@ -109,6 +129,12 @@ class Client(BaseClient):
                     raise error
             finally:
                 response.close()
+
+    def _routing_table(self, dataset: str) -> dict | None:
+        try:
+            return self._call("GET", routing_path(dataset), parse_json)
+        except ShardfeedError:
+            return None
 
     def close(self) -> None:
         """Close this process's connections (the client stays usable: it reconnects)."""
@@ -142,15 +168,15 @@ class Client(BaseClient):
             raise status_error(response.status_code, response.headers, response.content, url)
         return parse(response)
 
-    def _open_batch(self, reader: BatchReader, fields: Sequence[str] | None,
-                    continue_on_error: bool) -> tuple[str, httpx.Response, Iterator[bytes] | None, list[dict]]:
+    def _open_batch(self, reader: BatchReader, fields: Sequence[str] | None, continue_on_error: bool,
+                    via: Via) -> tuple[str, httpx.Response, Iterator[bytes] | None, list[dict]]:
         """Send the batch request for the samples not yet delivered; read until one arrives.
 
         Returns the base URL, the open response, its remaining chunks (``None`` when the
         response was read to the end) and the samples already complete.
         """
         http = self._session()
-        base = self.endpoints.pick()
+        base = via.pick()
         url = base + "/v1/batch"
         reader.restart(url)
         body = batch_body(reader.dataset, list(reader.remaining()), fields, continue_on_error)
@@ -161,6 +187,7 @@ class Client(BaseClient):
         try:
             if response.status_code >= 400:
                 raise status_error(response.status_code, response.headers, _head(response), url)
+            self.router.saw(reader.dataset, response.headers.get(ROUTING_HEADER))
             chunks = response.iter_bytes()
             ready: list[dict] = []
             for chunk in chunks:

@@ -7,8 +7,9 @@ one ranged read per run of nearby blocks. Each block has at most one read in fli
 bounded by a semaphore shared by all requests. A batch plans the store reads of all its
 blocks up front (``prefetch``), so they merge across the groups it is streamed in.
 
-With replicas, members of shards owned by another replica are sent to that owner as one
-sub-batch, and read from the store here if the owner fails (``peers.py``).
+With replicas or workers, members of shards owned by another replica or sibling worker
+are sent to that owner as one sub-batch, and read from the store here if the owner
+fails (``peers.py``).
 
 With plans (``service/plans/``), ``fetch_policy`` says which missing blocks are worth
 fetching whole; the members in the others are read as ranges (``ranges.py``).
@@ -54,20 +55,23 @@ class Coalescer:
         fetch and cache whole (``plans.Plans``); ``None``: all of them."""
 
     async def read_members(self, dataset: Dataset, members: Members, *,
-                           local: bool = False) -> list[bytes | StoreError | None]:
+                           scope: str = "cluster") -> list[bytes | StoreError | None]:
         """The bytes of each member row, in order.
 
         ``None`` for a member the index says is absent, a ``StoreError`` for one whose
-        bytes could not be read; never partial bytes. With replicas, members of shards
-        owned elsewhere are read by their owner, unless ``local``.
+        bytes could not be read; never partial bytes. ``scope`` says who reads members
+        owned elsewhere: their owner in the whole ``cluster``; their owner among this
+        ``host``'s workers (a replica sent them here, taking this host for their owner);
+        or this ``node`` itself (a sibling worker sent them).
         """
-        if self.cluster is None or local:
+        if self.cluster is None or scope == "node":
             return await self._read_local(dataset, members)
         rows = np.flatnonzero(members.found)
         owner = np.full(len(members), self.cluster.me)
-        owner[rows] = self.cluster.owners(dataset.url, dataset.index.shards, members.shard[rows])
+        owner[rows] = self.cluster.owners(dataset.url, dataset.index.shards, members.shard[rows],
+                                          within_host=scope == "host")
         out: list = [None] * len(members)
-        groups = [np.flatnonzero(owner == peer) for peer in np.unique(owner).tolist()]
+        groups = [np.flatnonzero(owner == node) for node in np.unique(owner).tolist()]
         results = await asyncio.gather(*(self._read_at(int(owner[g[0]]), dataset, take(members, g))
                                          for g in groups))
         for group, result in zip(groups, results):
@@ -75,11 +79,11 @@ class Coalescer:
                 out[row] = payload
         return out
 
-    async def _read_at(self, peer: int, dataset: Dataset, members: Members) -> list:
-        if peer == self.cluster.me:
+    async def _read_at(self, node: int, dataset: Dataset, members: Members) -> list:
+        if node == self.cluster.me:
             return await self._read_local(dataset, members)
         try:
-            return await self.cluster.read(peer, dataset.name, members)
+            return await self.cluster.reader(node).read(dataset.name, members)
         except PeerError as err:
             log.warning("reading %d members from the store instead: %s", len(members), err)
             self.metrics.peer_fallbacks.inc(len(members))

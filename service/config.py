@@ -2,12 +2,40 @@
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .hedge import HedgePolicy
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
+
+
+def usable_cores() -> int:
+    """Cores this process may use: its CPU affinity, lowered to a container's CPU quota
+    (cgroup v2 ``cpu.max``), which the affinity does not show."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        return max(1, min(cores, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):  # no cgroup v2, or "max": no quota
+        return cores
+
+
+MAX_WORKERS_PER_CORE = 4
+"""More workers than this per usable core only add context switches: refused as a mistake."""
+
+
+@dataclass(frozen=True)
+class WorkerPlace:
+    """Where one worker of ``serve --workers N`` stands among its siblings (set by ``workers.py``)."""
+
+    index: int
+    ports: tuple[int, ...]
+    """Per worker, its own TCP port on the service's host: its URL in routing tables."""
+    sockets: tuple[str, ...]
+    """Per worker, its Unix socket for sub-batches from siblings."""
 
 
 @dataclass
@@ -19,6 +47,14 @@ class ServiceConfig:
     """Interface to bind. Loopback unless told otherwise: exposing a data service is a decision."""
 
     port: int = 8080
+
+    workers: int = field(default_factory=usable_cores)
+    """Processes serving this host (``workers.py``): each owns a rendezvous share of the shards
+    and ``cache_size / workers`` of the cache, and all accept on ``port``. Default: one per
+    usable core; 1 serves from this process alone."""
+
+    worker: WorkerPlace | None = None
+    """This process's place among the workers; ``None`` outside ``--workers`` (N > 1)."""
 
     cache_dir: Path = Path(".shardfeed/cache")
     """Block cache directory, ideally on local NVMe. One service process per directory."""
@@ -114,6 +150,10 @@ class ServiceConfig:
     plans read before it would be evicted) are merged into one read when this close."""
 
     def __post_init__(self) -> None:
+        most = MAX_WORKERS_PER_CORE * usable_cores()
+        if not 1 <= self.workers <= most:
+            raise ValueError(f"--workers must be between 1 and {most} ({MAX_WORKERS_PER_CORE} per usable "
+                             f"core), not {self.workers}")
         limits = [("max_plans", 0, 1 << 16), ("max_plan_samples", 1, 1 << 31), ("plan_ttl", 1, 86400 * 7),
                   ("plan_ahead", 0, 1 << 40), ("plan_memory", 0, 1 << 40), ("range_gap", 0, 1 << 30)]
         for name, low, high in limits:

@@ -163,6 +163,14 @@ class Index:
         np.maximum.at(extents, self._shard, sample_end)
         return extents
 
+    def shard_runs(self) -> tuple[np.ndarray, np.ndarray]:
+        """The first sample of each run of consecutive samples in one shard, and that shard's code
+        (one run per shard when samples are numbered shard by shard, as ``indexer.py`` does)."""
+        if not len(self._shard):
+            return np.zeros(0, np.int64), np.zeros(0, np.int32)
+        starts = np.concatenate(([0], np.flatnonzero(np.diff(self._shard)) + 1)).astype(np.int64)
+        return starts, self._shard[starts]
+
     def summary(self) -> str:
         """One line for CLI output: samples, members, fields, shards, bytes."""
         def count(n: int, noun: str) -> str:

@@ -45,8 +45,9 @@ class Metrics:
                                        registry=r)
         self.inflight_store = Gauge("shardfeed_inflight_store_requests", "Store reads in flight",
                                     registry=r)
-        self.peer_requests = Counter("shardfeed_peer_requests", "Sub-batches sent to the owning replica",
-                                     ["peer", "status"], registry=r)
+        self.peer_requests = Counter(
+            "shardfeed_peer_requests", "Sub-batches sent to the owning replica or sibling worker (hops)",
+            ["peer", "kind", "status"], registry=r)
         self.peer_fallbacks = Counter("shardfeed_peer_fallbacks",
                                       "Members read from the store because their owner failed", registry=r)
         self.peers_up = Gauge("shardfeed_peers_up", "Replicas believed live, this one included", registry=r)

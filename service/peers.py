@@ -1,11 +1,16 @@
-"""Replicas: shard ownership by rendezvous (HRW) hashing, peer health, and sub-batch reads.
+"""Replicas and workers: shard ownership by rendezvous (HRW) hashing, health, sub-batch reads.
 
 Every replica lists the same peers. Each shard is owned by the live peer with the
 highest hash of (peer id, dataset URL, shard path), so every replica computes the same
 owner without talking to the others, and when a peer goes down only its shards move.
+A replica started with ``--workers N`` is N processes (``workers.py``); a shard the
+replica owns is owned, in turn, by one of its live workers, by the same hashing over
+the worker ids. Together that is a two-level owner: host, then worker.
+
 The coalescer sends the members of shards owned elsewhere to their owner in one
-``POST /v1/internal/read`` per owner; if the owner is down or misses the deadline, the
-replica reads those members from the store itself, so no sample is lost.
+``POST /v1/internal/read`` per owner: over TCP to another replica, over a Unix socket to
+a sibling worker (``PeerReader``). If the owner is down or misses the deadline, the
+members are read from the store here instead, so no sample is lost.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from urllib.parse import urlparse
 import aiohttp
 import numpy as np
 
+from .config import ServiceConfig
 from .index import Members
 from .metrics import Metrics
 
@@ -35,32 +41,78 @@ class Peer:
     id: str
     url: str
     up: bool = True
+    socket: str | None = None
+    """A sibling worker's Unix socket: its sub-batches go there rather than to ``url``."""
 
 
 def parse_peers(spec: str, node_id: str) -> tuple[list[Peer], int]:
     """Peers from ``URL,URL,...`` or ``ID=URL,...``, and the position of this node among them.
 
-    Without ``ID=``, a peer's id is its URL's host name; this node is the peer whose id,
-    URL, or first host label equals ``node_id`` (``shardfeed-0`` matches
+    Without ``ID=``, a peer's id is its URL's host name, or ``host:port`` when several
+    peers share a host (replicas on one machine, different ports); this node is the peer
+    whose id, URL, or first host label equals ``node_id`` (``shardfeed-0`` matches
     ``http://shardfeed-0.shardfeed-peers:8080``).
     """
-    peers = []
+    named: list[tuple[str, str]] = []  # (given id or "", URL)
     for entry in filter(None, (e.strip() for e in spec.split(","))):
         name, sep, url = entry.partition("=")
         if not sep:
             name, url = "", entry
         parsed = urlparse(url)
+        try:
+            parsed.port
+        except ValueError:
+            raise ValueError(f"peer {entry!r} has a bad port") from None
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise ValueError(f"peer {entry!r} is not an http(s) URL")
-        peers.append(Peer(name or parsed.hostname, url.rstrip("/")))
+        named.append((name, url.rstrip("/")))
+    hosts = [urlparse(url).hostname for name, url in named if not name]
+    shared = {h for h in hosts if hosts.count(h) > 1}
+    peers = [Peer(name or _default_id(url, shared), url) for name, url in named]
     ids = [p.id for p in peers]
     if len(set(ids)) != len(ids):
         raise ValueError(f"peer ids must be unique (got {', '.join(ids)}); name them with ID=URL")
-    for i, peer in enumerate(peers):
-        host = urlparse(peer.url).hostname or ""
-        if node_id in (peer.id, peer.url, host, host.split(".")[0]):
-            return peers, i
+    exact = [i for i, p in enumerate(peers) if node_id in (p.id, p.url)]
+    if exact:
+        return peers, exact[0]
+    by_host = [i for i, p in enumerate(peers)
+               if node_id in (urlparse(p.url).hostname, urlparse(p.url).hostname.split(".")[0])]
+    if len(by_host) > 1:
+        raise ValueError(f"--node-id {node_id!r} matches several of --peers ({', '.join(ids)}); "
+                         "give this replica's id or URL")
+    if by_host:
+        return peers, by_host[0]
     raise ValueError(f"--node-id {node_id!r} is not one of --peers ({', '.join(ids)})")
+
+
+def _default_id(url: str, shared_hosts: set[str]) -> str:
+    """A peer's id when not named: its host name, or ``host:port`` on a host shared with another peer."""
+    parsed = urlparse(url)
+    if parsed.hostname not in shared_hosts:
+        return parsed.hostname
+    return f"{parsed.hostname}:{parsed.port or (443 if parsed.scheme == 'https' else 80)}"
+
+
+def build_cluster(config: ServiceConfig, metrics: Metrics) -> Cluster | None:
+    """This process's cluster: replicas from ``peers``, sibling workers from ``worker``;
+    ``None`` for a lone single-process service."""
+    if not config.peers and config.worker is None:
+        return None
+    scheme = "https" if config.tls_cert else "http"
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    if config.peers:
+        hosts, me = parse_peers(config.peers, config.node_id)
+        log.info("replica %s of %d: %s", hosts[me].id, len(hosts), ", ".join(p.url for p in hosts))
+    else:
+        hosts, me = [Peer(config.node_id or "local", f"{scheme}://{host}:{config.port}")], 0
+    workers, worker = None, 0
+    if config.worker is not None:
+        place = config.worker
+        workers = [Peer(f"w{i}", f"{scheme}://{host}:{port}", socket=path)
+                   for i, (port, path) in enumerate(zip(place.ports, place.sockets))]
+        worker = place.index
+    return Cluster(hosts, me, metrics, workers=workers, worker=worker, token=min(config.tokens, default=None),
+                   timeout=config.peer_timeout, tls=config.tls_cert is not None)
 
 
 def _score(peer: str, dataset_url: str, shard: str) -> int:
@@ -69,119 +121,216 @@ def _score(peer: str, dataset_url: str, shard: str) -> int:
 
 
 class Cluster:
-    """This replica's view of its peers.
+    """This process's view of the replicas and of its sibling workers.
+
+    Nodes are the places a sub-batch can go: this host's workers (this one included,
+    at ``me``), then the other replicas.
 
     Args:
-        peers: every replica, this one included, in the same order on all replicas.
-        me: this replica's position in ``peers``.
+        hosts: every replica, this one included, in the same order on all replicas
+            (one entry, this host, when there are no peers).
+        host: this replica's position in ``hosts``.
+        workers: this replica's worker processes, with their Unix sockets (``None``:
+            one process, this one).
+        worker: this process's position in ``workers``.
         token: bearer token for peer requests (the cluster shares its tokens).
         timeout: seconds a sub-batch may take before the data is read from the store
             instead; grows by one second per 50 MB asked for.
-        health_interval: seconds between health checks of each peer.
+        health_interval: seconds between health checks of each node.
+        tls: whether the nodes speak HTTPS (sibling sockets included).
     """
 
-    def __init__(self, peers: list[Peer], me: int, metrics: Metrics, *, token: str | None = None,
-                 timeout: float = 2.0, health_interval: float = 1.0):
-        self.peers = peers
-        self.me = me
+    def __init__(self, hosts: list[Peer], host: int, metrics: Metrics, *, workers: list[Peer] | None = None,
+                 worker: int = 0, token: str | None = None, timeout: float = 2.0,
+                 health_interval: float = 1.0, tls: bool = False):
+        self.hosts = hosts
+        self.host = host
+        self.workers = workers or [hosts[host]]
+        self.me = worker
+        self.peers = self.workers + [p for i, p in enumerate(hosts) if i != host]
+        """Every node: this host's workers first, then the other replicas."""
+        self._host_node = np.array([-1 if i == host else len(self.workers) + i - (i > host)
+                                    for i in range(len(hosts))], dtype=np.int64)
+        self._node_host = np.array([host] * len(self.workers) + [i for i in range(len(hosts)) if i != host],
+                                   dtype=np.int64)
         self.metrics = metrics
         self.timeout = timeout
         self.health_interval = health_interval
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._ranks: dict[str, np.ndarray] = {}
-        self._session: aiohttp.ClientSession | None = None
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._ranks: dict[tuple[str, str], np.ndarray] = {}
+        self._readers: dict[int, PeerReader] = {}
+        self.tls = tls
         self._health: asyncio.Task | None = None
+        self._version: str | None = None
 
     @property
     def node_id(self) -> str:
-        return self.peers[self.me].id
+        return self.hosts[self.host].id
 
     def describe(self) -> dict:
         return {"node_id": self.node_id,
-                "peers": [{"id": p.id, "url": p.url, "up": p.up, "self": i == self.me}
-                          for i, p in enumerate(self.peers)]}
+                "peers": [{"id": p.id, "url": p.url, "up": p.up, "self": i == self.host}
+                          for i, p in enumerate(self.hosts)],
+                "workers": [{"id": p.id, "url": p.url, "up": p.up, "self": i == self.me}
+                            for i, p in enumerate(self.workers)] if len(self.workers) > 1 else []}
+
+    def version(self) -> str:
+        """Changes whenever the owner of some shard may have changed: a digest of the live
+        replicas and of this host's down workers, so that every node agrees on it while
+        all are up, whatever their worker counts."""
+        if self._version is None:
+            hosts = ",".join(f"{p.id}={int(p.up or i == self.host)}" for i, p in enumerate(self.hosts))
+            down = ",".join(p.id for i, p in enumerate(self.workers) if not p.up and i != self.me)
+            self._version = hashlib.blake2b(f"{hosts};{down}".encode(), digest_size=6).hexdigest()
+        return self._version
 
     # -- ownership ---------------------------------------------------------------------
-    def rank(self, dataset_url: str, shards: list[str]) -> np.ndarray:
-        """Per shard, the peers in preference order (computed once per dataset)."""
-        ranks = self._ranks.get(dataset_url)
+    def rank(self, dataset_url: str, shards: list[str], level: str = "hosts") -> np.ndarray:
+        """Per shard, the hosts (or this host's workers) in preference order (once per dataset)."""
+        ranks = self._ranks.get((level, dataset_url))
         if ranks is None:
-            scores = np.array([[_score(p.id, dataset_url, s) for p in self.peers] for s in shards], dtype=np.uint64)
-            ranks = self._ranks[dataset_url] = np.argsort(scores, axis=1)[:, ::-1]
+            members = self.hosts if level == "hosts" else self.workers
+            scores = np.array([[_score(p.id, dataset_url, s) for p in members] for s in shards], dtype=np.uint64)
+            ranks = self._ranks[level, dataset_url] = np.argsort(scores, axis=1)[:, ::-1]
         return ranks
 
-    def owners(self, dataset_url: str, shards: list[str], shard_codes: np.ndarray) -> np.ndarray:
-        """The live owner of each shard code (this replica counts as live)."""
-        live = np.array([p.up or i == self.me for i, p in enumerate(self.peers)])
-        ranks = self.rank(dataset_url, shards)[shard_codes]
-        first_live = np.argmax(live[ranks], axis=1)
-        return ranks[np.arange(len(ranks)), first_live]
+    def owners(self, dataset_url: str, shards: list[str], shard_codes: np.ndarray, *,
+               within_host: bool = False) -> np.ndarray:
+        """The live owner (a node) of each shard code; this process counts as live.
 
-    # -- sub-batches -------------------------------------------------------------------
-    async def read(self, peer: int, dataset: str, members: Members) -> list[bytes]:
-        """The bytes of ``members`` (all found) as read by ``peer``; ``PeerError`` otherwise."""
-        target = self.peers[peer]
-        sizes = members.size.tolist()
-        body = json.dumps({"dataset": dataset, "shard": members.shard.tolist(),
-                           "offset": members.offset.tolist(), "size": sizes})
-        timeout = self.timeout + sum(sizes) / 50e6
-        try:
-            async with self._client().post(f"{target.url}/v1/internal/read", data=body, headers={
-                    **self._headers, "Content-Type": "application/json"},
-                    timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-                if resp.status != 200:
-                    raise PeerError(f"peer {target.id} answered {resp.status}: {(await resp.text())[:200]}")
-                payload = await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
-            self.mark(peer, up=False, why=f"{type(err).__name__}: {err}")
-            self.metrics.peer_requests.labels(target.id, "error").inc()
-            raise PeerError(f"peer {target.id} unreachable: {err!r}") from None
-        except PeerError:
-            self.metrics.peer_requests.labels(target.id, "error").inc()
-            raise
-        if len(payload) != sum(sizes):
-            self.metrics.peer_requests.labels(target.id, "error").inc()
-            raise PeerError(f"peer {target.id} sent {len(payload)} bytes, expected {sum(sizes)}")
-        self.metrics.peer_requests.labels(target.id, "ok").inc()
-        view, out, pos = memoryview(payload), [], 0
-        for size in sizes:
-            out.append(view[pos:pos + size])
-            pos += size
-        return out
+        ``within_host`` picks among this host's workers only, for the shards a peer sent
+        here because it takes this host for their owner.
+        """
+        owner = np.empty(len(shard_codes), dtype=np.int64)
+        mine = np.ones(len(shard_codes), dtype=bool)
+        if len(self.hosts) > 1 and not within_host:
+            host = _first_live(self.rank(dataset_url, shards)[shard_codes], self.hosts, self.host)
+            owner[:] = self._host_node[host]
+            mine = host == self.host
+        if mine.any():
+            ranks = self.rank(dataset_url, shards, "workers")[shard_codes[mine]]
+            owner[mine] = _first_live(ranks, self.workers, self.me)
+        return owner
+
+    def host_of(self, nodes: np.ndarray) -> np.ndarray:
+        """The replica (position in ``hosts``) of each node."""
+        return self._node_host[nodes]
+
+    def is_worker(self, node: int) -> bool:
+        """Whether ``node`` is one of this host's workers (else another replica)."""
+        return node < len(self.workers)
+
+    def reader(self, node: int) -> PeerReader:
+        """The reader of sub-batches for ``node`` (not this process)."""
+        reader = self._readers.get(node)
+        if reader is None:
+            reader = self._readers[node] = PeerReader(self, node)
+        return reader
 
     # -- health ------------------------------------------------------------------------
-    def mark(self, peer: int, *, up: bool, why: str = "") -> None:
-        target = self.peers[peer]
+    def mark(self, node: int, *, up: bool, why: str = "") -> None:
+        target = self.peers[node]
         if target.up != up:
-            log.warning("peer %s is %s%s", target.id, "up" if up else "down", f" ({why})" if why else "")
+            log.warning("%s %s is %s%s", "worker" if self.is_worker(node) else "peer", target.id,
+                        "up" if up else "down", f" ({why})" if why else "")
             target.up = up
-            self.metrics.peers_up.set(sum(p.up for p in self.peers))
+            self._version = None
+            self.metrics.peers_up.set(sum(p.up for p in self.hosts))
 
-    async def _check(self, peer: int) -> None:
+    async def _check(self, node: int) -> None:
+        reader = self.reader(node)
         try:
-            async with self._client().get(f"{self.peers[peer].url}/healthz",
-                                          timeout=aiohttp.ClientTimeout(total=self.health_interval)) as resp:
-                self.mark(peer, up=resp.status == 200, why=f"health check {resp.status}")
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
-            self.mark(peer, up=False, why=f"health check: {type(err).__name__}")
+            async with reader.session().get(f"{reader.base}/healthz", ssl=reader.ssl,
+                                            timeout=aiohttp.ClientTimeout(total=self.health_interval)) as resp:
+                self.mark(node, up=resp.status == 200, why=f"health check {resp.status}")
+        except asyncio.TimeoutError:
+            if not self.is_worker(node):
+                self.mark(node, up=False, why="health check timed out")
+        except (aiohttp.ClientError, OSError) as err:
+            self.mark(node, up=False, why=f"health check: {type(err).__name__}")
 
     async def _health_loop(self) -> None:
         while True:
             await asyncio.gather(*(self._check(i) for i in range(len(self.peers)) if i != self.me))
             await asyncio.sleep(self.health_interval)
 
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64))
-        return self._session
-
     def start(self) -> None:
-        self.metrics.peers_up.set(len(self.peers))
+        self.metrics.peers_up.set(len(self.hosts))
         self._health = asyncio.create_task(self._health_loop())
 
     async def close(self) -> None:
         if self._health is not None:
             self._health.cancel()
             await asyncio.gather(self._health, return_exceptions=True)
+        for reader in self._readers.values():
+            await reader.close()
+
+
+def _first_live(ranks: np.ndarray, members: list[Peer], me: int) -> np.ndarray:
+    """Per row of ``ranks``, the first member that is up (``me`` always is)."""
+    live = np.array([p.up or i == me for i, p in enumerate(members)])
+    return ranks[np.arange(len(ranks)), np.argmax(live[ranks], axis=1)]
+
+
+class PeerReader:
+    """Sub-batches for one node: ``POST /v1/internal/read`` over TCP to another replica,
+    or over a Unix socket to a sibling worker (which reads them itself: ``scope: node``).
+
+    A sibling that is slow is busy, not down (a dead one's socket refuses connections at
+    once), so a timeout marks only a replica down: ownership stays put on a loaded host.
+    """
+
+    def __init__(self, cluster: Cluster, node: int):
+        self.cluster = cluster
+        self.node = node
+        self.target = cluster.peers[node]
+        self.kind = "worker" if cluster.is_worker(node) else "replica"
+        scheme = "https" if cluster.tls else "http"
+        # A sibling's certificate names the host, not its socket: the socket's permissions vouch for it.
+        self.base = f"{scheme}://worker" if self.target.socket else self.target.url
+        self.ssl = False if self.target.socket else None
+        self.scope = "node" if self.target.socket else "host"
+        self._session: aiohttp.ClientSession | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = (aiohttp.UnixConnector(self.target.socket, limit=64) if self.target.socket
+                         else aiohttp.TCPConnector(limit=64))
+            self._session = aiohttp.ClientSession(connector=connector)
+        return self._session
+
+    async def read(self, dataset: str, members: Members) -> list[memoryview]:
+        """The bytes of ``members`` (all found) as read by the node; ``PeerError`` otherwise."""
+        target, metrics = self.target, self.cluster.metrics
+        sizes = members.size.tolist()
+        body = json.dumps({"dataset": dataset, "shard": members.shard.tolist(), "scope": self.scope,
+                           "offset": members.offset.tolist(), "size": sizes})
+        timeout = self.cluster.timeout + sum(sizes) / 50e6
+        try:
+            async with self.session().post(f"{self.base}/v1/internal/read", data=body, ssl=self.ssl, headers={
+                    **self.cluster.headers, "Content-Type": "application/json"},
+                    timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                if resp.status != 200:
+                    raise PeerError(f"{self.kind} {target.id} answered {resp.status}: {(await resp.text())[:200]}")
+                payload = await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
+            if self.kind == "replica" or not isinstance(err, asyncio.TimeoutError):
+                self.cluster.mark(self.node, up=False, why=f"{type(err).__name__}: {err}")
+            metrics.peer_requests.labels(target.id, self.kind, "error").inc()
+            raise PeerError(f"{self.kind} {target.id} unreachable: {err!r}") from None
+        except PeerError:
+            metrics.peer_requests.labels(target.id, self.kind, "error").inc()
+            raise
+        if len(payload) != sum(sizes):
+            metrics.peer_requests.labels(target.id, self.kind, "error").inc()
+            raise PeerError(f"{self.kind} {target.id} sent {len(payload)} bytes, expected {sum(sizes)}")
+        metrics.peer_requests.labels(target.id, self.kind, "ok").inc()
+        view, out, pos = memoryview(payload), [], 0
+        for size in sizes:
+            out.append(view[pos:pos + size])
+            pos += size
+        return out
+
+    async def close(self) -> None:
         if self._session is not None:
             await self._session.close()

@@ -4,19 +4,42 @@ and the benchmarks, which all talk to the real service over a real socket."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def installed_script(name: str) -> str | None:
+    """The path of command ``name`` installed beside this Python (a virtualenv need not be on PATH),
+    else on PATH; None when neither has it."""
+    return shutil.which(name, path=sysconfig.get_path("scripts")) or shutil.which(name)
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def ensure_free(port: int, what: str, host: str = "127.0.0.1") -> None:
+    """``OSError`` with a one-line message naming ``port`` and its use when it cannot be bound."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is no conflict
+        try:
+            s.bind((host, port))
+        except OSError:
+            raise OSError(f"port {port} ({what}) is in use on {host}: stop what uses it or choose another port") \
+                from None
 
 
 def scrape_metrics(url: str, timeout: float = 10) -> dict[str, float]:
@@ -65,7 +88,7 @@ class ServiceProcess:
 
 def start_service(datasets: dict[str, str] | None = None, *, cache_dir: str | os.PathLike,
                   cache_size: str | None = None, port: int | None = None, env: dict[str, str] | None = None,
-                  args: list[str] | tuple[str, ...] = (), timeout: float = 60) -> ServiceProcess:
+                  args: list[str] | tuple[str, ...] = (), workers: int = 1, timeout: float = 60) -> ServiceProcess:
     """Start ``shardfeed serve`` and wait until ``/healthz`` answers.
 
     Args:
@@ -74,30 +97,53 @@ def start_service(datasets: dict[str, str] | None = None, *, cache_dir: str | os
         cache_size: e.g. ``"1GiB"``; default the service's.
         env: extra environment (AWS settings, tokens).
         args: further ``serve`` arguments.
+        workers: ``--workers``; one process unless asked, whatever the machine's cores.
     """
     port = port or free_port()
     cache_dir = Path(cache_dir)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "shardfeed", "serve", "--port", str(port), "--cache-dir", str(cache_dir)]
+    argv = ["serve", "--port", str(port), "--cache-dir", str(cache_dir), "--workers", str(workers)]
     for name, url in (datasets or {}).items():
-        cmd += ["--dataset", f"{name}={url}"]
+        argv += ["--dataset", f"{name}={url}"]
     if cache_size:
-        cmd += ["--cache-size", cache_size]
-    cmd += list(args)
-    log_path = cache_dir.parent / f"service-{port}.log"
+        argv += ["--cache-size", cache_size]
+    argv += list(args)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    return launch_service(argv, port=port, log_path=cache_dir.parent / f"service-{port}.log", env=env,
+                          timeout=timeout)
+
+
+def launch_service(argv: list[str], *, port: int, log_path: Path, env: dict[str, str] | None = None,
+                   timeout: float = 60) -> ServiceProcess:
+    """Run ``shardfeed <argv>`` (a ``serve`` command line listening on loopback ``port``) and wait
+    until ``/healthz`` answers; its output goes to ``log_path``."""
     log_file = open(log_path, "wb")
-    process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    process = subprocess.Popen([sys.executable, "-m", "shardfeed", *argv], stdout=log_file, stderr=subprocess.STDOUT,
+                               env={**os.environ, **(env or {})})
     log_file.close()
     service = ServiceProcess(process, f"http://127.0.0.1:{port}", log_path)
+    return ready_or_stopped(service, lambda: _wait_healthy(service, timeout), service.stop)
+
+
+def ready_or_stopped(started: T, wait: Callable[[], None], stop: Callable[[], object]) -> T:
+    """``started`` once ``wait()`` returns; when it raises (a signal or Ctrl-C while waiting too),
+    ``stop()`` first, so that nothing is left running."""
+    try:
+        wait()
+    except BaseException:
+        stop()
+        raise
+    return started
+
+
+def _wait_healthy(service: ServiceProcess, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"shardfeed serve exited with {process.returncode}:\n{service.log()[-3000:]}")
+        if service.process.poll() is not None:
+            raise RuntimeError(f"shardfeed serve exited with {service.process.returncode}:\n{service.log()[-3000:]}")
         try:
             with urllib.request.urlopen(f"{service.url}/healthz", timeout=1):
-                return service
+                return
         except (urllib.error.URLError, OSError):
             if time.monotonic() > deadline:
-                service.stop()
-                raise RuntimeError(f"shardfeed serve did not become healthy:\n{service.log()[-3000:]}")
+                raise RuntimeError(f"shardfeed serve did not become healthy:\n{service.log()[-3000:]}") from None
             time.sleep(0.05)

@@ -19,8 +19,9 @@ from shardfeed.retry import Backoff
 
 from .config import ServiceConfig
 from .hedge import Hedger, HedgePolicy
-from .peers import parse_peers
+from .peers import build_cluster, parse_peers
 from .sizes import format_size, parse_size
+from .workers import supervise, worker_sockets
 
 log = logging.getLogger("shardfeed.server")
 
@@ -32,6 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = ServiceConfig()
     parser.add_argument("--host", default=defaults.host, help="interface to bind (default: %(default)s)")
     parser.add_argument("--port", type=int, default=defaults.port, help="port (default: %(default)s)")
+    parser.add_argument("--workers", type=int, default=defaults.workers, metavar="N",
+                        help="processes serving this host, all on --port, each owning a share of the "
+                             "shards and of --cache-size; 1 serves from one process (default: the "
+                             "usable cores, %(default)s)")
     parser.add_argument("--dataset", action="append", default=[], metavar="NAME=URL",
                         help="serve the dataset at URL (file:// or s3://) as NAME; repeatable. "
                              "Default: the embedded digits dataset under --data-dir")
@@ -168,9 +173,9 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         max_batch=args.max_batch, max_inflight_batches=args.max_inflight_batches,
         max_inflight_samples=args.max_inflight_samples, tokens=frozenset(tokens),
         tls_cert=args.tls_cert, tls_key=args.tls_key, node_id=args.node_id, peers=args.peers,
-        peer_timeout=args.peer_timeout, max_plans=args.max_plans, max_plan_samples=args.max_plan_samples,
-        plan_ttl=args.plan_ttl, plan_ahead=args.plan_ahead, plan_memory=args.plan_memory,
-        range_gap=args.range_gap,
+        peer_timeout=args.peer_timeout, workers=args.workers, max_plans=args.max_plans,
+        max_plan_samples=args.max_plan_samples, plan_ttl=args.plan_ttl, plan_ahead=args.plan_ahead,
+        plan_memory=args.plan_memory, range_gap=args.range_gap,
     )
 
 
@@ -198,7 +203,6 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
     from .cache import BlockCache
     from .datasets import open_dataset
     from .metrics import Metrics
-    from .peers import Cluster
     from .protocol import BoundedHeadProtocol
 
     if not config.datasets:
@@ -215,12 +219,7 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
                 datasets[name].store = hedger.wrap(datasets[name].store)
             log.info("dataset %s: %s (%d samples, %d shards)", name, url, len(datasets[name].index),
                      len(datasets[name].index.shards))
-        cluster = None
-        if config.peers:
-            peers, me = parse_peers(config.peers, config.node_id)
-            cluster = Cluster(peers, me, metrics, token=min(config.tokens, default=None),
-                              timeout=config.peer_timeout)
-            log.info("replica %s of %d: %s", peers[me].id, len(peers), ", ".join(p.url for p in peers))
+        cluster = build_cluster(config, metrics)
         app = create_app(config, datasets, cache, metrics, cluster)
         server = uvicorn.Server(uvicorn.Config(
             app, host=config.host, port=config.port, log_level=log_level, access_log=False,
@@ -228,7 +227,7 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
             h11_max_incomplete_event_size=64 * 1024, http=BoundedHeadProtocol,
             ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key,
         ))
-        await server.serve()
+        await server.serve(sockets=await worker_sockets(config) if config.worker else None)
     finally:
         for dataset in datasets.values():
             await dataset.store.close()
@@ -242,16 +241,25 @@ def run(args: argparse.Namespace) -> int:
     # any session token): never let it reach the log, whatever the level.
     logging.getLogger("botocore").setLevel(max(logging.getLogger().level, logging.INFO))
     config = config_from_args(args)
+    if config.workers > 1:
+        if not config.datasets:  # seed it once, before the workers race to
+            config.datasets = {DEFAULT_DATASET: asyncio.run(ensure_default_dataset(args.data_dir))}
+        return supervise(config, lambda worker_config: serve_one(worker_config, args.data_dir, args.log_level))
+    serve_one(config, args.data_dir, args.log_level)
+    return 0
+
+
+def serve_one(config: ServiceConfig, data_dir: Path, log_level: str) -> None:
+    """Serve from this process until SIGTERM or SIGINT (a worker, or the whole service)."""
     # uvicorn drains the connections on SIGTERM, then raises the signal again: by then the
     # shutdown was graceful, so exit 0 (and SIGTERM before serving starts still ends us).
     signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(config, args.data_dir, args.log_level))
+        asyncio.run(serve(config, data_dir, log_level))
     else:
-        uvloop.run(serve(config, args.data_dir, args.log_level))
-    return 0
+        uvloop.run(serve(config, data_dir, log_level))
 
 
 def _exit_cleanly(signum: int, frame) -> None:

@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "index": ("shardfeed.service.indexer", "write index.parquet for existing tar shards (reads headers only)"),
     "demo": ("shardfeed.client.demo", "train a small model through the service"),
     "bench": ("shardfeed.benchmarks.run", "benchmark shardfeed against one GET per sample"),
+    "stack": ("shardfeed.stack", "run the docker-compose stack as local processes: SeaweedFS, seeder, 3 replicas"),
 }
 
 # Third-party modules -> the extra that installs them, for "missing dependency" errors.

@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import itertools
-import os
 import sys
 from pathlib import Path
 
@@ -9,32 +7,52 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from shardfeed.benchmarks.s3server import MotoS3, start_moto  # noqa: E402
+from s3_helpers import new_bucket, point_aws_at  # noqa: E402
+from shardfeed.benchmarks.s3server import S3_SERVERS, S3Server, start_moto, start_seaweedfs  # noqa: E402
 
-_bucket_ids = itertools.count()
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "both_s3: run against every S3 server (SeaweedFS and moto) through "
+                                       "the s3_server fixture")
+
+
+def pytest_generate_tests(metafunc):
+    """S3 round-trip tests (marked ``both_s3``) run once per server; the rest on moto."""
+    if "s3_server" in metafunc.fixturenames and metafunc.definition.get_closest_marker("both_s3"):
+        metafunc.parametrize("s3_server", S3_SERVERS, indirect=True, scope="session")
 
 
 @pytest.fixture(scope="session")
-def moto() -> MotoS3:
+def moto() -> S3Server:
     """One moto S3 server (SigV4 checked) for the whole session."""
     server = start_moto()
     yield server
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def seaweedfs(tmp_path_factory) -> S3Server:
+    """One SeaweedFS (``weed mini``, SigV4 checked) for the whole session, stopped with its
+    whole process group even when tests fail."""
+    server = start_seaweedfs(tmp_path_factory.mktemp("seaweedfs"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server(request) -> S3Server:
+    """The S3 server of this test: each of ``S3_SERVERS`` for tests marked ``both_s3``, else moto."""
+    return request.getfixturevalue(getattr(request, "param", "moto"))
+
+
 @pytest.fixture
-def s3_env(moto, monkeypatch) -> MotoS3:
-    """Point the AWS settings of this process (and its children) at the moto server."""
-    for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
-        monkeypatch.delenv(key, raising=False)
-    for key, value in moto.env().items():
-        monkeypatch.setenv(key, value)
-    return moto
+def s3_env(s3_server, monkeypatch) -> S3Server:
+    """Point the AWS settings of this process (and its children) at the test's S3 server."""
+    point_aws_at(s3_server, monkeypatch)
+    return s3_server
 
 
 @pytest.fixture
 def bucket(s3_env) -> str:
-    """A fresh, empty bucket name on the moto server."""
-    name = f"test-{os.getpid()}-{next(_bucket_ids)}"
-    s3_env.create_bucket(name)
-    return name
+    """A fresh, empty bucket name on the test's S3 server."""
+    return new_bucket(s3_env)

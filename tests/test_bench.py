@@ -1,9 +1,12 @@
-"""`shardfeed bench --quick` end to end, so the harness cannot rot: moto, the latency
-proxy, the service, the client, the DataLoader and the minimal HTTP server, for real."""
+"""`shardfeed bench --quick` end to end, so the harness cannot rot: SeaweedFS (the default S3
+server), the latency proxy, the service, the client, the DataLoader and the minimal HTTP server,
+for real."""
 
 from __future__ import annotations
 
+import base64
 import json
+import re
 import subprocess
 import sys
 
@@ -28,6 +31,7 @@ def test_quick_bench_measures_every_scenario_at_every_point_with_sane_figures(tm
     document = json.loads((out / "results.json").read_text())
     rows = document["results"]
     assert document["config"]["quick"] is True
+    assert document["config"]["s3"] == "seaweedfs server (loopback)"
     assert document["machine"]["cores"] >= 1
 
     points = {(r["s3_latency_ms"], r["sample_size"]) for r in rows}
@@ -59,6 +63,12 @@ def test_quick_bench_measures_every_scenario_at_every_point_with_sane_figures(tm
     assert {g["target"] for g in document["targets"]}  # evaluated, "not measured" where the quick matrix lacks them
     assert (out / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| S3 +ms | size | batch | scenario |" in (out / "results.md").read_text()
+    # The HTML report: the same table, and the plot inside it, so the run is one file to open.
+    page = (out / "results.html").read_text()
+    embedded = re.search(r'<img [^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    assert embedded and base64.b64decode(embedded[1]) == (out / "throughput.png").read_bytes()
+    assert page.count("<tr>") == 1 + len(document["targets"]) + 1 + len(rows)  # header + row per target, per result
+    assert not re.search(r'(src|href)="(?!data:)', page)  # nothing fetched from elsewhere
 
 
 def test_bench_refuses_bad_arguments_with_one_line(tmp_path):
@@ -68,3 +78,20 @@ def test_bench_refuses_bad_arguments_with_one_line(tmp_path):
     done = bench("--sizes", "10KiB,lots", cwd=tmp_path)
     assert done.returncode == 1
     assert done.stderr.strip().startswith("shardfeed: error: invalid --sizes '10KiB,lots'")
+    done = bench("--s3", "minio", cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.strip() == "shardfeed: error: --s3 must be seaweedfs, moto or an http(s) URL, not 'minio'"
+
+
+@pytest.mark.timeout(150)
+def test_status_page_benchmark_runs_and_prints_its_figures(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.status_page", "--samples", "500",
+                           "--seconds", "1", "--rounds", "1", "--pages", "5", "--calls", "50", "--cpu-seconds", "1"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"median of 1 rounds of 1 s: [\d,]+ samples/s without pages, [\d,]+ with 5 \(\d+ /v1/stats "
+                     r"calls/s\): [-+]\d+\.\d%", done.stdout), done.stdout
+    per_call = re.search(r"CPU per call: (-?\d+\.\d+) ms as the page polls \(\?since=\), (-?\d+\.\d+) ms for a "
+                         r"first load \((\d+) points of history\); 50 calls each", done.stdout)
+    assert per_call and int(per_call[3]) > 0, done.stdout
+    assert "the pages cost" in done.stdout

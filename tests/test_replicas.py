@@ -1,7 +1,9 @@
-"""Three replicas as local processes over one moto S3: ownership, sub-batches, failover, rejoin."""
+"""Three replicas as local processes over one S3 server (SeaweedFS and moto): ownership, sub-batches,
+failover, rejoin."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 
@@ -9,27 +11,28 @@ import httpx
 import pytest
 
 from sample_data import make_dataset, s3_put
-from service_helpers import metrics, tar_members
+from service_helpers import hops, metrics, tar_members
+from shardfeed.client import AsyncClient, Client
 from shardfeed.service.process import free_port, start_service
 
 SAMPLES = 240
 
 
 @pytest.fixture(scope="module")
-def dataset(moto):
-    moto.create_bucket("replicas")
-    source = make_dataset(s3_put(moto.client(), "replicas", "train"), samples=SAMPLES, per_shard=20)
+def dataset(s3_server):
+    s3_server.create_bucket("replicas")
+    source = make_dataset(s3_put(s3_server.client(), "replicas", "train"), samples=SAMPLES, per_shard=20)
     return "s3://replicas/train", source  # 12 shards
 
 
 @pytest.fixture
-def cluster(dataset, moto, tmp_path):
+def cluster(dataset, s3_server, tmp_path):
     ports = [free_port() for _ in range(3)]
     peers = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip("abc", ports))
 
     def start(i):
         return start_service({"train": dataset[0]}, cache_dir=tmp_path / f"cache-{i}", port=ports[i],
-                             env=moto.env(), args=["--node-id", "abc"[i], "--peers", peers,
+                             env=s3_server.env(), args=["--node-id", "abc"[i], "--peers", peers,
                                                    "--block-size", "64KiB", "--peer-timeout", "2"])
 
     services = [start(i) for i in range(3)]
@@ -53,6 +56,7 @@ def fetch(url, indices):
     return tar_members(resp.content)
 
 
+@pytest.mark.both_s3
 def test_any_replica_serves_identical_bytes_and_each_shard_is_read_by_one_replica(cluster, dataset):
     services, _ = cluster
     _, source = dataset
@@ -97,9 +101,69 @@ def test_killing_a_replica_loses_no_sample_and_a_restarted_one_rejoins(cluster, 
     assert restarted["shardfeed_store_requests_total"] > 0
 
 
-def test_a_bad_peer_list_is_refused_with_a_clear_error(dataset, moto, tmp_path):
+def samples(source, indices):
+    return [(f"sample{i:06d}", source[(i, "bin")]) for i in indices]
+
+
+def keyed(got):
+    return [(s["__key__"], s["bin"]) for s in got]
+
+
+def test_client_routing_sends_each_replica_its_own_part_with_no_hop(cluster, dataset):
+    services, _ = cluster
+    _, source = dataset
+    table = httpx.get(f"{services[1].url}/v1/datasets/train/routing").json()
+    assert table["starts"] == list(range(0, SAMPLES, 20))  # the first sample of each shard
+    assert sorted(table["urls"]) == sorted(s.url for s in services)
+    order = list(range(SAMPLES))
+    random.Random(7).shuffle(order)
+    batches = [order[i:i + 32] for i in range(0, SAMPLES, 32)]
+    with Client(services[0].url) as client:  # one URL given: the others come from the table
+        for batch in batches:
+            assert keyed(client.get_batch("train", batch)) == samples(source, batch)
+
+    async def epoch():
+        async with AsyncClient(services[2].url) as client:
+            return [keyed(await client.get_batch("train", batch)) for batch in batches]
+
+    assert asyncio.run(epoch()) == [samples(source, batch) for batch in batches]
+    assert sum(hops(s.url, "replica") for s in services) == 0, "a batch part went to a non-owner"
+    assert all(metrics(s.url)["shardfeed_samples_served_total"] > 0 for s in services)
+
+
+def test_client_routing_survives_ownership_changes_mid_epoch(cluster, dataset):
+    services, start = cluster
+    _, source = dataset
+    rng = random.Random(8)
+    with Client([s.url for s in services]) as client:
+        for round_ in range(12):
+            if round_ == 3:  # ownership moves to a and b; the client's table still names c
+                services[2].process.kill()
+                services[2].process.wait()
+            if round_ == 7:  # and back to c
+                services[2] = start(2)
+            batch = rng.sample(range(SAMPLES), 48)
+            assert keyed(client.get_batch("train", batch)) == samples(source, batch)
+        deadline = time.monotonic() + 20
+        while any(metrics(s.url)["shardfeed_peers_up"] < 3 for s in services):
+            assert time.monotonic() < deadline, "the restarted replica never rejoined"
+            time.sleep(0.2)
+        versions = {httpx.get(f"{s.url}/v1/datasets/train/routing").json()["version"] for s in services}
+        assert len(versions) == 1
+        while client.router.version("train") not in versions:  # answers tell the client its table is stale
+            assert time.monotonic() < deadline, "the client never refreshed its routing table"
+            batch = rng.sample(range(SAMPLES), 48)
+            assert keyed(client.get_batch("train", batch)) == samples(source, batch)
+            time.sleep(0.2)
+        before = sum(hops(s.url, "replica") for s in services)
+        batch = list(range(SAMPLES))
+        assert keyed(client.get_batch("train", batch)) == samples(source, batch)
+        assert sum(hops(s.url, "replica") for s in services) == before, "a stale table after a refresh"
+
+
+def test_a_bad_peer_list_is_refused_with_a_clear_error(dataset, s3_server, tmp_path):
     with pytest.raises(RuntimeError) as err:
-        start_service({"train": dataset[0]}, cache_dir=tmp_path / "c", env=moto.env(),
+        start_service({"train": dataset[0]}, cache_dir=tmp_path / "c", env=s3_server.env(),
                       args=["--node-id", "z", "--peers", "http://127.0.0.1:1,http://127.0.0.2:1"])
     assert "--node-id 'z' is not one of --peers" in str(err.value)
     assert "Traceback" not in str(err.value)

@@ -1,4 +1,5 @@
-"""S3Store against a real moto server (SigV4 checked), and through the fault-injecting proxy."""
+"""S3Store against real S3 servers (SeaweedFS and moto, SigV4 checked), and through the fault-injecting
+proxy (on moto)."""
 
 import asyncio
 import hashlib
@@ -12,8 +13,8 @@ import httpx
 import pytest
 
 from shardfeed.benchmarks.s3proxy import start_proxy
-from shardfeed.benchmarks.s3server import free_port
 from shardfeed.retry import Backoff
+from shardfeed.service.process import free_port
 from shardfeed.service.stores import (
     AccessDenied,
     InvalidPath,
@@ -59,6 +60,7 @@ def via_proxy(proxy, bucket):
     proxy.clear()
 
 
+@pytest.mark.both_s3
 def test_write_read_list_head_round_trip(bucket):
     async def go():
         async with s3(bucket) as store:
@@ -79,6 +81,7 @@ def test_write_read_list_head_round_trip(bucket):
     assert bytes_read > len(DATA) + 65536  # the two reads plus the two listing pages
 
 
+@pytest.mark.both_s3
 def test_list_pages_through_everything_sorted_and_stays_inside_the_prefix(bucket):
     async def go():
         async with s3(bucket) as store, s3(bucket, prefix="data2") as sibling:
@@ -94,6 +97,7 @@ def test_list_pages_through_everything_sorted_and_stays_inside_the_prefix(bucket
     run(go())
 
 
+@pytest.mark.both_s3
 def test_read_range_checks_the_range_against_the_object(bucket):
     async def go():
         async with s3(bucket) as store:
@@ -123,6 +127,7 @@ def test_paths_escaping_the_prefix_are_refused(bucket, path):
     run(go())
 
 
+@pytest.mark.both_s3
 def test_a_wrongly_signed_request_is_access_denied_without_retries(bucket, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
 
@@ -135,6 +140,7 @@ def test_a_wrongly_signed_request_is_access_denied_without_retries(bucket, monke
     run(go())
 
 
+@pytest.mark.both_s3
 def test_missing_bucket_and_object_are_object_not_found(bucket):
     async def go():
         async with s3("no-such-bucket") as store:
@@ -228,6 +234,7 @@ def test_the_store_works_again_under_a_new_event_loop(bucket):
     run(store.close())
 
 
+@pytest.mark.both_s3
 def test_objects_of_tens_of_mib_round_trip(bucket):
     big = os.urandom(24 << 20)
 
@@ -268,6 +275,7 @@ def test_the_proxy_subprocess_adds_latency_and_takes_faults_over_http(moto, buck
         assert proc.wait(10) == 0
 
 
+@pytest.mark.both_s3
 def test_refreshed_credentials_are_used_on_the_next_request(s3_env, bucket, tmp_path, monkeypatch):
     # A credential_process whose credentials always expire within minutes: botocore refreshes
     # them on every use, so rotating the file rotates the key the store signs with.

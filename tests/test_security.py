@@ -42,7 +42,7 @@ def s3_dataset(moto):
     return "s3://secure/train", source
 
 
-def test_tokens_from_the_environment_are_required_on_every_route_but_healthz(s3_dataset, moto, tmp_path):
+def test_tokens_from_the_environment_are_required_on_every_route_but_healthz_and_the_page_html(s3_dataset, moto, tmp_path):
     url, source = s3_dataset
     env = {**moto.env(), "SHARDFEED_TOKENS": f" {TOKENS[0]} ,{TOKENS[1]}, "}
     with start_service({"train": url}, cache_dir=tmp_path / "cache", env=env) as svc:
@@ -52,7 +52,7 @@ def test_tokens_from_the_environment_are_required_on_every_route_but_healthz(s3_
                  {"Authorization": f"Basic {TOKENS[0]}"}, {"Authorization": TOKENS[0]},
                  {"Authorization": f"Bearer {TOKENS[0]},{TOKENS[1]}"}, {"X-Token": TOKENS[0]}]
         for path in ("/v1/datasets", "/metrics", "/openapi.json", "/v1/datasets/train/samples/1/bin",
-                     f"/v1/datasets?token={TOKENS[0]}"):
+                     f"/v1/datasets?token={TOKENS[0]}", "/v1/stats", f"/v1/stats?token={TOKENS[0]}"):
             for headers in wrong:
                 resp = httpx.get(svc.url + path, headers=headers)
                 assert resp.status_code == 401, (path, headers)

@@ -1,4 +1,5 @@
-"""The service end to end: a real moto S3 server, the service as a subprocess, HTTP over a socket."""
+"""The service end to end: real S3 servers (round trips on SeaweedFS and moto), the service as a
+subprocess, HTTP over a socket."""
 
 from __future__ import annotations
 
@@ -21,18 +22,18 @@ SAMPLES = 200
 
 
 @pytest.fixture(scope="module")
-def s3_dataset(moto):
-    """A 200-sample dataset (4 shards) on moto; returns (url, source bytes)."""
+def s3_dataset(s3_server):
+    """A 200-sample dataset (4 shards) on the S3 server; returns (url, source bytes)."""
     bucket = "svc-data"
-    moto.create_bucket(bucket)
-    source = make_dataset(s3_put(moto.client(), bucket, "train"), samples=SAMPLES, per_shard=50)
+    s3_server.create_bucket(bucket)
+    source = make_dataset(s3_put(s3_server.client(), bucket, "train"), samples=SAMPLES, per_shard=50)
     return f"s3://{bucket}/train", source
 
 
 @pytest.fixture
-def service(s3_dataset, moto, tmp_path):
-    """A service on the moto dataset with a fresh cache; small blocks so a shard spans several."""
-    with start_service({"train": s3_dataset[0]}, cache_dir=tmp_path / "cache", env=moto.env(),
+def service(s3_dataset, s3_server, tmp_path):
+    """A service on the S3 dataset with a fresh cache; small blocks so a shard spans several."""
+    with start_service({"train": s3_dataset[0]}, cache_dir=tmp_path / "cache", env=s3_server.env(),
                        args=["--block-size", "64KiB", "--max-batch", "5000"]) as svc:
         yield svc
 
@@ -50,6 +51,7 @@ def batch(url, body, **kw) -> httpx.Response:
     return httpx.post(f"{url}/v1/batch", json=body, timeout=30, **kw)
 
 
+@pytest.mark.both_s3
 def test_random_batches_come_back_byte_exact_in_request_order(service, s3_dataset):
     _, source = s3_dataset
     rng = random.Random(1)
@@ -61,6 +63,7 @@ def test_random_batches_come_back_byte_exact_in_request_order(service, s3_datase
         assert tar_members(resp.content) == expected(source, indices, fields)
 
 
+@pytest.mark.both_s3
 def test_per_sample_and_whole_sample_gets_return_the_source_bytes(service, s3_dataset):
     _, source = s3_dataset
     assert httpx.get(f"{service.url}/v1/datasets/train/samples/7/bin").content == source[(7, "bin")]
@@ -74,6 +77,7 @@ def test_per_sample_and_whole_sample_gets_return_the_source_bytes(service, s3_da
     assert [d["name"] for d in httpx.get(f"{service.url}/v1/datasets").json()] == ["train"]
 
 
+@pytest.mark.both_s3
 def test_concurrent_per_sample_gets_are_coalesced_into_few_store_reads(service, s3_dataset):
     _, source = s3_dataset
     rng = random.Random(2)
@@ -95,14 +99,15 @@ def test_concurrent_per_sample_gets_are_coalesced_into_few_store_reads(service, 
     assert m["shardfeed_store_requests_total"] < 1000 / 10
 
 
-def test_unreadable_samples_become_404_entries_with_continue_on_error(s3_dataset, moto, tmp_path):
+@pytest.mark.both_s3
+def test_unreadable_samples_become_404_entries_with_continue_on_error(s3_dataset, s3_server, tmp_path):
     _, source = s3_dataset
     bucket = "svc-broken"
-    moto.create_bucket(bucket)
-    client = moto.client()
+    s3_server.create_bucket(bucket)
+    client = s3_server.client()
     make_dataset(s3_put(client, bucket, "train"), samples=SAMPLES, per_shard=50)
     client.delete_object(Bucket=bucket, Key="train/shards/part-0001.tar")  # samples 50..99
-    with start_service({"train": f"s3://{bucket}/train"}, cache_dir=tmp_path / "cache", env=moto.env()) as svc:
+    with start_service({"train": f"s3://{bucket}/train"}, cache_dir=tmp_path / "cache", env=s3_server.env()) as svc:
         indices = [10, 60, 150, 99]
         resp = batch(svc.url, {"dataset": "train", "indices": indices, "continue_on_error": True})
         assert resp.status_code == 200
@@ -159,8 +164,8 @@ def test_bad_sample_requests_get_a_json_error(service, path, status, code):
     assert resp.json()["error"]["code"] == code
 
 
-def test_overload_is_refused_with_429_and_retry_after(s3_dataset, moto, tmp_path):
-    with start_service({"train": s3_dataset[0]}, cache_dir=tmp_path / "cache", env=moto.env(),
+def test_overload_is_refused_with_429_and_retry_after(s3_dataset, s3_server, tmp_path):
+    with start_service({"train": s3_dataset[0]}, cache_dir=tmp_path / "cache", env=s3_server.env(),
                        args=["--max-inflight-batches", "1", "--max-batch", "16384"]) as svc:
         # A client that asks for ~300 MB and never reads holds the only batch slot.
         body = json.dumps({"dataset": "train", "indices": [5] * 16384}).encode()
@@ -183,10 +188,10 @@ def test_overload_is_refused_with_429_and_retry_after(s3_dataset, moto, tmp_path
             time.sleep(0.1)
 
 
-def test_token_auth_refuses_missing_or_wrong_tokens(s3_dataset, moto, tmp_path):
+def test_token_auth_refuses_missing_or_wrong_tokens(s3_dataset, s3_server, tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_text("s3cret-one\ns3cret-two\n")
-    with start_service({"train": s3_dataset[0]}, cache_dir=tmp_path / "cache", env=moto.env(),
+    with start_service({"train": s3_dataset[0]}, cache_dir=tmp_path / "cache", env=s3_server.env(),
                        args=["--token-file", str(tokens)]) as svc:
         assert httpx.get(f"{svc.url}/healthz").status_code == 200
         for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "s3cret-one"}):
@@ -195,22 +200,22 @@ def test_token_auth_refuses_missing_or_wrong_tokens(s3_dataset, moto, tmp_path):
             assert resp.json()["error"]["code"] == "unauthorized"
         ok = httpx.get(f"{svc.url}/v1/datasets", headers={"Authorization": "Bearer s3cret-two"})
         assert ok.status_code == 200
-        assert "s3cret" not in svc.log() and moto.secret_key not in svc.log()
+        assert "s3cret" not in svc.log() and s3_server.secret_key not in svc.log()
 
 
-def test_cache_is_reused_after_restart_and_corrupt_blocks_are_refetched(s3_dataset, moto, tmp_path):
+def test_cache_is_reused_after_restart_and_corrupt_blocks_are_refetched(s3_dataset, s3_server, tmp_path):
     url, source = s3_dataset
     indices = list(range(SAMPLES))
     random.Random(3).shuffle(indices)
     args = ["--block-size", "64KiB"]
-    with start_service({"train": url}, cache_dir=tmp_path / "cache", env=moto.env(), args=args) as svc:
+    with start_service({"train": url}, cache_dir=tmp_path / "cache", env=s3_server.env(), args=args) as svc:
         assert tar_members(batch(svc.url, {"dataset": "train", "indices": indices}).content) == \
             expected(source, indices)
         cold = metrics(svc.url)
     assert cold["shardfeed_store_requests_total"] > 0
     assert cold["shardfeed_store_bytes_total"] <= 1.1 * sum(len(v) + 1536 for v in source.values())
 
-    with start_service({"train": url}, cache_dir=tmp_path / "cache", env=moto.env(), args=args) as svc:
+    with start_service({"train": url}, cache_dir=tmp_path / "cache", env=s3_server.env(), args=args) as svc:
         assert tar_members(batch(svc.url, {"dataset": "train", "indices": indices}).content) == \
             expected(source, indices)
         assert metrics(svc.url)["shardfeed_store_requests_total"] == 0  # all from the cache
@@ -224,7 +229,7 @@ def test_cache_is_reused_after_restart_and_corrupt_blocks_are_refetched(s3_datas
     truncated = blocks[0]
     truncated.write_bytes(truncated.read_bytes()[:5000])
     blocks[-1].unlink()
-    with start_service({"train": url}, cache_dir=tmp_path / "cache", env=moto.env(), args=args) as svc:
+    with start_service({"train": url}, cache_dir=tmp_path / "cache", env=s3_server.env(), args=args) as svc:
         assert tar_members(batch(svc.url, {"dataset": "train", "indices": indices}).content) == \
             expected(source, indices)
         m = metrics(svc.url)
@@ -232,10 +237,10 @@ def test_cache_is_reused_after_restart_and_corrupt_blocks_are_refetched(s3_datas
         assert 1 <= m["shardfeed_store_requests_total"] <= 6
 
 
-def test_cache_stays_within_its_bound_under_churn(s3_dataset, moto, tmp_path):
+def test_cache_stays_within_its_bound_under_churn(s3_dataset, s3_server, tmp_path):
     url, source = s3_dataset
     cache = tmp_path / "cache"
-    with start_service({"train": url}, cache_dir=cache, cache_size="256KiB", env=moto.env(),
+    with start_service({"train": url}, cache_dir=cache, cache_size="256KiB", env=s3_server.env(),
                        args=["--block-size", "32KiB", "--merge-gap", "0"]) as svc:
         rng = random.Random(4)
         for _ in range(4):
@@ -259,19 +264,20 @@ def _bytes_on_disk(cache: Path) -> int:
     return total
 
 
-def test_a_second_service_on_the_same_cache_dir_is_refused(s3_dataset, moto, tmp_path):
-    with start_service({"train": s3_dataset[0]}, cache_dir=tmp_path / "cache", env=moto.env()):
+def test_a_second_service_on_the_same_cache_dir_is_refused(s3_dataset, s3_server, tmp_path):
+    with start_service({"train": s3_dataset[0]}, cache_dir=tmp_path / "cache", env=s3_server.env()):
         with pytest.raises(RuntimeError) as err:
-            start_service({"train": s3_dataset[0]}, cache_dir=tmp_path / "cache", env=moto.env())
+            start_service({"train": s3_dataset[0]}, cache_dir=tmp_path / "cache", env=s3_server.env())
         assert "in use by another shardfeed process" in str(err.value)
         assert "Traceback" not in str(err.value)
 
 
-def test_concurrent_cold_batches_that_share_blocks_all_complete(s3_dataset, moto, tmp_path):
+@pytest.mark.both_s3
+def test_concurrent_cold_batches_that_share_blocks_all_complete(s3_dataset, s3_server, tmp_path):
     _, source = s3_dataset
     from concurrent.futures import ThreadPoolExecutor
 
-    with start_service({"train": s3_dataset[0]}, cache_dir=tmp_path / "cache", env=moto.env(),
+    with start_service({"train": s3_dataset[0]}, cache_dir=tmp_path / "cache", env=s3_server.env(),
                        args=["--block-size", "16KiB", "--merge-gap", "32KiB"]) as svc:
         rng = random.Random(7)
         batches = [rng.sample(range(SAMPLES), 60) for _ in range(24)]
@@ -284,20 +290,24 @@ def test_concurrent_cold_batches_that_share_blocks_all_complete(s3_dataset, moto
         assert m["shardfeed_requests_total"] == 24  # all 200: no batch failed or was retried
 
 
-def test_a_removed_cache_dir_is_recreated_and_locked_again(s3_dataset, moto, tmp_path):
+def test_a_removed_cache_dir_is_recreated_and_locked_again(s3_dataset, s3_server, tmp_path):
     import shutil
 
     _, source = s3_dataset
     cache = tmp_path / "cache"
-    with start_service({"train": s3_dataset[0]}, cache_dir=cache, env=moto.env()) as svc:
+    with start_service({"train": s3_dataset[0]}, cache_dir=cache, env=s3_server.env()) as svc:
         assert tar_members(batch(svc.url, {"dataset": "train", "indices": [1, 2]}).content) == \
             expected(source, [1, 2])
         shutil.rmtree(cache)
         assert tar_members(batch(svc.url, {"dataset": "train", "indices": [150, 3]}).content) == \
             expected(source, [150, 3])
-        assert (cache / ".lock").exists() and list(cache.glob("*/*.blk"))
+        assert (cache / ".lock").exists()
+        deadline = time.monotonic() + 30  # blocks reach the disk after their waiters are served
+        while not list(cache.glob("*/*.blk")):
+            assert time.monotonic() < deadline, "no block was written to the recreated cache"
+            time.sleep(0.05)
         with pytest.raises(RuntimeError) as err:
-            start_service({"train": s3_dataset[0]}, cache_dir=cache, env=moto.env())
+            start_service({"train": s3_dataset[0]}, cache_dir=cache, env=s3_server.env())
         assert "in use by another shardfeed process" in str(err.value)
 
 
@@ -308,6 +318,9 @@ def test_a_removed_cache_dir_is_recreated_and_locked_again(s3_dataset, moto, tmp
     (["--peer-timeout", "0"], "--peer-timeout must be positive"),
     (["--cache-size", "lots"], "invalid size value: 'lots'"),
     (["--dataset", "no-equals-sign"], "--dataset expects NAME=URL"),
+    (["--workers", "0"], "--workers must be between 1 and"),
+    (["--workers", "-2"], "--workers must be between 1 and"),
+    (["--workers", "100000"], "--workers must be between 1 and"),
 ])
 def test_bad_serve_arguments_are_refused_with_one_line(tmp_path, args, message):
     import subprocess

@@ -4,8 +4,10 @@
     datasets   /v1/datasets[/{name}]
     samples    per-sample GETs, coalesced by ``SampleBatcher``
     batch      POST /v1/batch, the ordered tar stream
+    internal   replica-to-replica and worker-to-worker member reads
+    routing    /v1/datasets/{name}/routing, for client-side routing
+    status     GET /v1/stats and the status page at / and /ui
     plans      /v1/datasets/{name}/plans[/{id}]: announced orders (``service/plans/``)
-    internal   replica-to-replica member reads
 
 Every route gets the service ``State`` from one dependency (``common.AppState``) and
 raises ``ApiError`` (``service/errors.py``) for every error answer.
@@ -30,11 +32,13 @@ from ..peers import Cluster
 from ..samples import SampleBatcher
 from ..plans.prefetch import Prefetcher
 from ..plans.registry import Plans
-from . import batch, datasets as dataset_routes, internal, ops, plans as plan_routes, samples
+from ..stats import StatsRecorder
+from . import batch, datasets as dataset_routes, internal, ops, plans as plan_routes, routing, samples, status
 from .auth import TokenAuth
 from .common import ERRORS, Admission, State, describe
 
-ROUTERS = (ops.router, dataset_routes.router, samples.router, batch.router, internal.router, plan_routes.router)
+ROUTERS = (ops.router, dataset_routes.router, routing.router, samples.router, batch.router, internal.router,
+           status.router, plan_routes.router)
 
 
 def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: BlockCache,
@@ -47,15 +51,17 @@ def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: Block
     prefetcher = Prefetcher(plans, coalescer, config)
     admission = Admission({"batch": config.max_inflight_batches, "sample": config.max_inflight_samples}, metrics)
     state = State(config, datasets, metrics, coalescer, SampleBatcher(coalescer, config.sample_window),
-                  admission, cluster, plans, prefetcher)
+                  admission, cluster, StatsRecorder(metrics.registry), plans, prefetcher)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        state.stats.start()
         if cluster is not None:
             cluster.start()
         prefetcher.start()
         yield
         await prefetcher.close()
+        await state.stats.close()
         if cluster is not None:
             await cluster.close()
         await coalescer.close()

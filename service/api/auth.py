@@ -1,10 +1,15 @@
-"""Bearer-token middleware: every route but /healthz needs ``Authorization: Bearer <token>``."""
+"""Bearer-token middleware: every route but /healthz and the status page's HTML needs
+``Authorization: Bearer <token>``."""
 
 from __future__ import annotations
 
 import hmac
 
 from ..errors import error_response
+
+OPEN_PATHS = frozenset({"/healthz", "/", "/ui"})
+"""Answered without a token: liveness, and the status page's HTML, which holds no data (its
+script asks for a token and sends it with every call to ``/v1/stats``)."""
 
 
 class TokenAuth:
@@ -15,7 +20,7 @@ class TokenAuth:
         self.tokens = [t.encode() for t in tokens]
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] == "/healthz":
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
         given = b""
         for name, value in scope["headers"]:

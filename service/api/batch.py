@@ -18,6 +18,7 @@ from ..errors import ApiError, StoreUnavailable
 from ..index import SampleOutOfRange, UnknownField
 from ..stream import SampleFailed, stream_batch
 from .common import TAR, AppState, json_body, read_json
+from .routing import ROUTING_HEADER
 
 log = logging.getLogger("shardfeed.api")
 router = APIRouter(tags=["samples"])
@@ -110,4 +111,7 @@ async def batch(request: Request, state: AppState) -> Response:
             log.debug("batch dataset=%s samples=%d status=%s ms=%.1f", dataset.name, len(indices), status,
                       1e3 * (time.perf_counter() - began))
 
-    return StreamingResponse(body_stream(), media_type=TAR, headers={"X-Shardfeed-Samples": str(len(indices))})
+    headers = {"X-Shardfeed-Samples": str(len(indices))}
+    if state.cluster is not None:
+        headers[ROUTING_HEADER] = state.cluster.version()
+    return StreamingResponse(body_stream(), media_type=TAR, headers=headers)

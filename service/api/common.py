@@ -21,6 +21,7 @@ from ..peers import Cluster
 from ..plans.prefetch import Prefetcher
 from ..plans.registry import Plans
 from ..samples import SampleBatcher
+from ..stats import StatsRecorder
 
 TAR = "application/x-tar"
 BODY_TIMEOUT = 10.0
@@ -84,6 +85,7 @@ class State:
     batcher: SampleBatcher
     admission: Admission
     cluster: Cluster | None
+    stats: StatsRecorder
     plans: Plans
     prefetcher: Prefetcher
 

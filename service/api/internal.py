@@ -1,8 +1,8 @@
-"""Replica to replica: the bytes of members of shards this replica owns."""
+"""Replica to replica and worker to worker: the bytes of members of shards this node owns."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -22,10 +22,14 @@ class RangeRead(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     dataset: str = Field(min_length=1, max_length=256)
-    # Bounded, so that offset + size cannot overflow int64 and slip past the range check.
+    # Bounded, so that offset + size cannot overflow int64 and slip past the range check;
+    # 2**53, so that a client reading the bound as a JSON double gets it exactly.
     shard: list[Annotated[StrictInt, Field(ge=0, lt=2**31)]]
-    offset: list[Annotated[StrictInt, Field(ge=0, lt=2**62)]]
-    size: list[Annotated[StrictInt, Field(ge=0, lt=2**62)]]
+    offset: list[Annotated[StrictInt, Field(ge=0, lt=2**53)]]
+    size: list[Annotated[StrictInt, Field(ge=0, lt=2**53)]]
+    scope: Literal["host", "node"] = Field(
+        "host", description="host: a replica sent these, route them to the owning worker here; "
+                            "node: a sibling worker sent them, read them here.")
 
 
 @router.post("/v1/internal/read", response_class=Response, openapi_extra=json_body(RangeRead))
@@ -44,7 +48,7 @@ async def internal_read(request: Request, state: AppState) -> Response:
         raise InvalidRequest("a range lies outside the dataset's shards")
     members = Members(position=np.arange(n), sample=np.zeros(n, np.int64), field=np.zeros(n, np.int32),
                       shard=shard.astype(np.int32), offset=offset, size=size, found=np.ones(n, bool))
-    payloads = await state.coalescer.read_members(dataset, members, local=True)
+    payloads = await state.coalescer.read_members(dataset, members, scope=req.scope)
     for payload in payloads:
         if isinstance(payload, StoreError):
             raise StoreUnavailable(str(payload))

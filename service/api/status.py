@@ -1,0 +1,139 @@
+"""The status page: ``GET /v1/stats`` (JSON, what the page shows) and ``GET /`` or ``/ui`` (the page).
+
+The page is one static HTML file in the package (``static/status.html``, script and
+styles inline, nothing fetched from elsewhere) that polls ``/v1/stats`` once a second.
+Its HTML carries no data, so it is served without a token; ``/v1/stats`` is behind the
+bearer-token middleware like every other route, and the page asks for the token on a
+401 and sends it as ``Authorization: Bearer`` (kept in the tab's ``sessionStorage``).
+
+Every figure comes from a public accessor (``Dataset.info()``, ``Cluster.describe()``
+and ``owners()``, ``Admission``) or from the metrics history of ``StatsRecorder``; a figure
+the service does not know is ``null`` (the page says "unknown"), never 0. A call costs
+well under a millisecond: the series' points are serialized once, when recorded, and
+after its first call the page asks only for points newer than the last it has
+(``?since=``).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+from importlib.resources import files
+
+import numpy as np
+from fastapi import APIRouter, Query
+from starlette.responses import HTMLResponse, Response
+
+from ..stats import RATES
+from .common import AppState, State
+
+router = APIRouter(tags=["status"])
+
+RATE_SPAN = 10.0
+"""Seconds the headline rates are measured over (counter growth over that span)."""
+
+_PAGE = files(__package__).joinpath("static/status.html").read_bytes()
+_SCRIPT = re.search(rb"<script>(.*?)</script>", _PAGE, re.S).group(1)
+# The page may run its own inline script and talk to this origin, nothing else.
+_PAGE_HEADERS = {
+    "Cache-Control": "no-cache",
+    "Content-Security-Policy": (
+        f"default-src 'none'; script-src 'sha256-{base64.b64encode(hashlib.sha256(_SCRIPT).digest()).decode()}'; "
+        "style-src 'unsafe-inline'; connect-src 'self'; img-src data:; form-action 'none'; "
+        "frame-ancestors 'none'; base-uri 'none'"),
+    "X-Content-Type-Options": "nosniff",
+}
+
+
+@router.get("/", include_in_schema=False)
+@router.get("/ui", include_in_schema=False)
+async def page() -> HTMLResponse:
+    return HTMLResponse(_PAGE, headers=_PAGE_HEADERS)
+
+
+@router.get("/v1/stats")
+async def stats(state: AppState, since: float | None = Query(
+        None, description="only series points newer than this time (seconds since the epoch)")) -> Response:
+    """The status page's figures: recent rates and latencies, cache, admission, datasets, replicas."""
+    # The series is spliced in as the recorder serialized it (see ``StatsRecorder.series_json``).
+    head = json.dumps(document(state), separators=(",", ":"), allow_nan=False)
+    body = f'{head[:-1]},"series":{state.stats.series_json(since)}}}'
+    return Response(body, media_type="application/json", headers={"Cache-Control": "no-store"})
+
+
+def document(state: State) -> dict:
+    """Every figure but the series."""
+    recorder = state.stats
+    latest = recorder.latest
+    values = latest.values if latest else {}
+    hits, misses = values.get(RATES["cache_hits"]), values.get(RATES["cache_misses"])
+    samples, store_requests = values.get(RATES["samples"]), values.get(RATES["store_requests"])
+    recent = recorder.change(RATE_SPAN)
+    window = recorder.change(recorder.window)
+    return {
+        "time": latest and latest.time,
+        "started": recorder.started,
+        "interval_s": recorder.interval,
+        "rates": _rates(recent),
+        "totals": {name: values.get(sample) for name, sample in RATES.items()},
+        "cache": {
+            "bytes": values.get("shardfeed_cache_bytes"),
+            "blocks": values.get("shardfeed_cache_blocks"),
+            "capacity": state.config.cache_size,
+            "fill": _ratio(values.get("shardfeed_cache_bytes"), state.config.cache_size),
+            "hit_ratio": _ratio(hits, (hits or 0) + (misses or 0)),
+            "hit_ratio_recent": window and _ratio(window[0].get(RATES["cache_hits"]),
+                                                  window[0].get(RATES["cache_hits"], 0)
+                                                  + window[0].get(RATES["cache_misses"], 0)),
+        },
+        "coalescing": {
+            "factor": _ratio(samples, store_requests),
+            "factor_recent": window and _ratio(window[0].get(RATES["samples"]), window[0].get(RATES["store_requests"])),
+        },
+        "latency": recorder.latencies(),
+        "inflight": {
+            **{kind: {"now": n, "limit": state.admission.limits[kind]} for kind, n in state.admission.inflight.items()},
+            "store": {"now": values.get("shardfeed_inflight_store_requests"), "limit": state.config.max_store_requests},
+        },
+        "datasets": [dataset.info() for dataset in state.datasets.values()],
+        "replicas": _replicas(state),
+        # Parts that only some builds of the service have: shown when the State carries them.
+        "plans": _describe(getattr(state, "plans", None)),
+        "workers": _describe(getattr(state, "workers", None)),
+    }
+
+
+def _rates(recent: tuple[dict[str, float], float] | None) -> dict:
+    """Per second over the last ``RATE_SPAN`` seconds (``span_s``: exactly how long)."""
+    if recent is None:
+        return {"span_s": None, **dict.fromkeys(RATES)}
+    change, seconds = recent
+    return {"span_s": round(seconds, 3),
+            **{name: round(change.get(sample, 0.0) / seconds, 3) for name, sample in RATES.items()}}
+
+
+def _ratio(part: float | None, whole: float | None) -> float | None:
+    return None if part is None or not whole else round(part / whole, 4)
+
+
+def _replicas(state: State) -> list[dict]:
+    """Every replica with its health and how many shards of each dataset it owns now."""
+    if state.cluster is None:  # a single service owns every shard
+        return [{"id": None, "url": None, "up": True, "self": True,
+                 "shards": {name: len(d.index.shards) for name, d in state.datasets.items()}}]
+    described = state.cluster.describe()["peers"]
+    for peer in described:
+        peer["shards"] = {}
+    for name, dataset in state.datasets.items():
+        shards = dataset.index.shards
+        owners = state.cluster.host_of(state.cluster.owners(dataset.url, shards, np.arange(len(shards))))
+        for peer, count in zip(described, np.bincount(owners, minlength=len(described)).tolist()):
+            peer["shards"][name] = count
+    return described
+
+
+def _describe(part) -> dict | list | None:
+    describe = getattr(part, "describe", None)
+    return describe() if callable(describe) else None

@@ -1,0 +1,162 @@
+"""``serve --workers N`` over one moto S3: shared load, one cache slice each, crash and restart."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from reliability_helpers import expected_members
+from sample_data import make_dataset, s3_put
+from service_helpers import hops, metrics, tar_members
+from shardfeed.client import Client
+from shardfeed.service.process import free_port, start_service
+
+SAMPLES = 240
+
+
+@pytest.fixture(scope="module")
+def dataset(moto):
+    moto.create_bucket("workers")
+    source = make_dataset(s3_put(moto.client(), "workers", "train"), samples=SAMPLES, per_shard=20)
+    return "s3://workers/train", source  # 12 shards
+
+
+@pytest.fixture
+def service(dataset, moto, tmp_path):
+    with start_service({"train": dataset[0]}, cache_dir=tmp_path / "cache", env=moto.env(), workers=2,
+                       args=["--block-size", "64KiB", "--peer-timeout", "2"]) as svc:
+        yield svc
+
+
+def expected(source, indices):
+    return expected_members(source, "train", indices)
+
+
+def fetch(url, indices):
+    resp = httpx.post(f"{url}/v1/batch", json={"dataset": "train", "indices": indices}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return tar_members(resp.content)
+
+
+def worker_urls(url):
+    workers = httpx.get(f"{url}/v1/cluster", timeout=10).json()["workers"]
+    assert [w["id"] for w in workers] == ["w0", "w1"]
+    return [w["url"] for w in workers]
+
+
+def healthy(url) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def worker_pids(service) -> list[int]:
+    pid = service.process.pid
+    return sorted(int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+
+
+def test_workers_share_the_load_and_cache_no_block_twice(service, dataset):
+    _, source = dataset
+    order = list(range(SAMPLES))
+    random.Random(3).shuffle(order)
+    batches = [order[i:i + 24] for i in range(0, SAMPLES, 24)]
+    with ThreadPoolExecutor(8) as pool:  # a fresh connection per batch: the kernel spreads them
+        for _ in range(2):
+            assert list(pool.map(lambda b: fetch(service.url, b), batches)) == [expected(source, b) for b in batches]
+    urls = worker_urls(service.url)
+    per_worker = [metrics(url) for url in urls]
+    assert all(m["shardfeed_samples_served_total"] > 0 for m in per_worker), "one worker served everything"
+    for url in urls:  # plain HTTP to each worker's own port serves any batch too
+        assert fetch(url, order[:50]) == expected(source, order[:50])
+    assert all(m["shardfeed_store_requests_total"] > 0 for m in per_worker), "one worker owns every shard"
+    assert all(m["shardfeed_peer_requests_total"] > 0 for m in per_worker), "no sibling sub-batches"
+    cache = service.log_path.parent / "cache"
+    blocks = [{p.name for p in (cache / f"worker-{i}").glob("*/*.blk")} for i in range(2)]
+    assert blocks[0] and blocks[1] and not blocks[0] & blocks[1], "a block cached twice on one host"
+
+
+def test_a_worker_killed_mid_epoch_loses_no_sample_and_is_restarted(service, dataset):
+    _, source = dataset
+    first = worker_pids(service)
+    assert len(first) == 2
+    order = list(range(SAMPLES))
+    random.Random(4).shuffle(order)
+    with Client(service.url) as client:
+        for n, start in enumerate(range(0, SAMPLES, 16)):
+            if n == 3:
+                os.kill(first[1], signal.SIGKILL)
+            batch = order[start:start + 16]
+            got = client.get_batch("train", batch)
+            assert [(s["__key__"], s["bin"]) for s in got] == [(f"sample{i:06d}", source[(i, "bin")]) for i in batch]
+    deadline = time.monotonic() + 30
+    while True:
+        pids = worker_pids(service)
+        if len(pids) == 2 and first[1] not in pids and all(map(healthy, worker_urls(service.url))):
+            break
+        assert time.monotonic() < deadline, f"the worker was not restarted:\n{service.log()[-2000:]}"
+        time.sleep(0.2)
+    assert first[0] in pids, "the surviving worker was restarted too"
+    assert "restarting it" in service.log()
+    indices = list(range(SAMPLES))
+    assert fetch(service.url, indices) == expected(source, indices)
+
+
+def test_sigterm_drains_the_workers_and_exits_0(service):
+    pids = worker_pids(service)
+    assert service.stop() == 0
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def test_client_routing_sends_each_worker_its_own_part_with_no_hop(service, dataset):
+    _, source = dataset
+    table = httpx.get(f"{service.url}/v1/datasets/train/routing", timeout=10).json()
+    assert sorted(table["urls"]) == sorted(worker_urls(service.url))
+    order = list(range(SAMPLES))
+    random.Random(5).shuffle(order)
+    with Client(service.url) as client:
+        for start in range(0, SAMPLES, 40):
+            batch = order[start:start + 40]
+            got = client.get_batch("train", batch)
+            assert [(s["__key__"], s["bin"]) for s in got] == [(f"sample{i:06d}", source[(i, "bin")]) for i in batch]
+    per_worker = [metrics(url) for url in worker_urls(service.url)]
+    assert all(m["shardfeed_samples_served_total"] > 0 for m in per_worker)
+    assert sum(hops(url, "worker") for url in worker_urls(service.url)) == 0, "a part went to a non-owner"
+
+
+def test_replicas_compose_with_workers(dataset, moto, tmp_path):
+    _, source = dataset
+    ports = [free_port(), free_port()]
+    peers = f"a=http://127.0.0.1:{ports[0]},b=http://127.0.0.1:{ports[1]}"
+    with start_service({"train": dataset[0]}, cache_dir=tmp_path / "a", port=ports[0], env=moto.env(), workers=2,
+                       args=["--node-id", "a", "--peers", peers, "--block-size", "64KiB"]) as a, \
+            start_service({"train": dataset[0]}, cache_dir=tmp_path / "b", port=ports[1], env=moto.env(),
+                          args=["--node-id", "b", "--peers", peers, "--block-size", "64KiB"]) as b:
+        deadline = time.monotonic() + 10  # until every process sees both replicas up
+        while any(metrics(url)["shardfeed_peers_up"] < 2 for url in [b.url, *worker_urls(a.url)]):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        order = list(range(SAMPLES))
+        random.Random(9).shuffle(order)
+        for service in (a, b):  # plain HTTP: any replica, any worker
+            assert fetch(service.url, order) == expected(source, order)
+        table = httpx.get(f"{b.url}/v1/datasets/train/routing", timeout=10).json()
+        assert sorted(table["urls"]) == sorted([a.url, b.url])  # a's workers sort out a's shards
+        table = httpx.get(f"{a.url}/v1/datasets/train/routing", timeout=10).json()
+        assert sorted(table["urls"]) == sorted([*worker_urls(a.url), b.url])
+        before = hops(b.url, "replica") + sum(hops(u, "replica") for u in worker_urls(a.url))
+        with Client(a.url) as client:
+            for start in range(0, SAMPLES, 48):
+                batch = order[start:start + 48]
+                assert [(s["__key__"], s["bin"]) for s in client.get_batch("train", batch)] == [
+                    (f"sample{i:06d}", source[(i, "bin")]) for i in batch]
+        after = hops(b.url, "replica") + sum(hops(u, "replica") for u in worker_urls(a.url))
+        assert after == before, "a routed part went to a replica that does not own it"
