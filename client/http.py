@@ -353,6 +353,11 @@ def dataset_path(dataset: str | None = None) -> str:
     return "/v1/datasets" if dataset is None else f"/v1/datasets/{quote(dataset, safe='')}"
 
 
+def plan_path(dataset: str, plan_id: str | None = None) -> str:
+    path = f"{dataset_path(dataset)}/plans"
+    return path if plan_id is None else f"{path}/{quote(plan_id, safe='')}"
+
+
 def batch_body(dataset: str, indices: list[int], fields: Sequence[str] | None,
                continue_on_error: bool) -> dict:
     """JSON body of ``POST /v1/batch``."""

@@ -18,13 +18,10 @@ from it with any world size or worker count yields exactly the samples not yet s
 (Samples repeated as padding at the end of an epoch are the one exception: padding is
 recomputed for the new step size.)
 
-Shard locality (``locality=(block, window)``): instead of a uniform permutation, shuffle
-blocks of ``block`` consecutive samples (about one shard each, since shards hold runs of
-consecutive indices), then shuffle samples within each run of ``window`` blocks. The
-service then needs only ``window`` shards in its cache at a time, so a cache smaller
-than the dataset still hits; the price is a less random order: a stretch of batches
-draws from ``window`` shards only, so batches are correlated with shard contents (keep
-``window`` large enough that a window mixes many shards).
+Shard locality (``locality=(block, window)``, shuffle modes ``blocks`` and ``windows`` in
+:mod:`.shuffles`): instead of a uniform permutation, keep the samples of about ``window``
+shards in play at a time, so a service whose cache is smaller than the dataset reads each
+shard once; the price is a less random order (see each mode's trade-off).
 """
 
 from __future__ import annotations
@@ -34,25 +31,31 @@ from typing import Any
 
 import numpy as np
 
+from .shuffles import LOCAL, SHUFFLES
+
 STATE_VERSION = 1
 
 
-def epoch_order(samples: int, *, seed: int, epoch: int, shuffle: bool = True,
+def epoch_order(samples: int, *, seed: int, epoch: int, shuffle: bool | str = True,
                 locality: tuple[int, int] | None = None) -> np.ndarray:
-    """The global order of one epoch: ``samples`` indices, a pure function of the arguments."""
-    if not shuffle:
-        return np.arange(samples, dtype=np.int64)
-    rng = np.random.default_rng([seed, epoch])
-    if locality is None:
-        return rng.permutation(samples).astype(np.int64, copy=False)
-    block, window = locality
-    blocks = -(-samples // block)
-    # The window of each block, in a random order of blocks; samples sort by
-    # (window, random key): whole windows in turn, shuffled inside.
-    window_of_block = np.empty(blocks, dtype=np.int64)
-    window_of_block[rng.permutation(blocks)] = np.arange(blocks) // window
-    window_of_sample = window_of_block[np.arange(samples) // block]
-    return np.lexsort((rng.random(samples), window_of_sample)).astype(np.int64, copy=False)
+    """The global order of one epoch: ``samples`` indices, a pure function of the arguments.
+
+    ``shuffle`` is a mode of :mod:`.shuffles`, or ``True`` (``blocks`` with ``locality``,
+    else ``uniform``) or ``False`` (``none``).
+    """
+    mode = shuffle_mode(shuffle, locality)
+    return SHUFFLES[mode](samples, np.random.default_rng([seed, epoch]), locality)
+
+
+def shuffle_mode(shuffle: bool | str, locality: tuple[int, int] | None) -> str:
+    """The shuffle mode's name (``ValueError`` for an unknown one or missing locality)."""
+    if isinstance(shuffle, bool):
+        return ("blocks" if locality else "uniform") if shuffle else "none"
+    if shuffle not in SHUFFLES:
+        raise ValueError(f"unknown shuffle mode {shuffle!r} (modes: {', '.join(SHUFFLES)})")
+    if shuffle in LOCAL and not locality:
+        raise ValueError(f"shuffle mode {shuffle!r} needs locality=(block, window)")
+    return shuffle
 
 
 class EpochSampler:
@@ -64,7 +67,7 @@ class EpochSampler:
     ``load_state_dict()`` save and restore ``(epoch, consumed)``.
     """
 
-    def __init__(self, samples: int, batch_size: int, *, seed: int = 0, shuffle: bool = True,
+    def __init__(self, samples: int, batch_size: int, *, seed: int = 0, shuffle: bool | str = True,
                  drop_last: bool = False, rank: int = 0, world_size: int = 1,
                  locality: tuple[int, int] | None = None):
         if samples < 1:
@@ -73,8 +76,9 @@ class EpochSampler:
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
-        if locality is not None and (locality[0] < 1 or locality[1] < 1):
+        if locality is not None and (len(locality) != 2 or locality[0] < 1 or locality[1] < 1):
             raise ValueError(f"locality block and window must be at least 1, got {locality}")
+        shuffle_mode(shuffle, locality)
         self.samples = samples
         self.batch_size = batch_size
         self.seed = seed
@@ -133,6 +137,20 @@ class EpochSampler:
         for j in range(self.rank + self.world_size * worker, len(stream) // bs,
                        self.world_size * num_workers):
             yield stream[j * bs:(j + 1) * bs]
+
+    def rank_order(self) -> np.ndarray:
+        """Every sample this rank still reads this epoch, in the order its batches come
+        (what a plan announces to the service, see ``ShardfeedSampler``)."""
+        batches = list(self.batches())
+        return np.concatenate(batches) if batches else np.zeros(0, np.int64)
+
+    def plan(self) -> dict[str, Any]:
+        """The plan (``POST /v1/datasets/{name}/plans``) of this rank's rest of the epoch:
+        the service computes ``rank_order()`` from it with this same code."""
+        return {"kind": "sampler", "seed": self.seed, "epoch": self.epoch, "rank": self.rank,
+                "world_size": self.world_size, "batch_size": self.batch_size, "shuffle": self.shuffle,
+                "locality": list(self.locality) if self.locality else None, "drop_last": self.drop_last,
+                "consumed": self.consumed}
 
     def advance(self, batches: int = 1) -> None:
         """Record that every rank's training loop took ``batches`` more batches."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 
@@ -14,7 +14,7 @@ from shardfeed.retry import retry_sync
 from .errors import ShardfeedConnectionError, ShardfeedError
 from .http import (
     ERROR_BODY_LIMIT, ROUTING_HEADER, BaseClient, Via, as_indices, batch_body, dataset_path, merge_order,
-    parse_json, routing_path, sample_path, status_error, transport_error,
+    parse_json, plan_path, routing_path, sample_path, status_error, transport_error,
 )
 from .samples import BatchReader
 
@@ -34,6 +34,18 @@ class Client(BaseClient):
     def info(self, dataset: str) -> dict:
         """``GET /v1/datasets/{name}``: ``{"name", "url", "samples", "shards", "bytes", "fields"}``."""
         return self._call("GET", dataset_path(dataset), parse_json)
+
+    def register_plan(self, dataset: str, plan: dict) -> dict:
+        """``POST /v1/datasets/{name}/plans``: announce an upcoming order (see ``client/plans.py``)."""
+        return self._call("POST", plan_path(dataset), parse_json, json=plan)
+
+    def plan(self, dataset: str, plan_id: str) -> dict:
+        """``GET /v1/datasets/{name}/plans/{id}``: its length, position and time left."""
+        return self._call("GET", plan_path(dataset, plan_id), parse_json)
+
+    def delete_plan(self, dataset: str, plan_id: str) -> None:
+        """``DELETE /v1/datasets/{name}/plans/{id}``."""
+        self._call("DELETE", plan_path(dataset, plan_id), lambda r: None)
 
     def get_field(self, dataset: str, index: int, field: str) -> bytes:
         """The raw bytes of one field of sample ``index``."""
@@ -139,17 +151,17 @@ class Client(BaseClient):
     def _session(self) -> httpx.Client:
         return self._session_for(os.getpid(), httpx.Client)
 
-    def _call(self, method: str, path: str, parse: Callable[[httpx.Response], T]) -> T:
+    def _call(self, method: str, path: str, parse: Callable[[httpx.Response], T], json: Any = None) -> T:
         """One request with retries; ``parse`` runs inside each try, so a short body is retried."""
-        return retry_sync(lambda: self._once(method, path, parse), backoff=self.backoff,
+        return retry_sync(lambda: self._once(method, path, parse, json), backoff=self.backoff,
                           retryable=self._verdict)
 
-    def _once(self, method: str, path: str, parse: Callable[[httpx.Response], T]) -> T:
+    def _once(self, method: str, path: str, parse: Callable[[httpx.Response], T], json: Any = None) -> T:
         http = self._session()  # first: a new session starts the rotation at a random URL
         base = self.endpoints.pick()
         url = base + path
         try:
-            response = http.request(method, url)
+            response = http.request(method, url, json=json)
         except httpx.TransportError as exc:
             raise transport_error(base, exc) from None
         if response.status_code >= 400:

@@ -4,6 +4,10 @@
   fetches each batch with ONE request (through ``__getitems__``). Works with any
   sampler (``shuffle=True``, ``DistributedSampler``), ``pin_memory`` and
   ``persistent_workers``.
+- :class:`ShardfeedSampler`: ``DistributedSampler`` semantics for a ``ShardfeedDataset``
+  (rank, world size, ``set_epoch``, ``drop_last`` or padding) whose order the service
+  computes too: each epoch it registers a plan, so the service reads ahead of the
+  DataLoader and keeps the blocks that are read next (``client/plans.py``).
 - :class:`ShardfeedIterableDataset`, iterable: yields whole batches in a deterministic
   global order drawn from ``(seed, epoch)``, split over ranks and workers with equal
   batch counts per rank, prefetched in the background, resumable mid-epoch with
@@ -24,10 +28,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate, get_worker_info
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate, get_worker_info
 
 from .decode import Decoder, make_decoder
+from .plans import PlanHandle
 from .sampling import EpochSampler
+from .shuffles import LOCAL, cache_window, shard_samples
 from .sync import Client
 
 T = TypeVar("T")
@@ -100,6 +106,54 @@ class ShardfeedDataset(Dataset):
         return self.source.fetch(indices)
 
 
+class ShardfeedSampler(Sampler[int]):
+    """``DistributedSampler`` for a :class:`ShardfeedDataset` that announces its order.
+
+    The same contract as ``torch.utils.data.DistributedSampler``: each epoch (set with
+    :meth:`set_epoch`) a permutation drawn from ``(seed, epoch)`` (the identity without
+    ``shuffle``), padded by wrapping around to a multiple of ``num_replicas`` (trimmed
+    instead with ``drop_last``); rank ``r`` takes every ``num_replicas``-th index from
+    ``r``. Every sample is read once per epoch across the ranks. The permutation comes
+    from :mod:`.sampling`, not ``torch.randperm``: the service runs that same code on the
+    plan this sampler registers at the start of each epoch, so it reads ahead of the
+    DataLoader and evicts the blocks read last.
+
+    Args:
+        dataset: the map-style dataset (its client and fields are the plan's).
+        num_replicas, rank: by default from ``torch.distributed`` if initialised, else 1 and 0.
+        shuffle, seed, drop_last: as for ``DistributedSampler``.
+        plan: ``False`` to register no plan (the order is the same).
+    """
+
+    def __init__(self, dataset: ShardfeedDataset, num_replicas: int | None = None, rank: int | None = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False, plan: bool = True):
+        rank, world_size = _rank_and_world_size(rank, num_replicas)
+        # One sample per "batch": the batches go round-robin to the ranks, which is
+        # DistributedSampler's stride.
+        self.sampler = EpochSampler(len(dataset), 1, seed=seed, shuffle=shuffle, drop_last=drop_last,
+                                    rank=rank, world_size=world_size)
+        source = dataset.source
+        self.plan = PlanHandle(source.client, source.dataset, source.fields) if plan else None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[int]:
+        order = self.sampler.rank_order().tolist()
+        if self.plan is None:
+            yield from order
+            return
+        self.plan.register(self.sampler.plan())
+        world_size = self.sampler.world_size
+        for k, index in enumerate(order):
+            if k % 64 == 63:  # refresh() itself asks the service only every CHECK_EVERY seconds
+                self.plan.refresh(lambda: {**self.sampler.plan(), "consumed": k * world_size})
+            yield index
+
+
 class ShardfeedIterableDataset(IterableDataset):
     """Iterable dataset of whole batches in a deterministic, resumable global order.
 
@@ -111,16 +165,21 @@ class ShardfeedIterableDataset(IterableDataset):
             as for :class:`ShardfeedDataset`.
         batch_size: samples per batch.
         seed: with the epoch, selects the order; the same seed gives the same order.
-        shuffle: ``False`` walks the samples in index order.
+        shuffle: ``False`` walks the samples in index order, ``True`` draws a uniform
+            permutation, or the name of a mode of :mod:`.shuffles` (``"windows"``: a
+            window of shards sliding through the epoch, for a cache smaller than the dataset).
         drop_last: at the end of an epoch, drop the samples that do not fill a batch on
             every rank. By default they are padded instead, by wrapping around to the start
             of the epoch's order, so every batch is full (a few samples repeat).
         rank, world_size: this process's place in a distributed job; by default taken
             from ``torch.distributed`` if it is initialised, else 0 and 1. Give both or neither.
-        shard_window: shard-locality mode: shuffle whole shards, then shuffle samples
-            within each run of ``shard_window`` shards. The service then needs only that
-            many shards in its cache at a time (use it when the cache is smaller than the
-            dataset), at the price of a less random order (see :mod:`.sampling`).
+        shard_window: shards in play at once for the locality modes (``"windows"``,
+            ``"blocks"``; with ``shuffle=True`` it selects ``"blocks"``). The service then
+            needs only that many shards in its cache at a time, at the price of a less
+            random order. By default sized from the cache the service reports
+            (:func:`.shuffles.cache_window`).
+        plan: register each pass's order with the service (``ShardfeedLoader`` does it,
+            or call :meth:`announce`), so it reads ahead and keeps what is read next.
         collate_fn: turns the list of samples of a batch into the batch (default:
             ``torch.utils.data.default_collate``); ``None`` yields the list.
         prefetch: batches each worker fetches ahead in a background thread while the
@@ -128,8 +187,8 @@ class ShardfeedIterableDataset(IterableDataset):
     """
 
     def __init__(self, url: str | Sequence[str] | Client, dataset: str, *, batch_size: int, seed: int = 0,
-                 shuffle: bool = True, drop_last: bool = False, rank: int | None = None,
-                 world_size: int | None = None, shard_window: int | None = None,
+                 shuffle: bool | str = True, drop_last: bool = False, rank: int | None = None,
+                 world_size: int | None = None, shard_window: int | None = None, plan: bool = True,
                  fields: Sequence[str] | None = None, decode: bool | Mapping[str, Decoder] = False,
                  transform: Callable[[dict], Any] | None = None,
                  collate_fn: Callable[[list], Any] | None = default_collate, prefetch: int = 2,
@@ -140,14 +199,20 @@ class ShardfeedIterableDataset(IterableDataset):
         rank, world_size = _rank_and_world_size(rank, world_size)
         samples = int(self.source.info["samples"])
         locality = None
+        if shard_window is None and shuffle in LOCAL:
+            shard_window = cache_window(self.source.info)
         if shard_window is not None:
-            shards = max(1, int(self.source.info["shards"]))
-            # Shards hold runs of consecutive indices, about samples/shards long each.
-            locality = (-(-samples // shards), shard_window)
+            locality = (shard_samples(self.source.info), shard_window)
         self.sampler = EpochSampler(samples, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last,
                                     rank=rank, world_size=world_size, locality=locality)
         self.collate_fn = collate_fn
         self.prefetch = prefetch
+        self.plan = PlanHandle(self.source.client, dataset, self.source.fields) if plan else None
+
+    def announce(self) -> None:
+        """Register the rest of this rank's epoch as a plan (replacing the previous one)."""
+        if self.plan is not None:
+            self.plan.register(self.sampler.plan())
 
     def __iter__(self) -> Iterator[Any]:
         worker = get_worker_info()
@@ -219,8 +284,12 @@ class ShardfeedLoader:
         self.options = dataloader_options
 
     def __iter__(self) -> Iterator[Any]:
+        self.dataset.announce()
+        plan = self.dataset.plan
         for batch in DataLoader(self.dataset, batch_size=None, **self.options):
             self.dataset.advance(1)
+            if plan is not None:
+                plan.refresh(self.dataset.sampler.plan)
             yield batch
         if self.dataset.sampler.finished:
             self.dataset.set_epoch(self.dataset.epoch + 1)

@@ -10,7 +10,9 @@ read is a ``pread`` and no ``open``.
 
 Crash safety: a block is written to a temporary file and renamed into place, so it
 becomes visible only when complete; after a restart the directory is scanned and the
-blocks are reused. Eviction is LRU over whole blocks, bounded by ``capacity`` bytes.
+blocks are reused. Eviction is LRU over whole blocks, bounded by ``capacity`` bytes,
+unless a ``victims`` policy orders the candidates (plans: the block used farthest in the
+future goes first, ``service/plans/``).
 LRU fits the access pattern: a random epoch touches every block once, and a block
 read by one batch is likely to be read again by the next samples of the same shard,
 while the blocks of the batch being served are already in memory and eviction cannot
@@ -33,6 +35,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -60,6 +63,13 @@ class BlockKey(NamedTuple):
 
     def filename(self, block_size: int) -> str:
         return f"{self.dataset}/{self.shard}-{block_size:x}-{self.block:08x}{_SUFFIX}"
+
+    @classmethod
+    def from_filename(cls, name: str) -> BlockKey:
+        """The key of a file name made by ``filename``."""
+        dataset, _, rest = name.partition("/")
+        shard, _, rest = rest.partition("-")
+        return cls(dataset, shard, int(rest.partition("-")[2][:-len(_SUFFIX)], 16))
 
 
 def dataset_id(url: str) -> str:
@@ -115,6 +125,9 @@ class BlockCache:
         self._last_warning = -1e9
         self.on_forget: Callable[[str], None] = lambda name: None
         """Called with the file name of every block evicted, replaced or dropped as corrupt."""
+        self.victims: Callable[[list[str]], Iterable[str]] | None = None
+        """Orders eviction candidates, given as file names least recently used first (the
+        first returned goes first); ``None`` keeps LRU. Called with the lock held."""
 
     # -- lifecycle ---------------------------------------------------------------------
     def open(self) -> None:
@@ -314,8 +327,13 @@ class BlockCache:
 
     def _evict_locked(self) -> list[str]:
         evicted = []
-        while self._bytes > self.capacity and self._entries:
-            name, entry = self._entries.popitem(last=False)
+        if self._bytes <= self.capacity:
+            return evicted
+        names = list(self._entries)
+        for name in names if self.victims is None else self.victims(names):
+            if self._bytes <= self.capacity:
+                break
+            entry = self._entries.pop(name)
             self._open_files.pop(name, None)
             self._bytes -= entry.file_size
             evicted.append(name)

@@ -11,6 +11,9 @@ blocks up front (``prefetch``), so they merge across the groups it is streamed i
 With replicas or workers, members of shards owned by another replica or sibling worker
 are sent to that owner as one sub-batch, and read from the store here if the owner
 fails (``peers.py``).
+
+With plans (``service/plans/``), ``fetch_policy`` says which missing blocks are worth
+fetching whole; the members in the others are read as ranges (``ranges.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from .memtier import MemoryTier
 from .metrics import Metrics
 from .peers import Cluster, PeerError
 from .planner import merge_blocks, plan_pieces, take
+from .ranges import RangeReader
 from .stores import StoreError
 
 log = logging.getLogger("shardfeed.coalescer")
@@ -49,6 +53,11 @@ class Coalescer:
         self._store_slots = asyncio.Semaphore(config.max_store_requests)
         self._inflight: dict[BlockKey, asyncio.Future] = {}
         self._tasks: set[asyncio.Task] = set()
+        self.ranges = RangeReader(self._store_read, gap=config.range_gap, max_read=config.max_fetch,
+                                  memory=config.plan_memory)
+        self.fetch_policy = None
+        """``whole_blocks(dataset, shards, blocks) -> bool array``: which missing blocks to
+        fetch and cache whole (``plans.Plans``); ``None``: all of them."""
 
     async def read_members(self, dataset: Dataset, members: Members, *,
                            scope: str = "cluster") -> list[bytes | StoreError | None]:
@@ -121,6 +130,10 @@ class Coalescer:
                 remaining = [k for k in remaining if k not in found]
             if not remaining:
                 break
+            if attempt == 0:
+                remaining = await self._read_ranges(dataset, pieces, blocks, remaining, piece_bytes)
+                if not remaining:
+                    break
             # The rest is being read, or is read now. A block that reached the cache while
             # we were reading others is left for the next round (the last round reads all).
             self._start_fetches(dataset, [(int(pieces.shard[blocks[k][0]]), k.block) for k in remaining],
@@ -135,6 +148,38 @@ class Coalescer:
 
         return _assemble(members, pieces.member, piece_bytes)
 
+    async def _read_ranges(self, dataset: Dataset, pieces, blocks: dict[BlockKey, list[int]],
+                           keys: list[BlockKey], piece_bytes: dict) -> list[BlockKey]:
+        """Read the pieces of the blocks not worth fetching whole as ranges; the other keys."""
+        idle = [k for k in keys if k not in self._inflight]  # a block being read is cheaper to wait for
+        if self.fetch_policy is None or not idle:
+            return keys
+        shards = pieces.shard[[blocks[k][0] for k in idle]]
+        whole = self.fetch_policy.whole_blocks(dataset, shards, np.array([k.block for k in idle]))
+        spans = {k: spans_of(pieces, blocks[k], self.block_size) for k in idle}
+        # Ranges read ahead are used whatever the policy says now.
+        partial = [k for k, w in zip(idle, whole.tolist()) if not w or self.ranges.holds(dataset, spans[k])]
+        if not partial:
+            return keys
+        rows = [i for k in partial for i in blocks[k]]
+        read = await self.ranges.read(dataset, [span for k in partial for span in spans[k]])
+        piece_bytes.update(zip(rows, read))
+        done = set(partial)
+        return [k for k in keys if k not in done]
+
+    def whole_blocks_wanted(self, dataset: Dataset, pieces) -> set[tuple[int, int]]:
+        """The ``(shard code, block)`` pairs of ``pieces`` worth fetching whole."""
+        pairs = sorted(set(zip(pieces.shard.tolist(), pieces.block.tolist())))
+        if self.fetch_policy is None or not pairs:
+            return set(pairs)
+        shards, numbers = (np.array(column) for column in zip(*pairs))
+        return {pair for pair, whole in zip(pairs, self.fetch_policy.whole_blocks(dataset, shards, numbers)) if whole}
+
+    def fetch_ahead(self, dataset: Dataset, pairs) -> None:
+        """Start reading the given ``(shard code, block)`` pairs into the cache, if missing."""
+        if self.cache.writable:
+            self._start_fetches(dataset, pairs, skip_cached=True)
+
     def prefetch(self, dataset: Dataset, members: Members) -> None:
         """Start reading every missing block of a whole batch now, merged per shard.
 
@@ -148,8 +193,7 @@ class Coalescer:
             rows = np.flatnonzero(members.found)
             owners = self.cluster.owners(dataset.url, dataset.index.shards, members.shard[rows])
             members = take(members, rows[owners == self.cluster.me])
-        pieces = plan_pieces(members, self.block_size)
-        pairs = set(zip(pieces.shard.tolist(), pieces.block.tolist()))
+        pairs = self.whole_blocks_wanted(dataset, plan_pieces(members, self.block_size))
         if len(pairs) * self.block_size <= self.cache.capacity // 4:
             self._start_fetches(dataset, pairs, skip_cached=True)
 
@@ -205,19 +249,8 @@ class Coalescer:
         end = min((last + 1) * self.block_size, int(dataset.extents[shard]))
         keys = [BlockKey(dataset.id, dataset.shard_ids[shard], b) for b in range(first, last + 1)]
         try:
-            async with self._store_slots:
-                self.metrics.inflight_store.inc()
-                began = time.perf_counter()
-                try:
-                    payload = await dataset.store.read_range(path, start, end - start)
-                finally:
-                    self.metrics.inflight_store.dec()
-            self.metrics.store_requests.inc()
-            self.metrics.store_bytes.inc(len(payload))
-            log.debug("store read %s [%d, %d) in %.1f ms", path, start, end, 1e3 * (time.perf_counter() - began))
+            payload = await self._store_read(dataset, shard, start, end)
         except StoreError as err:
-            self.metrics.store_errors.inc()
-            log.warning("store read %s [%d, %d) failed: %s", path, start, end, err)
             self._settle(keys, err)
             return
         except BaseException as err:  # cancelled at shutdown, or a bug: waiters must not hang
@@ -242,6 +275,26 @@ class Coalescer:
             for key in keys:
                 self._inflight.pop(key, None)
 
+    async def _store_read(self, dataset: Dataset, shard: int, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of a shard, within the store-read slots, counted."""
+        path = dataset.index.shards[shard]
+        try:
+            async with self._store_slots:
+                self.metrics.inflight_store.inc()
+                began = time.perf_counter()
+                try:
+                    payload = await dataset.store.read_range(path, start, end - start)
+                finally:
+                    self.metrics.inflight_store.dec()
+        except StoreError as err:
+            self.metrics.store_errors.inc()
+            log.warning("store read %s [%d, %d) failed: %s", path, start, end, err)
+            raise
+        self.metrics.store_requests.inc()
+        self.metrics.store_bytes.inc(len(payload))
+        log.debug("store read %s [%d, %d) in %.1f ms", path, start, end, 1e3 * (time.perf_counter() - began))
+        return payload
+
     def _settle(self, keys: list[BlockKey], error: StoreError) -> None:
         for key in keys:
             future = self._inflight.pop(key, None)
@@ -256,6 +309,14 @@ class Coalescer:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.ranges.close()
+
+
+def spans_of(pieces, rows, block_size: int) -> list[tuple[int, int, int]]:
+    """``(shard, start, end)`` in the shard of the pieces in ``rows`` (a list or slice)."""
+    base = pieces.block[rows] * block_size
+    return list(zip(pieces.shard[rows].tolist(), (base + pieces.start[rows]).tolist(),
+                    (base + pieces.end[rows]).tolist()))
 
 
 def _assemble(members: Members, piece_member: np.ndarray, piece_bytes: dict) -> list:

@@ -150,6 +150,29 @@ class ServiceConfig:
     """Hedged store reads (``hedge.py``): a range read slower than most recent ones gets a
     second, identical read and the first answer wins. ``None`` disables hedging."""
 
+    # -- Plans (``service/plans/``): clients announce their order; the service reads ahead
+    #    along it and evicts the block used farthest in the future.
+    max_plans: int = 64
+    """Plans held at once, all datasets together (429 beyond); one per rank and epoch."""
+
+    max_plan_samples: int = 1 << 22
+    """Most positions in one plan (413 beyond). A plan costs about 40 bytes per position."""
+
+    plan_ttl: float = 600.0
+    """Seconds a plan lives after its last registration or use; a client whose plan is
+    gone registers it again (``GET`` answers 404)."""
+
+    plan_ahead: int = 64 * MiB
+    """Payload bytes of samples read ahead of each plan's reader, into the cache (whole
+    blocks) or memory (sample ranges); also capped by what the cache can keep."""
+
+    plan_memory: int = 256 * MiB
+    """Most bytes of sample ranges read ahead and held in memory, all plans together."""
+
+    range_gap: int = 16 * KiB
+    """Sample ranges fetched without their block (a block none of whose other samples the
+    plans read before it would be evicted) are merged into one read when this close."""
+
     def __post_init__(self) -> None:
         most = MAX_WORKERS_PER_CORE * usable_cores()
         if not 1 <= self.workers <= most:
@@ -161,3 +184,9 @@ class ServiceConfig:
         if self.memory_cache > ram:
             raise ValueError(f"--memory-cache {format_size(self.memory_cache)} is more than this machine's "
                              f"RAM ({format_size(ram)})")
+        limits = [("max_plans", 0, 1 << 16), ("max_plan_samples", 1, 1 << 31), ("plan_ttl", 1, 86400 * 7),
+                  ("plan_ahead", 0, 1 << 40), ("plan_memory", 0, 1 << 40), ("range_gap", 0, 1 << 30)]
+        for name, low, high in limits:
+            value = getattr(self, name)
+            if not low <= value <= high:
+                raise ValueError(f"--{name.replace('_', '-')} must be between {low} and {high}, not {value}")

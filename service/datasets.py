@@ -24,6 +24,8 @@ class Dataset:
     """Per shard code, the end of its last member's data: reads never go past it."""
     shard_ids: list[str]
     """Per shard code, the shard's name in the cache (``cache.shard_id``)."""
+    shard_samples: int
+    """Samples in a typical shard (``Index.shard_samples``)."""
     owned: bool = True
     """Whether replicas split its shards by owner; ``False`` for a view made for one request
     (GetBatch), which the peers do not know: read where it was asked."""
@@ -35,6 +37,7 @@ class Dataset:
             "samples": len(self.index),
             "shards": len(self.index.shards),
             "bytes": self.index.total_bytes,
+            "shard_samples": self.shard_samples,
             "fields": self.index.fields,
         }
 
@@ -60,5 +63,5 @@ async def open_dataset(name: str, url: str, store_options: dict | None = None, *
     return Dataset(
         name=name, url=url, store=store, index=index, id=dataset_id(url),
         extents=index.shard_extents(),
-        shard_ids=[shard_id(path) for path in index.shards],
+        shard_ids=[shard_id(path) for path in index.shards], shard_samples=index.shard_samples(),
     )

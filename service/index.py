@@ -157,6 +157,13 @@ class Index:
         arrays = (self._starts, self._shard, self._field, self._offset, self._size)
         return sum(a.nbytes for a in arrays) + self._keys.nbytes
 
+    def shard_samples(self) -> int:
+        """Samples in a typical shard (the median count): what locality shuffles cut by."""
+        if not len(self):
+            return 0
+        counts = np.bincount(self._shard[self._starts[:-1]])  # a sample's first member names its shard
+        return int(np.median(counts[counts > 0]))
+
     def shard_extents(self) -> np.ndarray:
         """int64 per shard: the end offset of its last member's data (0 for none), vectorised."""
         ends = self._offset.astype(np.int64) + self._size

@@ -55,6 +55,7 @@ class Metrics:
         self.peer_fallbacks = Counter("shardfeed_peer_fallbacks",
                                       "Members read from the store because their owner failed", registry=r)
         self.peers_up = Gauge("shardfeed_peers_up", "Replicas believed live, this one included", registry=r)
+        self.plans = Gauge("shardfeed_plans", "Plans held (service/plans/)", registry=r)
         self.rejected = Counter("shardfeed_rejected", "Requests refused with 429 (overloaded)", registry=r)
 
     def render(self) -> bytes:

@@ -21,7 +21,7 @@ from shardfeed.retry import Backoff
 from .config import ServiceConfig
 from .hedge import Hedger, HedgePolicy
 from .peers import build_cluster, parse_peers
-from .sizes import parse_size
+from .sizes import format_size, parse_size
 from .workers import supervise, worker_sockets
 
 log = logging.getLogger("shardfeed.server")
@@ -89,6 +89,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="batch requests served at once before answering 429 (default: %(default)s)")
     parser.add_argument("--max-inflight-samples", type=int, default=defaults.max_inflight_samples,
                         help="per-sample GETs served at once before answering 429 (default: %(default)s)")
+    parser.add_argument("--max-plans", type=int, default=defaults.max_plans,
+                        help="plans (announced read orders) held at once; 429 beyond (default: %(default)s)")
+    parser.add_argument("--max-plan-samples", type=int, default=defaults.max_plan_samples,
+                        help="most positions in one plan; 413 beyond (default: %(default)s)")
+    parser.add_argument("--plan-ttl", type=float, default=defaults.plan_ttl, metavar="SECONDS",
+                        help="a plan unused this long is dropped (default: %(default)s)")
+    parser.add_argument("--plan-ahead", type=parse_size, default=defaults.plan_ahead,
+                        help="payload bytes read ahead of each plan's reader (default: "
+                             f"{format_size(defaults.plan_ahead)})")
+    parser.add_argument("--plan-memory", type=parse_size, default=defaults.plan_memory,
+                        help="most bytes of sample ranges read ahead and held in memory (default: "
+                             f"{format_size(defaults.plan_memory)})")
+    parser.add_argument("--range-gap", type=parse_size, default=defaults.range_gap,
+                        help="sample ranges read without their block are merged when this close "
+                             f"(default: {format_size(defaults.range_gap)})")
     parser.add_argument("--token-file", type=Path,
                         help="require 'Authorization: Bearer <token>', tokens one per line in this file "
                              "(or set SHARDFEED_TOKENS, comma-separated)")
@@ -173,7 +188,9 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         max_batch=args.max_batch, max_inflight_batches=args.max_inflight_batches,
         max_inflight_samples=args.max_inflight_samples, tokens=frozenset(tokens),
         tls_cert=args.tls_cert, tls_key=args.tls_key, node_id=args.node_id, peers=args.peers,
-        peer_timeout=args.peer_timeout, workers=args.workers,
+        peer_timeout=args.peer_timeout, workers=args.workers, max_plans=args.max_plans,
+        max_plan_samples=args.max_plan_samples, plan_ttl=args.plan_ttl, plan_ahead=args.plan_ahead,
+        plan_memory=args.plan_memory, range_gap=args.range_gap,
     )
 
 

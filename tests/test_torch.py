@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import httpx
 import pytest
@@ -10,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from shardfeed.client import ShardfeedHTTPError
-from shardfeed.client.torch import ShardfeedDataset, ShardfeedIterableDataset, ShardfeedLoader
+from shardfeed.client.torch import ShardfeedDataset, ShardfeedIterableDataset, ShardfeedLoader, ShardfeedSampler
 from shardfeed.service.process import start_service
 from test_client import SIZES, expected, seed_synthetic
 
@@ -150,8 +151,7 @@ def test_prefetch_fetches_a_bounded_number_of_batches_ahead(service):
 
 
 def test_shard_locality_mode_keeps_a_stretch_of_batches_within_a_few_shards(service):
-    info = iterable(service).source.info
-    per_shard = -(-SAMPLES // info["shards"])
+    per_shard = iterable(service).source.info["shard_samples"]  # shards hold runs this long
     ds = iterable(service, shard_window=2, batch_size=10)
     order = indices_of(ShardfeedLoader(ds))
     assert sorted(order) == list(range(SAMPLES))
@@ -168,3 +168,63 @@ def test_unknown_dataset_fails_at_construction_with_the_service_message(service)
 def test_samples_are_the_source_with_sizes_from_the_seed(service):
     ds = ShardfeedDataset(service.url, "train", fields=["bin"])
     assert all(SIZES[0] <= len(s["bin"]) <= SIZES[1] for s in ds.__getitems__(list(range(50))))
+
+
+def test_shardfeed_sampler_covers_the_dataset_as_distributed_sampler_does(service):
+    ds = ShardfeedDataset(service.url, "train")
+    for world_size in (1, 3, 7):
+        for drop_last in (False, True):
+            ours = [list(ShardfeedSampler(ds, world_size, rank, seed=1, drop_last=drop_last, plan=False))
+                    for rank in range(world_size)]
+            theirs = [list(DistributedSampler(range(SAMPLES), world_size, rank, seed=1, drop_last=drop_last))
+                      for rank in range(world_size)]
+            assert [len(o) for o in ours] == [len(t) for t in theirs]
+            assert len(ShardfeedSampler(ds, world_size, 0, drop_last=drop_last, plan=False)) == len(theirs[0])
+            counts = Counter(i for o in ours for i in o)
+            if drop_last:  # every sample at most once, as many as DistributedSampler keeps
+                assert max(counts.values()) == 1 and sum(counts.values()) == sum(map(len, theirs))
+            else:  # every sample at least once; the padding repeats as few
+                assert set(counts) == set(range(SAMPLES))
+                assert sum(counts.values()) - SAMPLES == sum(map(len, theirs)) - SAMPLES < world_size
+    sampler = ShardfeedSampler(ds, 2, 1, plan=False)
+    first = list(sampler)
+    assert list(sampler) == first
+    sampler.set_epoch(1)
+    assert list(sampler) != first and sorted(sampler) == sorted(set(sampler))
+
+
+def test_shardfeed_sampler_registers_its_plan_and_the_dataloader_reads_the_source(service):
+    ds = ShardfeedDataset(service.url, "train")
+    sampler = ShardfeedSampler(ds, 2, 0, seed=2)
+    loader = DataLoader(ds, batch_size=16, sampler=sampler, num_workers=2, collate_fn=list)
+    seen = []
+    for batch in loader:
+        plans = httpx.get(f"{service.url}/v1/datasets/train/plans").json()
+        seen += batch
+    mine = [p for p in plans if p["id"] == sampler.plan.id]
+    assert [s["__index__"] for s in seen] == sampler.sampler.rank_order().tolist()
+    assert all(s == expected(s["__index__"]) for s in seen)
+    assert mine and mine[0]["samples"] == len(sampler) and mine[0]["position"] > 0
+    sampler.set_epoch(1)
+    old = sampler.plan.id
+    list(loader)
+    ids = [p["id"] for p in httpx.get(f"{service.url}/v1/datasets/train/plans").json()]
+    assert sampler.plan.id in ids and old not in ids  # a new epoch replaces the plan
+
+
+def test_shardfeed_sampler_registers_again_when_the_service_dropped_its_plan(tmp_path, monkeypatch):
+    monkeypatch.setattr("shardfeed.client.plans.CHECK_EVERY", 0.0)
+    url = seed_synthetic(tmp_path / "train", samples=SAMPLES)
+    with start_service({"train": url}, cache_dir=tmp_path / "cache", args=["--plan-ttl", "1"]) as svc:
+        ds = ShardfeedDataset(svc.url, "train")
+        sampler = ShardfeedSampler(ds, seed=3)
+        seen = []
+        for k, index in enumerate(sampler):
+            if k == 0:
+                first = sampler.plan.id
+                time.sleep(1.5)  # no batch read: the plan expires
+            seen.append(index)
+        assert sampler.plan.id != first  # registered again, for the rest of the epoch
+        plan = httpx.get(f"{svc.url}/v1/datasets/train/plans/{sampler.plan.id}").json()
+        assert 0 < plan["samples"] < SAMPLES
+    assert sorted(seen) == list(range(SAMPLES))  # nothing lost

@@ -8,6 +8,7 @@
     internal   replica-to-replica and worker-to-worker member reads
     routing    /v1/datasets/{name}/routing, for client-side routing
     status     GET /v1/stats and the status page at / and /ui
+    plans      /v1/datasets/{name}/plans[/{id}]: announced orders (``service/plans/``)
 
 Every route gets the service ``State`` from one dependency (``common.AppState``) and
 raises ``ApiError`` (``service/errors.py``) for every error answer.
@@ -31,31 +32,41 @@ from ..metrics import Metrics
 from ..peers import Cluster
 from ..samples import SampleBatcher
 from ..objects import BucketStores, Catalog
+from ..plans.prefetch import Prefetcher
+from ..plans.registry import Plans
 from ..stats import StatsRecorder
 from ..stores import Store
-from . import batch, datasets as dataset_routes, getbatch, internal, ops, routing, samples, status
+from . import (batch, datasets as dataset_routes, getbatch, internal, ops, plans as plan_routes, routing, samples,
+               status)
 from .auth import TokenAuth
 from .common import ERRORS, Admission, HeldRoutes, State, describe
 
 ROUTERS = (ops.router, dataset_routes.router, routing.router, samples.router, batch.router, getbatch.router,
-           internal.router, status.router)
+           internal.router, status.router, plan_routes.router)
 
 
 def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: BlockCache,
                metrics: Metrics, cluster: Cluster | None = None, buckets: dict[str, Store] | None = None) -> FastAPI:
     """The ASGI app over already opened datasets, cache and GetBatch bucket stores (see ``server.py``)."""
     coalescer = Coalescer(cache, metrics, config, cluster)
+    plans = Plans(config, cache, metrics)
+    coalescer.fetch_policy = plans
+    cache.victims = plans.victim_order
+    prefetcher = Prefetcher(plans, coalescer, config)
     admission = Admission({"batch": config.max_inflight_batches, "sample": config.max_inflight_samples}, metrics)
     bucket_stores = BucketStores(buckets or {})
     state = State(config, datasets, metrics, coalescer, SampleBatcher(coalescer, config.sample_window),
-                  admission, cluster, StatsRecorder(metrics.registry), Catalog(bucket_stores, datasets))
+                  admission, cluster, StatsRecorder(metrics.registry), Catalog(bucket_stores, datasets), plans,
+                  prefetcher)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.stats.start()
         if cluster is not None:
             cluster.start()
+        prefetcher.start()
         yield
+        await prefetcher.close()
         await state.stats.close()
         if cluster is not None:
             await cluster.close()

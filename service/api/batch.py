@@ -66,6 +66,8 @@ async def batch(request: Request, state: AppState) -> Response:
         raise ApiError(404, "unknown_field", f"sample {int(members.sample[row])} has no field "
                                              f"{dataset.index.fields[int(members.field[row])]!r}")
 
+    state.plans.observe(dataset, indices)  # a plan learns its position from the batches it serves
+    state.prefetcher.wake()
     held = held_group(state.coalescer, dataset, members)
     chunks = stream_batch(state.coalescer, dataset, members, indices, continue_on_error=req.continue_on_error,
                           group_bytes=config.group_bytes, prefetch=config.prefetch_groups,

@@ -23,6 +23,8 @@ from ..errors import ApiError, InvalidRequest, Overloaded, StoreUnavailable, Unk
 from ..metrics import Metrics
 from ..objects import Catalog
 from ..peers import Cluster
+from ..plans.prefetch import Prefetcher
+from ..plans.registry import Plans
 from ..samples import SampleBatcher
 from ..stats import StatsRecorder
 from ..stream import SampleFailed
@@ -98,6 +100,8 @@ class State:
     stats: StatsRecorder
     catalog: Catalog
     """Where GetBatch finds entries: the ``--bucket`` buckets (none: every bucket is refused)."""
+    plans: Plans
+    prefetcher: Prefetcher
 
     def dataset(self, name: str) -> Dataset:
         dataset = self.datasets.get(name)
@@ -137,7 +141,11 @@ Model = TypeVar("Model", bound=BaseModel)
 
 async def read_json(request: Request, model: type[Model], limit: int) -> Model:
     """The request body, at most ``limit`` bytes, validated as ``model`` (400 otherwise)."""
-    body = await read_body(request, limit)
+    return parse_json(await read_body(request, limit), model)
+
+
+def parse_json(body: bytes, model: type[Model]) -> Model:
+    """``body`` validated as ``model`` (400 otherwise)."""
     try:
         return model.model_validate_json(body)
     except ValidationError as err:

@@ -16,4 +16,7 @@ async def list_datasets(state: AppState) -> list[dict]:
 
 @router.get("/v1/datasets/{name}")
 async def dataset_info(name: str, state: AppState) -> dict:
-    return state.dataset(name).info()
+    """The dataset, and the cache it is read through (clients size locality shuffles by it)."""
+    cache = state.coalescer.cache
+    return {**state.dataset(name).info(),
+            "cache": {"bytes": cache.capacity if cache.writable else 0, "block_size": cache.block_size}}

@@ -199,7 +199,7 @@ def _plan(spans: list[Span | None], buckets) -> tuple[Dataset, Members]:
         extents = {s.path: s.extent for s in spans if s is not None}
         dataset = Dataset(name="getbatch", url="getbatch:s3://", store=buckets, index=_Paths(paths), id=GETBATCH_ID,
                           extents=np.array([extents[p] for p in paths], np.int64),
-                          shard_ids=[shard_id(p) for p in paths], owned=False)
+                          shard_ids=[shard_id(p) for p in paths], shard_samples=1, owned=False)
         codes = [code[s.path] if s else -1 for s in spans]
     n = len(spans)
     return dataset, Members(position=np.arange(n, dtype=np.int64), sample=np.arange(n, dtype=np.int64),

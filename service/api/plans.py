@@ -1,0 +1,111 @@
+"""Plans: ``/v1/datasets/{name}/plans[/{id}]`` (``service/plans/``).
+
+    POST   .../plans        register a plan (201): {"kind": "sampler"|"indices", ...}
+    GET    .../plans        the dataset's plans
+    GET    .../plans/{id}   one plan: its length, position and time left
+    POST   .../plans/{id}   the next chunk of an ``indices`` plan
+    DELETE .../plans/{id}   drop it (204)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+
+import numpy as np
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from ..datasets import Dataset
+from ..errors import ApiError, InvalidRequest
+from ..index import UnknownField
+from ..plans import KINDS
+from ..plans.request import Chunk, PlanRequest
+from .common import AppState, json_body, parse_json, read_body
+
+router = APIRouter(tags=["plans"])
+
+
+@router.post("/v1/datasets/{name}/plans", status_code=201, openapi_extra=json_body(PlanRequest))
+async def create_plan(name: str, request: Request, state: AppState) -> dict:
+    dataset = state.dataset(name)
+    body = await read_body(request, state.config.max_body)
+    try:
+        kind = json.loads(body).get("kind")
+    except (ValueError, AttributeError):
+        raise InvalidRequest("invalid request: the body must be a JSON object with a 'kind'") from None
+    module = KINDS.get(kind) if isinstance(kind, str) else None
+    if module is None:
+        raise ApiError(400, "unknown_plan_kind", f"plan kind {str(kind)[:50]!r} is not one of: {', '.join(KINDS)}")
+    req = parse_json(body, module.Request)
+    fields = _fields(dataset, req.fields)
+    state.plans.check_room(0)
+    try:
+        order = await asyncio.to_thread(module.order, req, len(dataset.index))
+    except ValueError as err:
+        raise InvalidRequest(f"invalid plan: {err}") from None
+    _check_order(dataset, order)
+    state.plans.check_room(len(order))
+    plan = await asyncio.to_thread(state.plans.build, dataset, kind, order, req.ttl,
+                                   getattr(req, "complete", True), fields)
+    state.plans.insert(plan)
+    state.prefetcher.wake()
+    return plan.describe()
+
+
+@router.get("/v1/datasets/{name}/plans")
+async def list_plans(name: str, state: AppState) -> list[dict]:
+    dataset = state.dataset(name)
+    state.plans.expire()
+    return [plan.describe() for plan in state.plans.live(dataset)]
+
+
+@router.get("/v1/datasets/{name}/plans/{plan_id}")
+async def get_plan(name: str, plan_id: str, state: AppState) -> dict:
+    return state.plans.get(state.dataset(name), plan_id).describe()
+
+
+@router.post("/v1/datasets/{name}/plans/{plan_id}", openapi_extra=json_body(Chunk))
+async def extend_plan(name: str, plan_id: str, request: Request, state: AppState) -> dict:
+    dataset = state.dataset(name)
+    plan = state.plans.get(dataset, plan_id)
+    chunk = parse_json(await read_body(request, state.config.max_body), Chunk)
+    if plan.complete:
+        raise ApiError(409, "plan_complete", f"plan {plan_id!r} is complete; register a new one")
+    order = np.asarray(chunk.indices, dtype=np.int64)
+    _check_order(dataset, order)
+    state.plans.check_room(len(plan.order) + len(order), new=False)
+    longer = await asyncio.to_thread(dataclasses.replace, plan, order=np.concatenate([plan.order, order]),
+                                     complete=chunk.complete)
+    longer.touch()
+    state.plans.replace(longer)
+    state.prefetcher.wake()
+    return longer.describe()
+
+
+@router.delete("/v1/datasets/{name}/plans/{plan_id}", status_code=204)
+async def delete_plan(name: str, plan_id: str, state: AppState) -> Response:
+    state.plans.remove(state.plans.get(state.dataset(name), plan_id))
+    return Response(status_code=204)
+
+
+def _fields(dataset: Dataset, fields: list[str] | None) -> list[str] | None:
+    if fields is None:
+        return None
+    fields = [f.lower() for f in fields]
+    try:
+        dataset.index.field_codes(fields)
+    except UnknownField as err:
+        raise ApiError(404, "unknown_field", str(err)) from None
+    return fields
+
+
+def _check_order(dataset: Dataset, order: np.ndarray) -> None:
+    n = len(dataset.index)
+    if len(order) and (order.min() < 0 or order.max() >= n):
+        bad = int(order[(order < 0) | (order >= n)][0])
+        if bad < 0:
+            raise ApiError(400, "invalid_index", f"sample index {bad} is negative")
+        raise ApiError(404, "sample_out_of_range", f"sample {bad} is out of range: dataset "
+                                                   f"{dataset.name!r} has {n} samples")

@@ -1,0 +1,34 @@
+"""Plans: a client announces the order it will read a dataset in; the service reads ahead
+along it and evicts the block used farthest in the future (Belady) instead of LRU.
+
+A plan is one reader's upcoming sample order. Kinds (how a client describes the order),
+one module each, all ``Request`` model + ``order(request, samples) -> np.ndarray``:
+
+    sampler   the sampler's parameters; the service computes the order with the client's
+              own code (``shardfeed.client.sampling``), so both agree exactly
+    indices   the order itself, sent in chunks
+
+What the service does with the plans it holds (``registry.Plans``):
+
+- learns each plan's position from the batches it serves (a batch whose samples lie at
+  the plan's next positions moves it there);
+- reads ahead of each position (``prefetch.Prefetcher``) within ``plan_ahead`` bytes;
+- orders the cache's eviction candidates: blocks no plan reads again first (least
+  recently used first), then the farthest next use first;
+- tells the coalescer which missing blocks to fetch whole: only those whose samples the
+  plans read before it would be evicted add up to half of it; for the others it reads
+  just the samples' ranges (``ranges.py``) and caches nothing.
+
+Without a plan the service behaves as before. Plans live in memory only, are bounded in
+number (``max_plans``) and size (``max_plan_samples``), and expire ``plan_ttl`` seconds
+after their last use: a client whose plan is gone registers it again.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from . import indices, sampler
+
+KINDS: dict[str, ModuleType] = {"sampler": sampler, "indices": indices}
+"""Plan kinds by the name a request gives in ``kind``."""

@@ -1,0 +1,346 @@
+"""The plans a service holds, and what they say about blocks: next use, and whether a
+missing block is worth fetching whole.
+
+Positions are plan positions (one per sample read); distances from different plans are
+compared as they are, which assumes their readers move at about the same speed (ranks of
+one job do). Every query is a binary search in arrays built once per plan, so the
+eviction policy can rank all the cached blocks on each eviction.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..cache import BlockCache, BlockKey
+from ..config import ServiceConfig
+from ..datasets import Dataset
+from ..errors import ApiError, Overloaded
+from ..metrics import Metrics
+
+WHOLE_SHARE = 1 / 2
+"""A block is fetched whole when a cached copy would serve at least this share of its
+bytes. Lower fetches more whole blocks (more bytes, fewer requests: a range read costs a
+request per sample or two). At 1/2 a random order through a quarter cache reads almost
+every sample alone and the dataset's bytes about once, a locality shuffle mostly whole
+blocks; at 1/4 the random order read 1.3x the dataset in ``tests/test_plans.py``."""
+
+HORIZON_EVERY = 0.1
+"""Seconds between recomputations of the cache horizon (cheap, but not per request)."""
+
+
+class Geometry:
+    """Where each sample of a dataset lies in blocks, numbered densely over all shards."""
+
+    def __init__(self, dataset: Dataset, block_size: int):
+        index = dataset.index
+        n = len(index)
+        members = index.lookup(np.arange(n, dtype=np.int64))
+        bounds = np.searchsorted(members.position, np.arange(n))
+        start = np.minimum.reduceat(members.offset.astype(np.int64), bounds)
+        end = np.maximum.reduceat(members.offset.astype(np.int64) + members.size, bounds)
+        shard = members.shard[bounds].astype(np.int64)
+        per_shard = -(-dataset.extents.astype(np.int64) // block_size)
+        self.base = np.concatenate([[0], np.cumsum(per_shard)[:-1]]).astype(np.int64)
+        self.blocks = int(per_shard.sum())
+        self.first = self.base[shard] + start // block_size
+        self.span = np.maximum(end - 1, start) // block_size - start // block_size + 1
+        self.sample_bytes = end - start
+        self.mean_bytes = max(1.0, float(self.sample_bytes.mean()))
+        self.shard_code = {sid: code for code, sid in enumerate(dataset.shard_ids)}
+
+    def gid(self, shards: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        return self.base[np.asarray(shards, dtype=np.int64)] + np.asarray(blocks, dtype=np.int64)
+
+    def blocks_of(self, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per plan position, the blocks its sample touches: ``(gid, position)`` pairs."""
+        span = self.span[order]
+        position = np.repeat(np.arange(len(order), dtype=np.int64), span)
+        rank = np.arange(int(span.sum())) - np.repeat(np.cumsum(span) - span, span)
+        return np.repeat(self.first[order], span) + rank, position
+
+
+@dataclass(eq=False)
+class Plan:
+    id: str
+    dataset: Dataset
+    kind: str
+    ttl: float
+    order: np.ndarray
+    complete: bool
+    geometry: Geometry
+    fields: list[str] | None = None
+    """The fields the reader asks for (all by default): what is read ahead."""
+    position: int = 0
+    """The reader's place: the first position of the latest batch it was seen reading."""
+    batch: int = 1
+    """Length of the latest batch seen; reads this far behind ``position`` still count."""
+    deadline: float = 0.0
+    ahead_blocks: int = 0
+    """Positions up to which whole blocks were read ahead."""
+    ahead_ranges: int = 0
+    """Positions up to which sample ranges were read ahead."""
+    by_sample: np.ndarray = field(init=False, repr=False)
+    by_block: np.ndarray = field(init=False, repr=False)
+    blocks: np.ndarray = field(init=False, repr=False)
+    _chains: tuple[float, np.ndarray] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.build()
+
+    def build(self) -> None:
+        """Sorted ``sample * L + position`` and ``block * L + position`` keys, for searches."""
+        length = self.length
+        positions = np.arange(length, dtype=np.int64)
+        self.by_sample = np.sort(self.order * length + positions)
+        gids, where = self.geometry.blocks_of(self.order)
+        self.by_block = np.sort(gids * length + where)
+        self.blocks = np.unique(gids)
+
+    @property
+    def length(self) -> int:
+        return max(1, len(self.order))
+
+    def touch(self) -> None:
+        self.deadline = time.monotonic() + self.ttl
+
+    def next_use(self, gids: np.ndarray, start: int) -> np.ndarray:
+        """Per block, its first position at or after ``start`` (``inf`` if none)."""
+        length = self.length
+        at = np.searchsorted(self.by_block, gids * length + start)
+        keys = self.by_block[np.minimum(at, len(self.by_block) - 1)] if len(self.by_block) else gids * 0
+        hit = (at < len(self.by_block)) & (keys // length == gids)
+        return np.where(hit, keys % length, np.inf)
+
+    def chain(self, gids: np.ndarray, start: int, horizon: float) -> np.ndarray:
+        """Per block, its next use from ``start`` on and the uses after it that come each
+        within ``horizon`` positions of the previous one: the reads a copy cached for that
+        next use serves before it would be evicted."""
+        length = self.length
+        if not len(self.by_block):
+            return np.zeros(len(gids), dtype=np.int64)
+        at = np.searchsorted(self.by_block, gids * length + start)
+        keys = self.by_block[np.minimum(at, len(self.by_block) - 1)]
+        hit = (at < len(self.by_block)) & (keys // length == gids)
+        ends = self._chain_ends(horizon)
+        return np.where(hit, ends[np.minimum(at, len(ends) - 1)] - at + 1, 0)
+
+    def _chain_ends(self, horizon: float) -> np.ndarray:
+        """Per entry of ``by_block``, the last entry of its run of uses of one block whose
+        gaps are at most ``horizon`` (kept while the horizon moves less than 10%)."""
+        if self._chains is not None and abs(self._chains[0] - horizon) <= 0.1 * max(horizon, 1.0):
+            return self._chains[1]
+        length = self.length
+        gids, positions = self.by_block // length, self.by_block % length
+        breaks = np.ones(len(gids), dtype=bool)  # the last entry, and where the next use is too late
+        breaks[:-1] = (gids[1:] != gids[:-1]) | (positions[1:] - positions[:-1] > horizon)
+        ends = np.where(breaks, np.arange(len(gids)), len(gids))
+        ends = np.minimum.accumulate(ends[::-1])[::-1]
+        self._chains = (horizon, ends)
+        return ends
+
+    def describe(self) -> dict:
+        return {"id": self.id, "dataset": self.dataset.name, "kind": self.kind, "samples": len(self.order),
+                "complete": self.complete, "position": self.position, "ttl": self.ttl,
+                "expires_in": round(max(0.0, self.deadline - time.monotonic()), 3)}
+
+
+class Plans:
+    """Every plan held, bounded; the cache's eviction policy and the coalescer's fetch policy."""
+
+    def __init__(self, config: ServiceConfig, cache: BlockCache, metrics: Metrics):
+        self.config = config
+        self.cache = cache
+        self.metrics = metrics
+        self.block_size = config.block_size
+        self._plans: dict[str, Plan] = {}
+        self._geometry: dict[str, Geometry] = {}  # by dataset id
+        self._lock = threading.Lock()  # geometry is built in threads
+        self.horizon = math.inf
+        """Plan positions ahead within which the cache can keep every block the plans read."""
+        self._horizon_at = 0.0
+        self._parsed: dict[str, tuple[str, str, int]] = {}  # cache file name -> its key
+
+    # -- the registry --------------------------------------------------------------------
+    def geometry(self, dataset: Dataset) -> Geometry:
+        """The dataset's block geometry, built on first use (blocking: call in a thread)."""
+        with self._lock:
+            geometry = self._geometry.get(dataset.id)
+            if geometry is None:
+                geometry = self._geometry[dataset.id] = Geometry(dataset, self.block_size)
+        return geometry
+
+    def check_room(self, samples: int, *, new: bool = True) -> None:
+        """413 when a plan of ``samples`` positions is too long; 429 when no ``new`` plan fits."""
+        self.expire()
+        if samples > self.config.max_plan_samples:
+            raise ApiError(413, "plan_too_large", f"a plan of {samples} positions; the limit is "
+                                                  f"{self.config.max_plan_samples}")
+        if new and len(self._plans) >= self.config.max_plans:
+            raise Overloaded(f"{len(self._plans)} plans held, the limit (--max-plans); delete finished "
+                             "plans or retry when one expires")
+
+    def build(self, dataset: Dataset, kind: str, order: np.ndarray, ttl: float | None, complete: bool,
+              fields: list[str] | None) -> Plan:
+        """A new plan, not yet held (blocking: call in a thread, then ``insert``)."""
+        ttl = min(ttl or self.config.plan_ttl, self.config.plan_ttl)
+        plan = Plan(secrets.token_hex(8), dataset, kind, ttl, order, complete, self.geometry(dataset), fields)
+        plan.touch()
+        return plan
+
+    def insert(self, plan: Plan) -> None:
+        """Hold ``plan`` (429 if the limit was reached meanwhile)."""
+        self.check_room(len(plan.order))
+        self._plans[plan.id] = plan
+        self._horizon_at = 0.0
+        self.metrics.plans.set(len(self._plans))
+
+    def replace(self, plan: Plan) -> None:
+        """Hold ``plan`` in place of the plan with its id (a longer order of the same reader)."""
+        self._plans[plan.id] = plan
+        self._horizon_at = 0.0
+        self.metrics.plans.set(len(self._plans))
+
+    def get(self, dataset: Dataset, plan_id: str) -> Plan:
+        self.expire()
+        plan = self._plans.get(plan_id)
+        if plan is None or plan.dataset is not dataset:
+            raise ApiError(404, "unknown_plan", f"no plan {plan_id[:40]!r} for dataset {dataset.name!r} "
+                                                "(expired or deleted: register it again)")
+        return plan
+
+    def remove(self, plan: Plan) -> None:
+        self._plans.pop(plan.id, None)
+        self._horizon_at = 0.0
+        self.metrics.plans.set(len(self._plans))
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        for plan in [p for p in self._plans.values() if p.deadline < now]:
+            self.remove(plan)
+
+    def live(self, dataset: Dataset | None = None) -> list[Plan]:
+        return [p for p in list(self._plans.values()) if dataset is None or p.dataset is dataset]
+
+    # -- what readers tell us ------------------------------------------------------------------
+    def observe(self, dataset: Dataset, indices: np.ndarray) -> None:
+        """Move the plan that ``indices`` (a batch being served) belongs to, if any, to it.
+
+        A batch belongs to the plan where most of its samples sit next to each other (a
+        batch is a run of consecutive plan positions) not too far from where the plan's
+        reader was last seen; in another reader's random order they are scattered.
+        """
+        n = len(indices)
+        if not n:
+            return
+        best, best_score, best_start = None, n / 2, 0
+        for plan in reversed(self.live(dataset)):  # the newest wins a tie (the same order registered again)
+            length = plan.length
+            reach = 64 * n + 1024  # readers' workers run ahead of each other
+            at = np.searchsorted(plan.by_sample, indices * length + max(0, plan.position - reach))
+            keys = plan.by_sample[np.minimum(at, len(plan.by_sample) - 1)]
+            where = np.where((at < len(plan.by_sample)) & (keys // length == indices), keys % length, -10 * n)
+            middle = int(np.median(where))
+            close = np.abs(where - middle) <= n
+            if close.sum() > best_score and middle < plan.position + reach:
+                best, best_score, best_start = plan, int(close.sum()), int(where[close].min())
+        if best is not None:
+            best.position = max(best.position, best_start)
+            best.batch = n
+            best.touch()
+
+    # -- what the cache and the coalescer ask -------------------------------------------------------
+    def refresh_horizon(self) -> None:
+        """How far ahead the cache reaches: the next-use distance of the block that just fits."""
+        now = time.monotonic()
+        if now - self._horizon_at < HORIZON_EVERY:
+            return
+        self._horizon_at = now
+        distances = [np.zeros(0)]
+        for dataset_plans in self._by_dataset().values():
+            best = np.full(dataset_plans[0].geometry.blocks, np.inf)
+            for plan in dataset_plans:
+                # A batch is read at once: its blocks are all needed now.
+                until = np.maximum(0, plan.next_use(plan.blocks, plan.position) - plan.position - plan.batch)
+                np.minimum.at(best, plan.blocks, until)
+            distances.append(best[best < np.inf])
+        distances = np.concatenate(distances)
+        capacity = self.cache.capacity // self.block_size if self.cache.writable else 0
+        if len(distances) <= capacity:
+            self.horizon = math.inf
+        else:
+            self.horizon = float(np.partition(distances, capacity)[capacity])
+
+    def whole_blocks(self, dataset: Dataset, shards: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """Per missing block, whether to fetch and cache it whole (else: its samples' ranges).
+
+        Whole unless plans read the block and the samples a cached copy would serve
+        before it is evicted (the chain of its uses each within the horizon of the
+        previous one) add up to less than ``WHOLE_SHARE`` of a block: then the block would
+        go before paying for itself.
+        """
+        plans = self.live(dataset)
+        whole = np.ones(len(blocks), dtype=bool)
+        if not plans or self.horizon == math.inf:
+            return whole
+        geometry = plans[0].geometry
+        gids = geometry.gid(shards, blocks)
+        covered = np.zeros(len(blocks), dtype=bool)
+        uses = np.zeros(len(blocks), dtype=np.int64)
+        for plan in plans:
+            start = max(0, plan.position - plan.batch)  # reads of that batch may be in flight
+            covered |= plan.next_use(gids, start) < math.inf
+            uses += plan.chain(gids, start, self.horizon + plan.batch)
+        # A shard's last block is short: fetching it whole costs only what it holds.
+        size = np.minimum(self.block_size, plan.dataset.extents[shards] - blocks * self.block_size)
+        return ~covered | (uses * geometry.mean_bytes >= size * WHOLE_SHARE)
+
+    def victim_order(self, names: list[str]) -> list[str]:
+        """Cache file names (least recently used first) in the order to evict them: blocks
+        no plan reads again (least recently used first), then the farthest next use first."""
+        groups = self._by_dataset()
+        if not groups:
+            return names
+        never: list[str] = []
+        planned: dict[str, tuple[list[str], list[int]]] = {}
+        if len(self._parsed) > 4 * len(names):  # names of evicted blocks pile up
+            self._parsed.clear()
+        for name in names:
+            parsed = self._parsed.get(name)
+            if parsed is None:
+                key = BlockKey.from_filename(name)
+                parsed = self._parsed[name] = (key.dataset, key.shard, key.block)
+            dataset_id, shard, block = parsed
+            plans = groups.get(dataset_id)
+            code = plans[0].geometry.shard_code.get(shard) if plans else None
+            if code is None:
+                never.append(name)
+                continue
+            entry = planned.setdefault(dataset_id, ([], []))
+            entry[0].append(name)
+            entry[1].append(int(plans[0].geometry.base[code]) + block)
+        ranked: list[tuple[float, int, str]] = []
+        for dataset_id, (dataset_names, gids) in planned.items():
+            gids_array = np.array(gids, dtype=np.int64)
+            until = np.full(len(gids), np.inf)
+            for plan in groups[dataset_id]:
+                until = np.minimum(until, np.maximum(0, plan.next_use(gids_array, plan.position)
+                                                     - plan.position - plan.batch))
+            for i, (name, d) in enumerate(zip(dataset_names, until.tolist())):
+                if d == math.inf:
+                    never.append(name)
+                else:
+                    ranked.append((-d, i, name))
+        ranked.sort()
+        return never + [name for _, _, name in ranked]
+
+    def _by_dataset(self) -> dict[str, list[Plan]]:
+        groups: dict[str, list[Plan]] = {}
+        for plan in self.live():
+            groups.setdefault(plan.dataset.id, []).append(plan)
+        return groups
