@@ -19,6 +19,7 @@ import pytest
 
 from sample_data import dir_put, make_dataset
 from service_helpers import metrics
+from shardfeed.client import Client
 from shardfeed.service.metrics import Metrics
 from shardfeed.service.process import free_port, start_service
 from shardfeed.service.stats import COLUMNS, RATES, StatsRecorder, quantile
@@ -172,6 +173,16 @@ def test_stats_agree_with_the_service_metrics_after_load(service):
     assert len(series["t"]) >= 1 and series["t"] == sorted(series["t"])
     assert all(len(column) == len(series["t"]) for column in series.values())
     assert max(series["samples"]) > 0 and min(series["samples"]) >= 0
+
+
+def test_stats_list_the_plans_the_service_holds(service):
+    with Client(service.url) as client:
+        plan = client.register_plan("train", {"kind": "indices", "indices": list(range(40)), "complete": True})
+        batches(service.url, 1)
+        doc = stats(service.url)
+        assert [(p["id"], p["dataset"], p["samples"]) for p in doc["plans"]] == [(plan["id"], "train", 40)]
+        client.delete_plan("train", plan["id"])
+    assert stats(service.url)["plans"] is None
 
 
 def test_since_returns_only_newer_points(service):

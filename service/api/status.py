@@ -99,9 +99,8 @@ def document(state: State) -> dict:
         },
         "datasets": [dataset.info() for dataset in state.datasets.values()],
         "replicas": _replicas(state),
-        # Parts that only some builds of the service have: shown when the State carries them.
-        "plans": _describe(getattr(state, "plans", None)),
-        "workers": _describe(getattr(state, "workers", None)),
+        "plans": [plan.describe() for plan in state.plans.live()] or None,  # None: the page hides it
+        "workers": (state.cluster.describe()["workers"] or None) if state.cluster is not None else None,
     }
 
 
@@ -133,7 +132,3 @@ def _replicas(state: State) -> list[dict]:
             peer["shards"][name] = count
     return described
 
-
-def _describe(part) -> dict | list | None:
-    describe = getattr(part, "describe", None)
-    return describe() if callable(describe) else None
