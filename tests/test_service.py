@@ -301,11 +301,11 @@ def test_a_removed_cache_dir_is_recreated_and_locked_again(s3_dataset, s3_server
         shutil.rmtree(cache)
         assert tar_members(batch(svc.url, {"dataset": "train", "indices": [150, 3]}).content) == \
             expected(source, [150, 3])
-        assert (cache / ".lock").exists()
         deadline = time.monotonic() + 30  # blocks reach the disk after their waiters are served
         while not list(cache.glob("*/*.blk")):
             assert time.monotonic() < deadline, "no block was written to the recreated cache"
             time.sleep(0.05)
+        assert (cache / ".lock").exists()  # locked again when the first block was written
         with pytest.raises(RuntimeError) as err:
             start_service({"train": s3_dataset[0]}, cache_dir=cache, env=s3_server.env())
         assert "in use by another shardfeed process" in str(err.value)
