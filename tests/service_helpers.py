@@ -6,6 +6,8 @@ import io
 import tarfile
 import urllib.request
 
+import httpx
+
 from shardfeed.service.process import scrape_metrics as metrics  # noqa: F401  (re-exported for tests)
 
 
@@ -21,3 +23,10 @@ def hops(url: str, kind: str) -> float:
         lines = resp.read().decode().splitlines()
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines
                if line.startswith("shardfeed_peer_requests_total{") and f'kind="{kind}"' in line)
+
+
+def fetch_batch(url: str, indices, dataset: str = "train") -> list[tuple[str, bytes]]:
+    """``POST /v1/batch`` that must succeed: its tar members, in order."""
+    resp = httpx.post(f"{url}/v1/batch", json={"dataset": dataset, "indices": list(indices)}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return tar_members(resp.content)

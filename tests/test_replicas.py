@@ -10,8 +10,9 @@ import time
 import httpx
 import pytest
 
+from reliability_helpers import expected_members
 from sample_data import make_dataset, s3_put
-from service_helpers import hops, metrics, tar_members
+from service_helpers import fetch_batch, hops, metrics
 from shardfeed.client import AsyncClient, Client
 from shardfeed.service.process import free_port, start_service
 
@@ -46,14 +47,7 @@ def cluster(dataset, s3_server, tmp_path):
 
 
 def expected(source, indices):
-    return [(f"sample{i:06d}.{f}", source[(i, f)]) for i in indices for f in ("bin", "cls", "json")
-            if (i, f) in source]
-
-
-def fetch(url, indices):
-    resp = httpx.post(f"{url}/v1/batch", json={"dataset": "train", "indices": indices}, timeout=60)
-    assert resp.status_code == 200, resp.text
-    return tar_members(resp.content)
+    return expected_members(source, "train", indices)
 
 
 @pytest.mark.both_s3
@@ -63,7 +57,7 @@ def test_any_replica_serves_identical_bytes_and_each_shard_is_read_by_one_replic
     order = list(range(SAMPLES))
     random.Random(5).shuffle(order)
     for service in services:
-        assert fetch(service.url, order) == expected(source, order)
+        assert fetch_batch(service.url, order) == expected(source, order)
     blocks = [{p.name for p in (s.log_path.parent / f"cache-{i}").glob("*/*.blk")} for i, s in enumerate(services)]
     assert all(blocks), "every replica owns some shards"
     assert not (blocks[0] & blocks[1] or blocks[0] & blocks[2] or blocks[1] & blocks[2]), "a block cached twice"
@@ -84,7 +78,7 @@ def test_killing_a_replica_loses_no_sample_and_a_restarted_one_rejoins(cluster, 
             services[2].process.kill()  # no goodbye: a crash
             services[2].process.wait()
         indices = rng.sample(range(SAMPLES), 64)
-        assert fetch(services[round_ % 2].url, indices) == expected(source, indices)
+        assert fetch_batch(services[round_ % 2].url, indices) == expected(source, indices)
     assert metrics(services[0].url)["shardfeed_peers_up"] == 2
 
     services[2] = start(2)
@@ -93,7 +87,7 @@ def test_killing_a_replica_loses_no_sample_and_a_restarted_one_rejoins(cluster, 
         assert time.monotonic() < deadline, "the restarted replica never rejoined"
         time.sleep(0.2)
     indices = list(range(SAMPLES))
-    assert fetch(services[0].url, indices) == expected(source, indices)
+    assert fetch_batch(services[0].url, indices) == expected(source, indices)
     assert metrics(services[0].url)["shardfeed_peer_fallbacks_total"] > 0  # during the outage
     # The restarted c owns its shards again: it was sent no batch, yet it read them from the store.
     restarted = metrics(services[2].url)

@@ -14,7 +14,7 @@ import pytest
 
 from reliability_helpers import expected_members
 from sample_data import make_dataset, s3_put
-from service_helpers import hops, metrics, tar_members
+from service_helpers import fetch_batch, hops, metrics
 from shardfeed.client import Client
 from shardfeed.service.process import free_port, start_service
 
@@ -37,12 +37,6 @@ def service(dataset, moto, tmp_path):
 
 def expected(source, indices):
     return expected_members(source, "train", indices)
-
-
-def fetch(url, indices):
-    resp = httpx.post(f"{url}/v1/batch", json={"dataset": "train", "indices": indices}, timeout=60)
-    assert resp.status_code == 200, resp.text
-    return tar_members(resp.content)
 
 
 def worker_urls(url):
@@ -70,12 +64,12 @@ def test_workers_share_the_load_and_cache_no_block_twice(service, dataset):
     batches = [order[i:i + 24] for i in range(0, SAMPLES, 24)]
     with ThreadPoolExecutor(8) as pool:  # a fresh connection per batch: the kernel spreads them
         for _ in range(2):
-            assert list(pool.map(lambda b: fetch(service.url, b), batches)) == [expected(source, b) for b in batches]
+            assert list(pool.map(lambda b: fetch_batch(service.url, b), batches)) == [expected(source, b) for b in batches]
     urls = worker_urls(service.url)
     per_worker = [metrics(url) for url in urls]
     assert all(m["shardfeed_samples_served_total"] > 0 for m in per_worker), "one worker served everything"
     for url in urls:  # plain HTTP to each worker's own port serves any batch too
-        assert fetch(url, order[:50]) == expected(source, order[:50])
+        assert fetch_batch(url, order[:50]) == expected(source, order[:50])
     assert all(m["shardfeed_store_requests_total"] > 0 for m in per_worker), "one worker owns every shard"
     assert all(m["shardfeed_peer_requests_total"] > 0 for m in per_worker), "no sibling sub-batches"
     cache = service.log_path.parent / "cache"
@@ -106,7 +100,7 @@ def test_a_worker_killed_mid_epoch_loses_no_sample_and_is_restarted(service, dat
     assert first[0] in pids, "the surviving worker was restarted too"
     assert "restarting it" in service.log()
     indices = list(range(SAMPLES))
-    assert fetch(service.url, indices) == expected(source, indices)
+    assert fetch_batch(service.url, indices) == expected(source, indices)
 
 
 def test_sigterm_drains_the_workers_and_exits_0(service):
@@ -147,7 +141,7 @@ def test_replicas_compose_with_workers(dataset, moto, tmp_path):
         order = list(range(SAMPLES))
         random.Random(9).shuffle(order)
         for service in (a, b):  # plain HTTP: any replica, any worker
-            assert fetch(service.url, order) == expected(source, order)
+            assert fetch_batch(service.url, order) == expected(source, order)
         table = httpx.get(f"{b.url}/v1/datasets/train/routing", timeout=10).json()
         assert sorted(table["urls"]) == sorted([a.url, b.url])  # a's workers sort out a's shards
         table = httpx.get(f"{a.url}/v1/datasets/train/routing", timeout=10).json()
