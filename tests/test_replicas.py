@@ -88,7 +88,8 @@ def test_killing_a_replica_loses_no_sample_and_a_restarted_one_rejoins(cluster, 
         time.sleep(0.2)
     indices = list(range(SAMPLES))
     assert fetch_batch(services[0].url, indices) == expected(source, indices)
-    assert metrics(services[0].url)["shardfeed_peer_fallbacks_total"] > 0  # during the outage
+    # (During the outage c's shards were read by a fallback or, once the health checks had
+    # marked c down, by their next owner: which of the two is a race, so neither is asserted.)
     # The restarted c owns its shards again: it was sent no batch, yet it read them from the store.
     restarted = metrics(services[2].url)
     assert restarted["shardfeed_samples_served_total"] == 0
