@@ -162,6 +162,36 @@ def test_the_public_port_metrics_sum_every_worker_and_each_own_port_keeps_its_ow
         os.kill(stopped, signal.SIGCONT)
 
 
+def test_the_public_port_status_figures_sum_every_worker(service, dataset):
+    _, source = dataset
+    urls = worker_urls(service.url)
+    for url, batch in zip(urls, [list(range(0, 60)), list(range(100, 140))]):
+        assert fetch_batch(url, batch) == expected(source, batch)
+
+    def stats(url):
+        resp = httpx.get(f"{url}/v1/stats", timeout=10)
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    deadline = time.monotonic() + 30  # until every recorder has read its registry since (once a second)
+    while [stats(url)["totals"]["samples"] for url in urls] != [60, 40]:
+        assert time.monotonic() < deadline, "the workers' own figures never showed their batches"
+        time.sleep(0.2)
+    own = [stats(url) for url in urls]
+    assert all("workers_reporting" not in doc for doc in own)  # each worker's own URL: its own figures
+    host = stats(service.url)
+    assert host["workers_reporting"] == 2
+    assert host["totals"]["samples"] == 100
+    assert host["totals"]["store_requests"] == sum(doc["totals"]["store_requests"] for doc in own)
+    assert host["cache"]["capacity"] == sum(doc["cache"]["capacity"] for doc in own)
+    assert host["cache"]["bytes"] == sum(doc["cache"]["bytes"] for doc in own)
+    assert host["inflight"]["batch"]["limit"] == sum(doc["inflight"]["batch"]["limit"] for doc in own)
+    assert host["latency"]["batch"]["count"] == 2  # from both workers' histogram buckets, one batch each
+    samples = host["series"]["columns"].index("samples")
+    assert sum(point[samples] for point in host["series"]["points"]) > 0
+    assert host["datasets"] == own[0]["datasets"] and len(host["workers"]) == 2
+
+
 def test_replicas_compose_with_workers(dataset, moto, tmp_path):
     _, source = dataset
     ports = [free_port(), free_port()]

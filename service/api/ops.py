@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from ..hostmetrics import sibling_texts, summed
-from .common import AppState, State
+from .common import AppState, on_public_port
 
 router = APIRouter(tags=["ops"])
 
@@ -26,13 +26,6 @@ async def prometheus(request: Request, state: AppState) -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
     texts = await sibling_texts(state.cluster)
     return Response(await asyncio.to_thread(summed, state.metrics, texts), media_type="text/plain; version=0.0.4")
-
-
-def on_public_port(request: Request, state: State) -> bool:
-    """Whether ``request`` came to the port all the workers share (not to this worker's own
-    port or Unix socket, where its own figures are served)."""
-    server = request.scope.get("server")
-    return state.config.worker is not None and server is not None and server[1] == state.config.port
 
 
 @router.get("/v1/cluster")
