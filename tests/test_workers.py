@@ -190,6 +190,9 @@ def test_the_public_port_status_figures_sum_every_worker(service, dataset):
     samples = host["series"]["columns"].index("samples")
     assert sum(point[samples] for point in host["series"]["points"]) > 0
     assert host["datasets"] == own[0]["datasets"] and len(host["workers"]) == 2
+    for bad in ("span=0", "span=nan", "span=10&span=20&span=30&span=40&span=50", ""):
+        resp = httpx.get(f"{urls[0]}/v1/internal/stats?{bad}", timeout=10)
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_request", (bad, resp.text)
 
 
 def test_replicas_compose_with_workers(dataset, moto, tmp_path):

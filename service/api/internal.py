@@ -58,11 +58,10 @@ async def internal_read(request: Request, state: AppState) -> Response:
 
 
 @router.get("/v1/internal/stats", response_class=Response)
-async def internal_stats(state: AppState, span: list[float] = Query(..., max_length=4),
+async def internal_stats(state: AppState,
+                         span: list[Annotated[float, Field(gt=0, le=86400)]] = Query(..., min_length=1, max_length=4),
                          since: float | None = Query(None)) -> Response:
     """This worker's status figures for a sibling summing the host's (``hoststats.py``):
     counter growth over each ``span`` seconds, series points newer than ``since``."""
-    if not all(0 < seconds <= 86400 for seconds in span):
-        raise InvalidRequest("span must be between 0 and 86400 seconds")
     figures = worker_figures(state, tuple(span), since)
     return Response(json.dumps(figures, separators=(",", ":"), allow_nan=False), media_type="application/json")
