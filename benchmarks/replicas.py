@@ -11,17 +11,23 @@ through ``shardfeed.client.Client`` (``--threads`` batches in flight) against:
 - ``3 replicas, unrouted``: three fresh replicas, each batch sent whole to the next URL
   (``Client(urls, route=False)``), so about 2/3 of it hops to its owners.
 
-For each: samples/s in all and per replica, store requests, cache hit ratio,
-replica-to-replica sub-batches (``shardfeed_peer_requests_total{kind="replica"}``: 0 when
-routed), and service CPU per served sample per replica (user + system time of the
-replica's process from ``/proc`` over the epoch, divided by the samples it served, its
-hops' work for the others included). The target (issue 10) is samples/s per replica at
-least 0.9x a single service's. On a machine where three replicas, the client and the S3
-server share a few cores, raw samples/s per replica cannot show that: the figure that can
-is the efficiency, the single service's CPU per sample over a replica's (1.0: a replica
-spends on each sample what a lone service does), which scales with the cores each replica
-gets. Last, the latency of a warm per-sample GET to one replica for a sample it owns
-versus one a peer owns: the price of one hop.
+For each: samples/s in all and per replica, store requests, cache hit ratio (disk and RAM
+tier), replica-to-replica sub-batches (``shardfeed_peer_requests_total{kind="replica"}``:
+0 when routed), and service CPU per served sample per replica (user + system time of the
+replica's process from ``/proc`` over the epochs, divided by the samples it served, the
+work its hops cause included).
+
+The target (issue 10) is samples/s per replica at least 0.9x a single service's: each
+replica with a host of its own. Here the three replicas, the client and the S3 server
+share the machine's cores, so the concurrent figures cannot show it. What can: warm, in
+``--rounds`` alternating rounds, the single service, then each replica alone with the
+parts of the same batches that the routed client sends it (the others idle), each with
+the machine to itself; per replica, the median ratio of its samples/s to the single
+service's, and its efficiency: the single service's CPU per sample over the replica's
+(1.0: a replica spends on each sample what the lone service does), also against the
+single service sent batches of a routed part's size (``--batch`` / 3), which tells the
+cost of smaller requests from the cost of being a replica. Last, the latency of a warm
+per-sample GET to one replica for a sample it owns versus one a peer owns: one hop.
 
     python -m shardfeed.benchmarks.replicas --samples 8000 --size 10KiB
 """
@@ -74,17 +80,19 @@ def _reading(service: ServiceProcess) -> tuple[dict[str, float], float, float]:
     return scrape_metrics(service.url), tree_cpu(service.process.pid), hops(service.url, "replica")
 
 
-def _epochs(client: Client, services: list[ServiceProcess], orders: list[np.ndarray], batch: int,
+def _batches(orders: list[np.ndarray], batch: int) -> list[list[int]]:
+    return [order[i:i + batch].tolist() for order in orders for i in range(0, len(order), batch)]
+
+
+def _epochs(client: Client, services: list[ServiceProcess], batches: list[list[int]],
             threads: int) -> tuple[float, list[Figures]]:
-    """Seconds the epochs in ``orders`` took through ``client``, and each service's figures."""
+    """Seconds ``batches`` took through ``client``, and each service's figures."""
     before = [_reading(s) for s in services]
     began = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
-        for order in orders:
-            batches = [order[i:i + batch].tolist() for i in range(0, len(order), batch)]
-            for asked, got in zip(batches, pool.map(lambda b: client.get_batch(DATASET, b), batches)):
-                if [s["__index__"] for s in got] != asked:
-                    raise AssertionError("a batch came back incomplete or out of order")
+        for asked, got in zip(batches, pool.map(lambda b: client.get_batch(DATASET, b), batches)):
+            if [s["__index__"] for s in got] != asked:
+                raise AssertionError("a batch came back incomplete or out of order")
     seconds = time.perf_counter() - began
     out = []
     for service, (metrics, cpu, replica_hops) in zip(services, before):
@@ -162,6 +170,44 @@ def _replicas(url: str, root: Path, env: dict[str, str]) -> list[ServiceProcess]
     return started
 
 
+def _owned_parts(services: list[ServiceProcess], batches: list[list[int]]) -> list[list[list[int]]]:
+    """Per service, the parts of ``batches`` it owns, as the routed client sends them."""
+    table = httpx.get(f"{services[0].url}/v1/datasets/{DATASET}/routing", timeout=10).json()
+    starts, owner, urls = np.asarray(table["starts"]), np.asarray(table["owner"]), table["urls"]
+    out = []
+    for service in services:
+        node = urls.index(service.url)
+        parts = [[i for i in b if owner[np.searchsorted(starts, i, "right") - 1] == node] for b in batches]
+        out.append([part for part in parts if part])
+    return out
+
+
+def _alternating(single: ServiceProcess, replicas: list[ServiceProcess], orders: list[np.ndarray], batch: int,
+                 part: int, threads: int, rounds: int) -> tuple[list[float], list[float], list[float]]:
+    """Warm, in alternating rounds: the single service (batches of ``batch``, then of ``part``),
+    then each replica in turn, alone, with the parts of the same batches it owns while the
+    others idle: a replica with the machine's cores to itself, as the single service has them.
+    Per replica, the medians over the rounds of: its samples/s over the single service's, its
+    efficiency, and its efficiency against the single service at batches of ``part``."""
+    batches = _batches(orders, batch)
+    owned = _owned_parts(replicas, batches)
+    ratios: list[list[tuple[float, float, float]]] = [[] for _ in replicas]
+    with Client(single.url) as client:
+        for r in range(rounds):
+            whole = Phase(sum(map(len, batches)), *_epochs(client, [single], batches, threads))
+            small = Phase(whole.samples, *_epochs(client, [single], _batches(orders, part), threads))
+            _report(f"round {r}: 1 service, warm", whole, None)
+            _report(f"round {r}: 1 service, warm, batch {part} (a routed part's size)", small, None)
+            for i, (replica, parts) in enumerate(zip(replicas, owned)):
+                with Client(replica.url, route=False) as own:
+                    alone = Phase(sum(map(len, parts)), *_epochs(own, [replica], parts, threads))
+                _report(f"round {r}: 3 replicas, routed, warm, node {i} alone", alone, whole)
+                ratios[i].append((alone.per_node_rates(whole)[0], *alone.efficiencies(whole),
+                                  *alone.efficiencies(small)))
+    medians = [tuple(statistics.median(column) for column in zip(*node)) for node in ratios]
+    return [m[0] for m in medians], [m[1] for m in medians], [m[2] for m in medians]
+
+
 def _hop_latency(urls: list[str], repeat: int = 3) -> tuple[float, float]:
     """P50 ms of warm per-sample GETs to ``urls[0]``: samples it owns, samples a peer owns."""
     table = httpx.get(f"{urls[0]}/v1/datasets/{DATASET}/routing", timeout=10).json()
@@ -189,11 +235,13 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--threads", type=int, default=4, help="batches in flight (default: %(default)s)")
     parser.add_argument("--warm-epochs", type=int, default=3, help="warm epochs measured together (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternating rounds of the single service and each replica alone (default: %(default)s)")
     parser.add_argument("--s3", choices=S3_SERVERS, default=default_server(),
                         help="the S3 server to start on loopback (default here: %(default)s)")
     args = parser.parse_args(argv)
     for flag, value in (("--samples", args.samples), ("--batch", args.batch), ("--threads", args.threads),
-                        ("--warm-epochs", args.warm_epochs)):
+                        ("--warm-epochs", args.warm_epochs), ("--rounds", args.rounds)):
         if value < 1:
             parser.error(f"{flag} must be at least 1, not {value}")
 
@@ -215,23 +263,22 @@ def main(argv=None) -> int:
             out = {}
             with Client([s.url for s in services], route=route) as client:
                 for name, orders in phases:
-                    seconds, nodes = _epochs(client, services, orders, batch, args.threads)
+                    seconds, nodes = _epochs(client, services, _batches(orders, batch), args.threads)
                     out[name] = Phase(len(orders) * args.samples, seconds, nodes)
                     _report(f"{label}, {name}", out[name], single and single[name])
             return out
 
         part = max(1, round(args.batch / 3))  # what a routed batch sends each replica
-        with start_service({DATASET: url}, cache_dir=Path(tmp) / "single", env=s3.env()) as service:
-            single = run("1 service", [service], True, None)
-            parts = run(f"1 service, batch {part} (a routed part's size)", [service], True, None, part,
-                        (("warm", warm_orders),))["warm"]
-        replicas = {}
+        service = stack.enter_context(start_service({DATASET: url}, cache_dir=Path(tmp) / "single", env=s3.env()))
+        single = run("1 service", [service], True, None)
+        replicas, alone = {}, []
         for route in (True, False):
             label = "routed" if route else "unrouted"
             nodes = _replicas(url, Path(tmp) / label, s3.env())
             try:
                 replicas[label] = run(f"3 replicas, {label}", nodes, route, single)
                 if route:
+                    alone = _alternating(service, nodes, warm_orders, args.batch, part, args.threads, args.rounds)
                     local, remote = _hop_latency([r.url for r in nodes])
                     print(f"warm per-sample GET to node 0, P50: a sample it owns {local:.2f} ms, one a peer "
                           f"owns {remote:.2f} ms (a hop: +{remote - local:.2f} ms)")
@@ -243,12 +290,13 @@ def main(argv=None) -> int:
               "the replica's):")
         for label, phases in replicas.items():
             for name, phase in phases.items():
-                hops = sum(n.replica_hops for n in phase.nodes)
-                line = (f"  {label:8s} {name}: samples/s per replica {_span(phase.per_node_rates(single[name]))}, "
-                        f"efficiency {_span(phase.efficiencies(single[name]))}")
-                if name == "warm":
-                    line += f" ({_span(phase.efficiencies(parts))} against batch {part})"
-                print(f"{line}, replica-to-replica sub-batches {hops:.0f}")
+                print(f"  {label:8s} {name}: samples/s per replica {_span(phase.per_node_rates(single[name]))}, "
+                      f"efficiency {_span(phase.efficiencies(single[name]))}, replica-to-replica sub-batches "
+                      f"{sum(n.replica_hops for n in phase.nodes):.0f}")
+                if label == "routed" and name == "warm":
+                    print(f"  routed   warm, each replica alone (median of {args.rounds} rounds): samples/s "
+                          f"{_span(alone[0])}, efficiency {_span(alone[1])} ({_span(alone[2])} against the "
+                          f"single service at batch {part})")
     print(f"load after: {os.getloadavg()[0]:.2f}")
     return 0
 
