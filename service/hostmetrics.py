@@ -41,24 +41,32 @@ GAUGE_MODES = {"shardfeed_peers_up": min}
 """Gauges not summed over workers, with how they are combined instead."""
 
 
-async def sibling_texts(cluster: Cluster) -> list[str | None]:
-    """Each sibling worker's own ``/metrics`` text, ``None`` for one that did not send it in time."""
+async def from_siblings(cluster: Cluster, path: str, params: list[tuple[str, str]] | None = None
+                        ) -> list[bytes | None]:
+    """Each sibling worker's answer to ``GET path`` over its Unix socket, all asked at once;
+    ``None`` for one that did not answer 200 with at most ``SIBLING_LIMIT`` bytes within
+    ``SIBLING_TIMEOUT``."""
     siblings = [node for node in range(len(cluster.workers)) if node != cluster.me]
-    return list(await asyncio.gather(*(_sibling_text(cluster, node) for node in siblings)))
+    return list(await asyncio.gather(*(_from_sibling(cluster, node, path, params) for node in siblings)))
 
 
-async def _sibling_text(cluster: Cluster, node: int) -> str | None:
+async def _from_sibling(cluster: Cluster, node: int, path: str, params: list[tuple[str, str]] | None) -> bytes | None:
     reader = cluster.reader(node)
     try:
-        async with reader.session().get(f"{reader.base}/metrics", ssl=reader.ssl, headers=cluster.headers,
+        async with reader.session().get(f"{reader.base}{path}", params=params, ssl=reader.ssl, headers=cluster.headers,
                                         timeout=aiohttp.ClientTimeout(total=SIBLING_TIMEOUT)) as resp:
             body = await resp.content.read(SIBLING_LIMIT + 1)
             if resp.status != 200 or len(body) > SIBLING_LIMIT:
                 raise ValueError(f"answered {resp.status} with {len(body)} bytes")
-            return body.decode()
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, UnicodeDecodeError) as err:
-        log.debug("metrics of worker %s left out: %r", reader.target.id, err)
+            return body
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as err:
+        log.debug("%s of worker %s left out: %r", path, reader.target.id, err)
         return None
+
+
+async def sibling_texts(cluster: Cluster) -> list[str | None]:
+    """Each sibling worker's own ``/metrics`` text, ``None`` for one that did not send it in time."""
+    return [None if body is None else body.decode(errors="replace") for body in await from_siblings(cluster, "/metrics")]
 
 
 def summed(metrics: Metrics, texts: list[str | None]) -> bytes:
@@ -67,7 +75,11 @@ def summed(metrics: Metrics, texts: list[str | None]) -> bytes:
     families: dict[str, Metric] = {}
     values: dict[str, dict[tuple, float]] = {}
     sources = [metrics.registry.collect()]
-    sources += [text_string_to_metric_families(text) for text in texts if text is not None]
+    for text in filter(None, texts):
+        try:
+            sources.append(list(text_string_to_metric_families(text)))
+        except ValueError as err:  # not Prometheus text: that sibling is left out like a silent one
+            log.warning("metrics of a sibling worker left out, unreadable: %s", err)
     for source in sources:
         for family in source:
             merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
@@ -90,7 +102,7 @@ def summed(metrics: Metrics, texts: list[str | None]) -> bytes:
     workers = Metric("shardfeed_workers", "Worker processes of this host", "gauge")
     workers.add_sample("shardfeed_workers", {}, 1 + len(texts))
     reporting = Metric("shardfeed_workers_reporting", "Workers whose figures these sums hold", "gauge")
-    reporting.add_sample("shardfeed_workers_reporting", {}, 1 + sum(text is not None for text in texts))
+    reporting.add_sample("shardfeed_workers_reporting", {}, len(sources))
     return generate_latest(_Families([*families.values(), workers, reporting]))
 
 

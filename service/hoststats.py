@@ -17,21 +17,15 @@ are in the sums.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
 from typing import TYPE_CHECKING
 
-import aiohttp
-
-from .hostmetrics import SIBLING_LIMIT, SIBLING_TIMEOUT
+from .hostmetrics import from_siblings
 from .peers import Cluster
 from .stats import COLUMNS, Reading, StatsRecorder, latency_summary
 
 if TYPE_CHECKING:
     from .api.common import State
-
-log = logging.getLogger("shardfeed.hoststats")
 
 
 def worker_figures(state: State, spans: tuple[float, ...], since: float | None) -> dict:
@@ -58,24 +52,14 @@ def worker_figures(state: State, spans: tuple[float, ...], since: float | None) 
 
 async def sibling_figures(cluster: Cluster, spans: tuple[float, ...], since: float | None) -> list[dict | None]:
     """Each sibling worker's ``worker_figures``, ``None`` for one that did not send them in time."""
-    siblings = [node for node in range(len(cluster.workers)) if node != cluster.me]
-    return list(await asyncio.gather(*(_sibling(cluster, node, spans, since) for node in siblings)))
-
-
-async def _sibling(cluster: Cluster, node: int, spans: tuple[float, ...], since: float | None) -> dict | None:
-    reader = cluster.reader(node)
     params = [("span", f"{seconds:g}") for seconds in spans] + ([("since", repr(since))] if since is not None else [])
-    try:
-        async with reader.session().get(f"{reader.base}/v1/internal/stats", params=params, ssl=reader.ssl,
-                                        headers=cluster.headers,
-                                        timeout=aiohttp.ClientTimeout(total=SIBLING_TIMEOUT)) as resp:
-            body = await resp.content.read(SIBLING_LIMIT + 1)
-            if resp.status != 200 or len(body) > SIBLING_LIMIT:
-                raise ValueError(f"answered {resp.status} with {len(body)} bytes")
-            return json.loads(body)
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as err:
-        log.debug("stats of worker %s left out: %r", reader.target.id, err)
-        return None
+    out = []
+    for body in await from_siblings(cluster, "/v1/internal/stats", params):
+        try:
+            out.append(None if body is None else json.loads(body))
+        except ValueError:
+            out.append(None)
+    return out
 
 
 class HostRecorder:
