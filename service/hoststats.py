@@ -11,7 +11,7 @@ their percentiles), and the per-second series are added point by point (the work
 recorders tick on the same boundaries of the host's monotonic clock). Requests in flight
 and their limits, the cache's capacity and the plans are the workers' together; the
 datasets, replicas and workers are the answering worker's view, the same on every worker.
-A sibling that does not answer in time is left out; ``workers.reporting`` says how many
+A sibling that does not answer in time is left out; ``workers_reporting`` says how many
 are in the sums.
 """
 
