@@ -1,9 +1,33 @@
-"""One service versus three replicas on this machine, over one S3 server (SeaweedFS, or moto with
-``--s3 moto``).
+"""One service versus three replicas, through the real client, over one S3 server
+(SeaweedFS, or moto with ``--s3 moto``).
 
-Reports, for a random epoch cold then warm: samples/s, store requests and cache hit
-ratio per replica; and the cost of a peer hop: the latency of a warm per-sample GET
-for a sample the receiving replica owns versus one a peer owns.
+The same random epochs (one cold, on empty caches, then ``--warm-epochs`` warm ones) go
+through ``shardfeed.client.Client`` (``--threads`` batches in flight) against:
+
+- ``1 service``: one ``shardfeed serve --workers 1``;
+- ``3 replicas, routed``: three ``serve --workers 1`` that are each other's ``--peers`` (as
+  ``shardfeed stack`` runs them), the client splitting each batch by owner from the
+  routing table (``Client(urls)``, the default);
+- ``3 replicas, unrouted``: three fresh replicas, each batch sent whole to the next URL
+  (``Client(urls, route=False)``), so about 2/3 of it hops to its owners.
+
+For each: samples/s in all and per replica, store requests, cache hit ratio (disk and RAM
+tier), replica-to-replica sub-batches (``shardfeed_peer_requests_total{kind="replica"}``:
+0 when routed), and service CPU per served sample per replica (user + system time of the
+replica's process from ``/proc`` over the epochs, divided by the samples it served, the
+work its hops cause included).
+
+The target (issue 10) is samples/s per replica at least 0.9x a single service's: each
+replica with a host of its own. Here the three replicas, the client and the S3 server
+share the machine's cores, so the concurrent figures cannot show it. What can: warm, in
+``--rounds`` alternating rounds, the single service, then each replica alone with the
+parts of the same batches that the routed client sends it (the others idle), each with
+the machine to itself; per replica, the median ratio of its samples/s to the single
+service's, and its efficiency: the single service's CPU per sample over the replica's
+(1.0: a replica spends on each sample what the lone service does), also against the
+single service sent batches of a routed part's size (``--batch`` / 3), which tells the
+cost of smaller requests from the cost of being a replica. Last, the latency of a warm
+per-sample GET to one replica for a sample it owns versus one a peer owns: one hop.
 
     python -m shardfeed.benchmarks.replicas --samples 8000 --size 10KiB
 """
@@ -11,7 +35,6 @@ for a sample the receiving replica owns versus one a peer owns.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import statistics
 import subprocess
@@ -19,114 +42,262 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import numpy as np
 
 from shardfeed.benchmarks.s3server import S3_SERVERS, default_server, start_s3
-from shardfeed.service.cache import shard_id
-from shardfeed.service.index import load_index
-from shardfeed.service.process import free_port, scrape_metrics, start_service
-from shardfeed.service.stores import open_store
+from shardfeed.benchmarks.serverside import tree_cpu
+from shardfeed.client import Client
+from shardfeed.service.process import ServiceProcess, free_port, hops, scrape_metrics, start_service
+
+DATASET = "bench"
+COUNTERS = ("shardfeed_samples_served_total", "shardfeed_store_requests_total", "shardfeed_cache_hits_total",
+            "shardfeed_memory_cache_hits_total", "shardfeed_cache_misses_total")
 
 
-def _epoch(urls: list[str], n: int, batch: int, workers: int, seed: int) -> float:
-    order = np.random.default_rng(seed).permutation(n)
-    batches = [order[i:i + batch].tolist() for i in range(0, n, batch)]
+@dataclass
+class Figures:
+    """One node's share of an epoch (or of all the warm epochs)."""
 
-    def one(k: int) -> None:
-        resp = httpx.post(f"{urls[k % len(urls)]}/v1/batch", json={"dataset": "bench", "indices": batches[k]},
-                          timeout=120)
-        resp.raise_for_status()
+    served: float = 0.0
+    cpu: float = 0.0
+    store_requests: float = 0.0
+    cache_hits: float = 0.0
+    """Block reads served from the disk cache or its RAM tier."""
+    cache_misses: float = 0.0
+    replica_hops: float = 0.0
 
+    @property
+    def cpu_us_per_sample(self) -> float | None:
+        return 1e6 * self.cpu / self.served if self.served else None
+
+
+def _reading(service: ServiceProcess) -> tuple[dict[str, float], float, float]:
+    return scrape_metrics(service.url), tree_cpu(service.process.pid), hops(service.url, "replica")
+
+
+def _batches(orders: list[np.ndarray], batch: int) -> list[list[int]]:
+    return [order[i:i + batch].tolist() for order in orders for i in range(0, len(order), batch)]
+
+
+def _epochs(client: Client, services: list[ServiceProcess], batches: list[list[int]],
+            threads: int) -> tuple[float, list[Figures]]:
+    """Seconds ``batches`` took through ``client``, and each service's figures."""
+    before = [_reading(s) for s in services]
     began = time.perf_counter()
-    with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(one, range(len(batches))))
-    return n / (time.perf_counter() - began)
+    with ThreadPoolExecutor(threads) as pool:
+        for asked, got in zip(batches, pool.map(lambda b: client.get_batch(DATASET, b), batches)):
+            if [s["__index__"] for s in got] != asked:
+                raise AssertionError("a batch came back incomplete or out of order")
+    seconds = time.perf_counter() - began
+    out = []
+    for service, (metrics, cpu, replica_hops) in zip(services, before):
+        now, cpu_now, hops_now = _reading(service)
+        grew = {name: now.get(name, 0.0) - metrics.get(name, 0.0) for name in COUNTERS}
+        out.append(Figures(grew["shardfeed_samples_served_total"], cpu_now - cpu,
+                           grew["shardfeed_store_requests_total"],
+                           grew["shardfeed_cache_hits_total"] + grew["shardfeed_memory_cache_hits_total"],
+                           grew["shardfeed_cache_misses_total"], hops_now - replica_hops))
+    return seconds, out
 
 
-def _latency_ms(url: str, samples: list[int], repeat: int = 3) -> float:
-    times = []
-    with httpx.Client(base_url=url) as client:
-        for _ in range(repeat):
-            for i in samples:
-                began = time.perf_counter()
-                client.get(f"/v1/datasets/bench/samples/{i}/cls").raise_for_status()
-                times.append(time.perf_counter() - began)
-    return 1e3 * statistics.median(times)
+@dataclass
+class Phase:
+    """One topology's cold or warm epochs."""
+
+    samples: int
+    seconds: float
+    nodes: list[Figures]
+
+    @property
+    def rate(self) -> float:
+        return self.samples / self.seconds
+
+    @property
+    def cpu_us_per_sample(self) -> float:
+        return 1e6 * sum(n.cpu for n in self.nodes) / self.samples
+
+    def per_node_rates(self, single: Phase) -> list[float]:
+        """Each node's samples/s over ``single``'s."""
+        return [n.served / self.seconds / single.rate for n in self.nodes]
+
+    def efficiencies(self, single: Phase) -> list[float]:
+        """Each node's CPU per served sample against ``single``'s (1.0: as cheap)."""
+        return [single.cpu_us_per_sample / n.cpu_us_per_sample for n in self.nodes if n.cpu_us_per_sample]
 
 
-async def _load_index(url: str, env: dict[str, str]):
-    os.environ.update(env)
-    async with open_store(url) as store:
-        return await load_index(store)
+def _report(label: str, phase: Phase, single: Phase | None) -> None:
+    """Print one phase's figures, with ratios to ``single`` (the lone service's same phase)."""
+    print(f"{label}: {phase.rate:8,.0f} samples/s in all, service CPU {phase.cpu_us_per_sample:6.1f} us/sample "
+          f"in all, replica-to-replica sub-batches {sum(n.replica_hops for n in phase.nodes):.0f}")
+    for i, node in enumerate(phase.nodes):
+        hits, misses = node.cache_hits, node.cache_misses
+        line = (f"  node {i}: {node.served / phase.seconds:8,.0f} samples/s ({node.served:6.0f} served), "
+                f"CPU {node.cpu_us_per_sample or 0:6.1f} us/sample, store requests {node.store_requests:5.0f}, "
+                f"cache hit ratio {hits / max(1.0, hits + misses):.3f}, sub-batches to replicas {node.replica_hops:4.0f}")
+        if single is not None:
+            line += f"; vs 1 service: samples/s {node.served / phase.seconds / single.rate:.2f}x"
+            if node.cpu_us_per_sample:
+                line += f", efficiency {single.cpu_us_per_sample / node.cpu_us_per_sample:.2f}x"
+        print(line)
 
 
-def _report(label: str, urls: list[str], cold: float, warm: float) -> None:
-    print(f"{label}: cold {cold:7.0f} samples/s, warm {warm:7.0f} samples/s")
-    for url in urls:
-        m = scrape_metrics(url)
-        hits, misses = m["shardfeed_cache_hits_total"], m["shardfeed_cache_misses_total"]
-        print(f"  {url}: store requests {m['shardfeed_store_requests_total']:5.0f}, "
-              f"store MiB {m['shardfeed_store_bytes_total'] / 2**20:6.1f}, "
-              f"cache hit ratio {hits / max(1, hits + misses):.3f}, "
-              f"sub-batches sent {m.get('shardfeed_peer_requests_total', 0):4.0f}")
+def _span(values: list[float]) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}x" if values else "unknown"
+
+
+def _replicas(url: str, root: Path, env: dict[str, str]) -> list[ServiceProcess]:
+    ports = [free_port() for _ in range(3)]
+    peers = ",".join(f"r{i}=http://127.0.0.1:{p}" for i, p in enumerate(ports))
+    started: list[ServiceProcess] = []
+    try:
+        for i, port in enumerate(ports):
+            started.append(start_service({DATASET: url}, cache_dir=root / f"r{i}", port=port, env=env,
+                                         args=["--node-id", f"r{i}", "--peers", peers]))
+        deadline = time.monotonic() + 30  # until each sees the others up: the routing tables agree
+        while any(scrape_metrics(s.url)["shardfeed_peers_up"] < 3 for s in started):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the replicas did not see each other up within 30 s")
+            time.sleep(0.1)
+    except BaseException:
+        for service in started:
+            service.stop()
+        raise
+    return started
+
+
+def _owned_parts(services: list[ServiceProcess], batches: list[list[int]]) -> list[list[list[int]]]:
+    """Per service, the parts of ``batches`` it owns, as the routed client sends them."""
+    table = httpx.get(f"{services[0].url}/v1/datasets/{DATASET}/routing", timeout=10).json()
+    starts, owner, urls = np.asarray(table["starts"]), np.asarray(table["owner"]), table["urls"]
+    out = []
+    for service in services:
+        node = urls.index(service.url)
+        parts = [[i for i in b if owner[np.searchsorted(starts, i, "right") - 1] == node] for b in batches]
+        out.append([part for part in parts if part])
+    return out
+
+
+def _alternating(single: ServiceProcess, replicas: list[ServiceProcess], orders: list[np.ndarray], batch: int,
+                 part: int, threads: int, rounds: int) -> tuple[list[float], list[float], list[float]]:
+    """Warm, in alternating rounds: the single service (batches of ``batch``, then of ``part``),
+    then each replica in turn, alone, with the parts of the same batches it owns while the
+    others idle: a replica with the machine's cores to itself, as the single service has them.
+    Per replica, the medians over the rounds of: its samples/s over the single service's, its
+    efficiency, and its efficiency against the single service at batches of ``part``."""
+    batches = _batches(orders, batch)
+    owned = _owned_parts(replicas, batches)
+    ratios: list[list[tuple[float, float, float]]] = [[] for _ in replicas]
+    with Client(single.url) as client:
+        for r in range(rounds):
+            whole = Phase(sum(map(len, batches)), *_epochs(client, [single], batches, threads))
+            small = Phase(whole.samples, *_epochs(client, [single], _batches(orders, part), threads))
+            _report(f"round {r}: 1 service, warm", whole, None)
+            _report(f"round {r}: 1 service, warm, batch {part} (a routed part's size)", small, None)
+            for i, (replica, parts) in enumerate(zip(replicas, owned)):
+                with Client(replica.url, route=False) as own:
+                    alone = Phase(sum(map(len, parts)), *_epochs(own, [replica], parts, threads))
+                _report(f"round {r}: 3 replicas, routed, warm, node {i} alone", alone, whole)
+                ratios[i].append((alone.per_node_rates(whole)[0], *alone.efficiencies(whole),
+                                  *alone.efficiencies(small)))
+    medians = [tuple(statistics.median(column) for column in zip(*node)) for node in ratios]
+    return [m[0] for m in medians], [m[1] for m in medians], [m[2] for m in medians]
+
+
+def _hop_latency(urls: list[str], repeat: int = 3) -> tuple[float, float]:
+    """P50 ms of warm per-sample GETs to ``urls[0]``: samples it owns, samples a peer owns."""
+    table = httpx.get(f"{urls[0]}/v1/datasets/{DATASET}/routing", timeout=10).json()
+    starts, owner = table["starts"], [table["urls"][o] for o in table["owner"]]
+    own = [s for s, o in zip(starts, owner) if o == urls[0]][:20]
+    other = [s for s, o in zip(starts, owner) if o != urls[0]][:20]
+    out = []
+    with httpx.Client(base_url=urls[0]) as http:
+        for samples in (own, other):
+            times = []
+            for _ in range(repeat):
+                for i in samples:
+                    began = time.perf_counter()
+                    http.get(f"/v1/datasets/{DATASET}/samples/{i}").raise_for_status()
+                    times.append(time.perf_counter() - began)
+            out.append(1e3 * statistics.median(times))
+    return out[0], out[1]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=8000)
     parser.add_argument("--size", default="10KiB")
+    parser.add_argument("--shard-size", default="4MiB")
     parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=4, help="batches in flight (default: %(default)s)")
+    parser.add_argument("--warm-epochs", type=int, default=3, help="warm epochs measured together (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternating rounds of the single service and each replica alone (default: %(default)s)")
     parser.add_argument("--s3", choices=S3_SERVERS, default=default_server(),
                         help="the S3 server to start on loopback (default here: %(default)s)")
     args = parser.parse_args(argv)
+    for flag, value in (("--samples", args.samples), ("--batch", args.batch), ("--threads", args.threads),
+                        ("--warm-epochs", args.warm_epochs), ("--rounds", args.rounds)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, not {value}")
 
-    s3 = start_s3(args.s3)
-    try:
+    cold_order = np.random.default_rng(0).permutation(args.samples)
+    warm_orders = [np.random.default_rng(1 + e).permutation(args.samples) for e in range(args.warm_epochs)]
+    print(f"{args.samples} samples of {args.size} in shards of {args.shard_size}, batch {args.batch}, {args.threads} in flight, "
+          f"{args.warm_epochs} warm epochs; {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}")
+    with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
+        s3 = start_s3(args.s3)
+        stack.callback(s3.stop)
         s3.create_bucket("bench")
         subprocess.run([sys.executable, "-m", "shardfeed", "-q", "seed", "s3://bench/data", "--samples",
-                        str(args.samples), "--size", args.size, "--shard-size", "4MiB"],
+                        str(args.samples), "--size", args.size, "--shard-size", args.shard_size],
                        check=True, env={**os.environ, **s3.env()})
         url = "s3://bench/data"
-        with tempfile.TemporaryDirectory() as tmp:
-            with start_service({"bench": url}, cache_dir=Path(tmp) / "single", env=s3.env()) as svc:
-                cold = _epoch([svc.url], args.samples, args.batch, args.workers, 0)
-                warm = _epoch([svc.url], args.samples, args.batch, args.workers, 1)
-                _report("1 service", [svc.url], cold, warm)
 
-            ports = [free_port() for _ in range(3)]
-            peers = ",".join(f"r{i}=http://127.0.0.1:{p}" for i, p in enumerate(ports))
-            replicas = [start_service({"bench": url}, cache_dir=Path(tmp) / f"r{i}", port=port, env=s3.env(),
-                                      args=["--node-id", f"r{i}", "--peers", peers])
-                        for i, port in enumerate(ports)]
+        def run(label: str, services: list[ServiceProcess], route: bool, single: dict[str, Phase] | None,
+                batch: int = args.batch, phases=(("cold", [cold_order]), ("warm", warm_orders))) -> dict[str, Phase]:
+            out = {}
+            with Client([s.url for s in services], route=route) as client:
+                for name, orders in phases:
+                    seconds, nodes = _epochs(client, services, _batches(orders, batch), args.threads)
+                    out[name] = Phase(len(orders) * args.samples, seconds, nodes)
+                    _report(f"{label}, {name}", out[name], single and single[name])
+            return out
+
+        part = max(1, round(args.batch / 3))  # what a routed batch sends each replica
+        service = stack.enter_context(start_service({DATASET: url}, cache_dir=Path(tmp) / "single", env=s3.env()))
+        single = run("1 service", [service], True, None)
+        replicas, alone = {}, []
+        for route in (True, False):
+            label = "routed" if route else "unrouted"
+            nodes = _replicas(url, Path(tmp) / label, s3.env())
             try:
-                urls = [r.url for r in replicas]
-                time.sleep(1.5)  # first health checks
-                cold = _epoch(urls, args.samples, args.batch, args.workers, 0)
-                warm = _epoch(urls, args.samples, args.batch, args.workers, 1)
-                _report("3 replicas (batches round-robin)", urls, cold, warm)
-
-                # Peer hop: samples whose shard r0 owns versus shards r1 owns, asked of r0.
-                cluster = httpx.get(f"{urls[0]}/v1/cluster").json()
-                assert [p["id"] for p in cluster["peers"]] == ["r0", "r1", "r2"]
-                cache0 = {p.name.split("-")[0] for p in (Path(tmp) / "r0").glob("*/*.blk")}
-                index = asyncio.run(_load_index(url, s3.env()))
-                members = index.lookup(np.arange(len(index)), ["cls"])
-                owned = np.array([shard_id(path) in cache0 for path in index.shards])[members.shard]
-                own = members.sample[owned][:: max(1, owned.sum() // 20)][:20].tolist()
-                other = members.sample[~owned][:: max(1, (~owned).sum() // 20)][:20].tolist()
-                local = _latency_ms(urls[0], own[:20])
-                remote = _latency_ms(urls[0], other[:20])
-                print(f"warm per-sample GET to r0, P50: own shard {local:.2f} ms, peer-owned shard {remote:.2f} ms "
-                      f"(peer hop +{remote - local:.2f} ms)")
+                replicas[label] = run(f"3 replicas, {label}", nodes, route, single)
+                if route:
+                    alone = _alternating(service, nodes, warm_orders, args.batch, part, args.threads, args.rounds)
+                    local, remote = _hop_latency([r.url for r in nodes])
+                    print(f"warm per-sample GET to node 0, P50: a sample it owns {local:.2f} ms, one a peer "
+                          f"owns {remote:.2f} ms (a hop: +{remote - local:.2f} ms)")
             finally:
-                for r in replicas:
-                    r.stop()
-    finally:
-        s3.stop()
+                for node in nodes:
+                    node.stop()
+
+        print("\nsummary (per replica against 1 service; efficiency = the single service's CPU per sample over "
+              "the replica's):")
+        for label, phases in replicas.items():
+            for name, phase in phases.items():
+                print(f"  {label:8s} {name}: samples/s per replica {_span(phase.per_node_rates(single[name]))}, "
+                      f"efficiency {_span(phase.efficiencies(single[name]))}, replica-to-replica sub-batches "
+                      f"{sum(n.replica_hops for n in phase.nodes):.0f}")
+                if label == "routed" and name == "warm":
+                    print(f"  routed   warm, each replica alone (median of {args.rounds} rounds): samples/s "
+                          f"{_span(alone[0])}, efficiency {_span(alone[1])} ({_span(alone[2])} against the "
+                          f"single service at batch {part})")
+    print(f"load after: {os.getloadavg()[0]:.2f}")
     return 0
 
 

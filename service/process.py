@@ -56,6 +56,15 @@ def scrape_metrics(url: str, timeout: float = 10, token: str | None = None) -> d
     return out
 
 
+def hops(url: str, kind: str, timeout: float = 10) -> float:
+    """Sub-batches a service sent on to another ``replica`` or sibling ``worker``
+    (``shardfeed_peer_requests_total`` of that kind, summed over peers and outcomes)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as resp:
+        lines = resp.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+               if line.startswith("shardfeed_peer_requests_total{") and f'kind="{kind}"' in line)
+
+
 def stop_process(process: subprocess.Popen, timeout: float = 10) -> int:
     """SIGTERM, and SIGKILL after ``timeout`` seconds; the exit status."""
     if process.poll() is None:

@@ -104,6 +104,19 @@ def quantile(q: float, bounds: tuple[float, ...], counts: tuple[float, ...]) -> 
     return lower
 
 
+def latency_summary(grown: tuple[dict[str, tuple[float, ...]], float] | None,
+                    bounds: dict[str, tuple[float, ...]]) -> dict[str, dict]:
+    """Observations and P50/P95/P99 per histogram of ``LATENCIES`` from the growth of its
+    buckets over a window (``StatsRecorder.window_buckets``; None: no window yet)."""
+    out = {}
+    for name, family in LATENCIES.items():
+        counts = grown[0].get(family, ()) if grown is not None else ()
+        out[name] = {"count": int(counts[-1]) if counts else None,
+                     **{f"p{q * 100:g}": quantile(q, bounds.get(family, ()), counts) for q in QUANTILES}}
+    out["window_s"] = None if grown is None else round(grown[1], 3)
+    return out
+
+
 class StatsRecorder:
     """Reads ``registry`` every ``interval`` seconds; keeps ``history`` readings.
 
@@ -171,21 +184,20 @@ class StatsRecorder:
         return ({name: value - first.values.get(name, 0.0) for name, value in latest.values.items()},
                 latest.monotonic - first.monotonic)
 
+    def window_buckets(self) -> tuple[dict[str, tuple[float, ...]], float] | None:
+        """Per histogram of ``LATENCIES``, how much each cumulative bucket grew over about the
+        last ``window`` seconds, and the exact seconds; None until there are two readings."""
+        span = self.span(self.window)
+        if span is None:
+            return None
+        first, latest = span
+        return ({family: tuple(a - b for a, b in zip(latest.buckets.get(family, ()), first.buckets.get(family, ())))
+                 for family in LATENCIES.values()}, latest.monotonic - first.monotonic)
+
     def latencies(self) -> dict[str, dict]:
         """Per histogram: observations and P50/P95/P99 (seconds) over about the last ``window``
         seconds (``window_s``: the exact span); None where nothing was observed."""
-        span = self.span(self.window)
-        out = {}
-        for name, family in LATENCIES.items():
-            counts: tuple[float, ...] = ()
-            if span is not None:
-                first, latest = span
-                counts = tuple(a - b for a, b in zip(latest.buckets.get(family, ()), first.buckets.get(family, ())))
-            bounds = self.bounds.get(family, ())
-            out[name] = {"count": int(counts[-1]) if counts else None,
-                         **{f"p{q * 100:g}": quantile(q, bounds, counts) for q in QUANTILES}}
-        out["window_s"] = None if span is None else round(span[1].monotonic - span[0].monotonic, 3)
-        return out
+        return latency_summary(self.window_buckets(), self.bounds)
 
     async def _loop(self) -> None:
         while True:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import io
 import tarfile
-import urllib.request
 
 import httpx
 
+from shardfeed.service.process import hops  # noqa: F401  (re-exported for tests)
 from shardfeed.service.process import scrape_metrics as metrics  # noqa: F401  (re-exported for tests)
 
 
@@ -15,14 +15,6 @@ def tar_members(data: bytes) -> list[tuple[str, bytes]]:
     """Members of a tar response, read with Python's own tarfile (an independent parser)."""
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         return [(m.name, tar.extractfile(m).read()) for m in tar.getmembers()]
-
-
-def hops(url: str, kind: str) -> float:
-    """Sub-batches a node sent on to another ``replica`` or sibling ``worker`` (its peer requests)."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-        lines = resp.read().decode().splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
-               if line.startswith("shardfeed_peer_requests_total{") and f'kind="{kind}"' in line)
 
 
 def fetch_batch(url: str, indices, dataset: str = "train") -> list[tuple[str, bytes]]:

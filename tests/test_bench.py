@@ -125,3 +125,24 @@ def test_the_getbatch_benchmark_runs_every_scenario_and_checks_its_bytes():
                  "AIStore SDK GetBatch, warm cache", "GetBatch over httpx (no SDK), warm"):
         assert line in out.stdout
     assert "AIStore SDK vs native (warm)" in out.stdout
+
+
+@pytest.mark.timeout(180)
+def test_the_replicas_benchmark_routes_with_no_hop_and_prints_every_ratio():
+    out = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.replicas", "--samples", "1200", "--shard-size",
+                          "256KiB", "--batch", "96", "--warm-epochs", "1", "--rounds", "1"], capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = out.stdout.split("summary", 1)[1]
+    ratio = r"(\d+\.\d\d)-(\d+\.\d\d)x"
+    for label in ("routed", "unrouted"):
+        for phase in ("cold", "warm"):
+            line = re.search(rf"{label} +{phase}: samples/s per replica {ratio}, efficiency {ratio}.*"
+                             r"replica-to-replica sub-batches (\d+)", summary)
+            assert line, (label, phase, summary)
+            assert 0 < float(line[1]) <= float(line[2]) and 0 < float(line[3]) <= float(line[4]), line[0]
+            hops = int(line[5])
+            assert hops == 0 if label == "routed" else hops > 0, line[0]  # the target, and the cost it removes
+    assert re.search(r"warm per-sample GET to node 0, P50: a sample it owns \d+\.\d\d ms", out.stdout)
+    alone = re.search(rf"each replica alone \(median of 1 rounds\): samples/s {ratio}, efficiency {ratio} "
+                      rf"\({ratio} against the single service at batch 32\)", summary)
+    assert alone and all(float(x) > 0 for x in alone.groups()), summary

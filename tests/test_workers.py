@@ -126,6 +126,75 @@ def test_client_routing_sends_each_worker_its_own_part_with_no_hop(service, data
     assert sum(hops(url, "worker") for url in worker_urls(service.url)) == 0, "a part went to a non-owner"
 
 
+def test_the_public_port_metrics_sum_every_worker_and_each_own_port_keeps_its_own(service, dataset):
+    _, source = dataset
+    urls = worker_urls(service.url)
+    asked = [list(range(0, 60)), list(range(100, 140))]
+    for url, batch in zip(urls, asked):  # through each worker's own port: known counts per worker
+        assert fetch_batch(url, batch) == expected(source, batch)
+    own = [metrics(url) for url in urls]
+    assert [m["shardfeed_samples_served_total"] for m in own] == [60, 40]
+    host = metrics(service.url)
+    assert host["shardfeed_samples_served_total"] == 100
+    assert (host["shardfeed_workers"], host["shardfeed_workers_reporting"]) == (2, 2)
+    for name in ("shardfeed_store_requests_total", "shardfeed_peer_requests_total", "shardfeed_batch_seconds_count"):
+        assert host[name] == sum(m[name] for m in own), name
+    assert host["shardfeed_peers_up"] == 1  # a host's view (min over workers), not a sum
+    assert host["shardfeed_coalescing_factor"] == pytest.approx(100 / host["shardfeed_store_requests_total"])
+    text = httpx.get(f"{service.url}/metrics", timeout=10).text  # still the Prometheus text format
+    assert "# TYPE shardfeed_batch_seconds histogram" in text and 'shardfeed_batch_seconds_bucket{le="+Inf"} 2.0' in text
+
+    # A sibling that does not answer is left out, not waited for: the public port answers without it.
+    stopped = worker_pids(service)[1]
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        for _ in range(20):  # the kernel may hand a connection to the stopped worker: try another
+            try:
+                resp = httpx.get(f"{service.url}/metrics", timeout=8)
+            except httpx.TimeoutException:
+                continue
+            if 'shardfeed_workers_reporting 1.0' in resp.text:
+                break
+        else:
+            pytest.fail("no scrape of the public port was answered without the stopped worker")
+        assert resp.status_code == 200 and "shardfeed_samples_served_total" in resp.text
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+
+
+def test_the_public_port_status_figures_sum_every_worker(service, dataset):
+    _, source = dataset
+    urls = worker_urls(service.url)
+    for url, batch in zip(urls, [list(range(0, 60)), list(range(100, 140))]):
+        assert fetch_batch(url, batch) == expected(source, batch)
+
+    def stats(url):
+        resp = httpx.get(f"{url}/v1/stats", timeout=10)
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    deadline = time.monotonic() + 30  # until every recorder has read its registry since (once a second)
+    while [stats(url)["totals"]["samples"] for url in urls] != [60, 40]:
+        assert time.monotonic() < deadline, "the workers' own figures never showed their batches"
+        time.sleep(0.2)
+    own = [stats(url) for url in urls]
+    assert all("workers_reporting" not in doc for doc in own)  # each worker's own URL: its own figures
+    host = stats(service.url)
+    assert host["workers_reporting"] == 2
+    assert host["totals"]["samples"] == 100
+    assert host["totals"]["store_requests"] == sum(doc["totals"]["store_requests"] for doc in own)
+    assert host["cache"]["capacity"] == sum(doc["cache"]["capacity"] for doc in own)
+    assert host["cache"]["bytes"] == sum(doc["cache"]["bytes"] for doc in own)
+    assert host["inflight"]["batch"]["limit"] == sum(doc["inflight"]["batch"]["limit"] for doc in own)
+    assert host["latency"]["batch"]["count"] == 2  # from both workers' histogram buckets, one batch each
+    samples = host["series"]["columns"].index("samples")
+    assert sum(point[samples] for point in host["series"]["points"]) > 0
+    assert host["datasets"] == own[0]["datasets"] and len(host["workers"]) == 2
+    for bad in ("span=0", "span=nan", "span=10&span=20&span=30&span=40&span=50", ""):
+        resp = httpx.get(f"{urls[0]}/v1/internal/stats?{bad}", timeout=10)
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_request", (bad, resp.text)
+
+
 def test_replicas_compose_with_workers(dataset, moto, tmp_path):
     _, source = dataset
     ports = [free_port(), free_port()]

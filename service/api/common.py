@@ -130,6 +130,14 @@ class HeldRoutes:
         await self.app(scope, receive, send)
 
 
+def on_public_port(request: Request, state: State) -> bool:
+    """Whether ``request`` came to the port all the workers of ``--workers N`` share, where
+    ``/metrics`` and ``/v1/stats`` answer for the whole host (not to a worker's own port or
+    Unix socket, where they answer for that worker)."""
+    server = request.scope.get("server")
+    return state.config.worker is not None and server is not None and server[1] == state.config.port
+
+
 async def _state(request: Request) -> State:  # async: FastAPI would run a plain function in a thread
     return request.app.state.shardfeed
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 import numpy as np
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.responses import Response
 
 from ..errors import InvalidRequest, StoreUnavailable
+from ..hoststats import worker_figures
 from ..index import Members
 from ..stores import StoreError
 from .common import AppState, json_body, read_json
@@ -54,3 +56,13 @@ async def internal_read(request: Request, state: AppState) -> Response:
         if isinstance(payload, StoreError):
             raise StoreUnavailable(str(payload))
     return Response(b"".join(payloads), media_type="application/octet-stream")
+
+
+@router.get("/v1/internal/stats", response_class=Response)
+async def internal_stats(state: AppState,
+                         span: list[Annotated[float, Field(gt=0, le=86400)]] = Query(..., min_length=1, max_length=4),
+                         since: float | None = Query(None)) -> Response:
+    """This worker's status figures for a sibling summing the host's (``hoststats.py``):
+    counter growth over each ``span`` seconds, series points newer than ``since``."""
+    figures = worker_figures(state, tuple(span), since)
+    return Response(json.dumps(figures, separators=(",", ":"), allow_nan=False), media_type="application/json")

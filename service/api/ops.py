@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+import asyncio
+
+from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from .common import AppState
+from ..hostmetrics import sibling_texts, summed
+from .common import AppState, on_public_port
 
 router = APIRouter(tags=["ops"])
 
@@ -16,8 +19,13 @@ async def healthz(state: AppState) -> dict:
 
 
 @router.get("/metrics", response_class=Response)
-async def prometheus(state: AppState) -> Response:
-    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+async def prometheus(request: Request, state: AppState) -> Response:
+    """This process's metrics; on the public port of ``--workers N``, the whole host's
+    (every worker's summed, ``hostmetrics.py``)."""
+    if not on_public_port(request, state):
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+    texts = await sibling_texts(state.cluster)
+    return Response(await asyncio.to_thread(summed, state.metrics, texts), media_type="text/plain; version=0.0.4")
 
 
 @router.get("/v1/cluster")

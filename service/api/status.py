@@ -20,14 +20,16 @@ import base64
 import hashlib
 import json
 import re
+from dataclasses import replace
 from importlib.resources import files
 
 import numpy as np
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from starlette.responses import HTMLResponse, Response
 
+from ..hoststats import HostRecorder, sibling_figures, worker_figures
 from ..stats import RATES
-from .common import AppState, State
+from .common import Admission, AppState, State, on_public_port
 
 router = APIRouter(tags=["status"])
 
@@ -54,13 +56,35 @@ async def page() -> HTMLResponse:
 
 
 @router.get("/v1/stats")
-async def stats(state: AppState, since: float | None = Query(
+async def stats(request: Request, state: AppState, since: float | None = Query(
         None, description="only series points newer than this time (seconds since the epoch)")) -> Response:
-    """The status page's figures: recent rates and latencies, cache, admission, datasets, replicas."""
+    """The status page's figures: recent rates and latencies, cache, admission, datasets, replicas.
+    On the public port of ``--workers N``, the whole host's (every worker's summed, ``hoststats.py``)."""
+    if on_public_port(request, state):
+        spans = (RATE_SPAN, state.stats.window)
+        siblings = await sibling_figures(state.cluster, spans, since)
+        parts = [worker_figures(state, spans, since), *filter(None, siblings)]
+        state = host_state(state, parts)
+        figures = {**document(state), "plans": [plan for part in parts for plan in part["plans"]] or None,
+                   "workers_reporting": len(parts)}
+    else:
+        figures = document(state)
     # The series is spliced in as the recorder serialized it (see ``StatsRecorder.series_json``).
-    head = json.dumps(document(state), separators=(",", ":"), allow_nan=False)
+    head = json.dumps(figures, separators=(",", ":"), allow_nan=False)
     body = f'{head[:-1]},"series":{state.stats.series_json(since)}}}'
     return Response(body, media_type="application/json", headers={"Cache-Control": "no-store"})
+
+
+def host_state(state: State, parts: list[dict]) -> State:
+    """``state`` as ``document`` should read it for the whole host, from every worker's
+    figures (``hoststats.worker_figures``): the summed recorder, every worker's requests in
+    flight and limits, the whole cache's capacity and store read limit."""
+    admission = Admission({kind: sum(p["limits"][kind] for p in parts) for kind in state.admission.limits},
+                          state.metrics)
+    admission.inflight = {kind: sum(p["inflight"].get(kind, 0) for p in parts) for kind in admission.limits}
+    config = replace(state.config, cache_size=sum(p["capacity"] for p in parts),
+                     max_store_requests=sum(p["store_limit"] for p in parts))
+    return replace(state, stats=HostRecorder(state.stats, parts), admission=admission, config=config)
 
 
 def document(state: State) -> dict:
