@@ -81,7 +81,8 @@ def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: Block
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_middleware(HeldRoutes, state=state, handlers=(samples.held_member,))  # inside TokenAuth
+    app.add_middleware(HeldRoutes, state=state, direct={("POST", "/v1/batch"): batch.batch},  # inside TokenAuth
+                       handlers=(samples.held_member,))
     if config.tokens:
         app.add_middleware(TokenAuth, tokens=config.tokens)
     for router in ROUTERS:
