@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlparse
 
 import aiohttp
@@ -43,6 +44,8 @@ class Peer:
     up: bool = True
     socket: str | None = None
     """A sibling worker's Unix socket: its sub-batches go there rather than to ``url``."""
+    cache_dir: Path | None = None
+    """A sibling worker's block cache directory, read directly (``siblings.py``)."""
 
 
 def parse_peers(spec: str, node_id: str) -> tuple[list[Peer], int]:
@@ -108,7 +111,8 @@ def build_cluster(config: ServiceConfig, metrics: Metrics) -> Cluster | None:
     workers, worker = None, 0
     if config.worker is not None:
         place = config.worker
-        workers = [Peer(f"w{i}", f"{scheme}://{host}:{port}", socket=path)
+        workers = [Peer(f"w{i}", f"{scheme}://{host}:{port}", socket=path,
+                        cache_dir=place.cache_dirs[i])
                    for i, (port, path) in enumerate(zip(place.ports, place.sockets))]
         worker = place.index
     return Cluster(hosts, me, metrics, workers=workers, worker=worker, token=min(config.tokens, default=None),

@@ -120,9 +120,10 @@ def supervise(config: ServiceConfig, serve_worker: Callable[[ServiceConfig], Non
     ports = tuple(sock.getsockname()[1] for sock in held[1:])
     rundir = tempfile.mkdtemp(prefix="shardfeed-")  # short: a Unix socket path has 107 bytes at most
     sockets = tuple(os.path.join(rundir, f"w{i}.sock") for i in range(count))
-    workers = [_Worker(replace(config, port=port, cache_dir=config.cache_dir / f"worker-{i}",
-                               cache_size=config.cache_size // count, memory_cache=config.memory_cache // count,
-                               worker=WorkerPlace(i, ports, sockets)))
+    cache_dirs = tuple(config.cache_dir / f"worker-{i}" for i in range(count))
+    workers = [_Worker(replace(config, port=port, cache_dir=cache_dirs[i], cache_size=config.cache_size // count,
+                               memory_cache=config.memory_cache // count,
+                               worker=WorkerPlace(i, ports, sockets, cache_dirs)))
                for i in range(count)]
     stop: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, frame: stop.append(signum))
