@@ -54,6 +54,7 @@ class Coalescer:
         self.max_blocks = max(1, config.max_fetch // config.block_size)
         self._store_slots = asyncio.Semaphore(config.max_store_requests)
         self._inflight: dict[BlockKey, asyncio.Future] = {}
+        self._sibling_reads: dict[BlockKey, asyncio.Future] = {}  # whole sibling blocks being read
         self._tasks: set[asyncio.Task] = set()
         self.ranges = RangeReader(self._store_read, gap=config.range_gap, max_read=config.max_fetch,
                                   memory=config.plan_memory)
@@ -116,7 +117,7 @@ class Coalescer:
         pieces = _Pieces(dataset, members, self.block_size)
         remaining = self._take_held(pieces)
         if remaining:
-            found = await asyncio.to_thread(self.siblings.read, node, self._wanted(pieces, remaining))
+            found = await self._read_sibling_blocks(node, self._wanted(pieces, remaining))
             # A sibling's blocks enter the RAM tier though no eviction there is told of them
             # here: a verified block's bytes never change.
             self._take_read(pieces, found, keep=lambda key: True)
@@ -124,6 +125,29 @@ class Coalescer:
                 if key not in found:
                     pieces.bytes.update((i, _ASK_OWNER) for i in pieces.blocks[key])
         return _assemble(members, pieces.plan.member, pieces.bytes)
+
+    async def _read_sibling_blocks(self, node: int, wanted: dict) -> dict[BlockKey, list[bytes]]:
+        """``SiblingBlocks.read`` in a thread; a whole block wanted by several groups at once
+        (the groups of one batch, concurrent batches) is read and checked once."""
+        if self.memory is None:  # ranges: each caller its own
+            return await asyncio.to_thread(self.siblings.read, node, wanted)
+        waiting = {key: self._sibling_reads[key] for key in wanted if key in self._sibling_reads}
+        mine = [key for key in wanted if key not in waiting]
+        found: dict[BlockKey, list[bytes]] = {}
+        if mine:
+            future = asyncio.get_running_loop().create_future()
+            for key in mine:
+                self._sibling_reads[key] = future
+            try:
+                found = await asyncio.to_thread(self.siblings.read, node, dict.fromkeys(mine))
+            finally:  # cancelled or not, the others stop waiting (what is not found, they ask the owner)
+                for key in mine:
+                    self._sibling_reads.pop(key, None)
+                future.set_result(found)
+        for future in set(waiting.values()):
+            theirs = await asyncio.shield(future)
+            found.update((key, parts) for key, parts in theirs.items() if key in waiting)
+        return found
 
     def _take_held(self, pieces: _Pieces) -> list[BlockKey]:
         """Take the pieces of RAM-held blocks; the other blocks."""
