@@ -9,7 +9,8 @@ the worker ids. Together that is a two-level owner: host, then worker.
 
 The coalescer sends the members of shards owned elsewhere to their owner in one
 ``POST /v1/internal/read`` per owner: over TCP to another replica, over a Unix socket to
-a sibling worker (``PeerReader``). If the owner is down or misses the deadline, the
+a sibling worker (``PeerReader``), for the blocks that sibling has not cached (those it
+has are read from its directory, ``siblings.py``). If the owner is down or misses the deadline, the
 members are read from the store here instead, so no sample is lost.
 """
 

@@ -6,7 +6,8 @@ shards given to its id (``peers.py``) and has its own slice of the cache
 cached twice on a host.
 All workers accept on the public port (``SO_REUSEPORT``: the kernel spreads the
 connections), so a plain HTTP client gets any batch, whole and in order, from any
-worker: members owned by a sibling come over that sibling's Unix socket. Each worker
+worker: members owned by a sibling are read from its cache directory (``siblings.py``),
+or, when it has not cached them, come over that sibling's Unix socket. Each worker
 also listens on a TCP port of its own, its URL in the routing tables
 (``api/routing.py``), so the Python client can send each worker its own part of a batch.
 
