@@ -32,7 +32,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from .blockfile import BadBlock, BlockFile, trailer
 from .metrics import Metrics
