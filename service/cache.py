@@ -1,12 +1,9 @@
 """The block cache: shard bytes kept on local disk (NVMe) in aligned, checksummed blocks.
 
 A block is ``block_size`` bytes of one shard starting at a multiple of ``block_size``.
-Each block is one file: the payload, then an XXH3-64 digest per 16 KiB chunk, then a
-footer (magic, payload length, chunk count). A reader verifies only the chunks it
-reads, so a 10 KiB sample costs one small ``pread`` plus a checksum over at most two
-chunks (well under a microsecond), and a corrupt or truncated file is detected and
-dropped, never served. Recently read block files stay open (a bounded set), so a warm
-read is a ``pread`` and no ``open``.
+Each block is one checksummed file (``blockfile.py``: a reader verifies only the chunks it
+reads); a corrupt or truncated file is dropped, never served. Recently read block files
+stay open (a bounded set), so a warm read is a ``pread`` and no ``open``.
 
 Crash safety: a block is written to a temporary file and renamed into place, so it
 becomes visible only when complete; after a restart the directory is scanned and the
@@ -28,10 +25,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import io
 import logging
 import os
-import struct
 import threading
 import time
 from collections import OrderedDict
@@ -39,15 +34,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NamedTuple
 
-from xxhash import xxh3_64_intdigest
-
+from .blockfile import BadBlock, BlockFile, trailer
 from .metrics import Metrics
 
 log = logging.getLogger("shardfeed.cache")
 
-CHUNK = 16 * 1024
-_FOOTER = struct.Struct("<4sQI")  # magic, payload length, chunk count
-_MAGIC = b"SFB2"
 _OPEN_FILES = 512  # block files kept open for reads
 _SUFFIX = ".blk"
 
@@ -82,22 +73,12 @@ def shard_id(path: str) -> str:
     return hashlib.sha1(path.encode()).hexdigest()[:20]
 
 
-def _trailer(payload: bytes | memoryview) -> bytes:
-    view = memoryview(payload)
-    digests = [xxh3_64_intdigest(view[i:i + CHUNK]) for i in range(0, len(view), CHUNK)]
-    return struct.pack(f"<{len(digests)}Q", *digests) + _FOOTER.pack(_MAGIC, len(view), len(digests))
-
-
 class _Entry:
-    __slots__ = ("file_size", "digests", "length", "file")
+    __slots__ = ("file_size", "file")
 
     def __init__(self, file_size: int):
         self.file_size = file_size
-        self.digests: tuple[int, ...] | None = None  # loaded on first read
-        self.length = 0
-        # An open file object, shared by readers. Dropping it never closes a file under a
-        # reader: CPython closes it when the last reference goes.
-        self.file: io.FileIO | None = None
+        self.file: BlockFile | None = None  # open while among the recently read, shared by readers
 
 
 class BlockCache:
@@ -198,53 +179,14 @@ class BlockCache:
         try:
             if file is None:
                 file = self._open(name, entry)
-            fd = file.fileno()
-            ranges = [(0, entry.length)] if ranges is None else ranges
-            if max(end for _, end in ranges) > entry.length:
-                raise ValueError("range past the end of the block")
-            spans = [(start // CHUNK, (end - 1) // CHUNK) for start, end in ranges]
-            first, last = min(f for f, _ in spans), max(l for _, l in spans)
-            if last - first + 1 <= 2 * sum(l - f + 1 for f, l in spans):
-                # Close together (a sample's members, neighbouring samples): one read.
-                data = self._verified(fd, entry, first, last)
-                base = first * CHUNK
-                out = [bytes(data[start - base:end - base]) for start, end in ranges]
-            else:
-                out = []
-                for (start, end), (f, l) in zip(ranges, spans):
-                    data = self._verified(fd, entry, f, l)
-                    out.append(bytes(data[start - f * CHUNK:end - f * CHUNK]))
-        except (OSError, ValueError, struct.error) as err:
+            return file.read(ranges)
+        except (OSError, BadBlock) as err:
             self._drop(name, str(err))
             return None
-        return out
 
-    @staticmethod
-    def _verified(fd: int, entry: _Entry, first: int, last: int) -> memoryview:
-        """Chunks ``first..last`` of a block's payload, each checked against its digest."""
-        stop = min((last + 1) * CHUNK, entry.length)  # the last chunk may be short
-        data = memoryview(os.pread(fd, stop - first * CHUNK, first * CHUNK))
-        if len(data) != stop - first * CHUNK:
-            raise ValueError("file shrank")
-        digests = entry.digests
-        for i in range(last - first + 1):
-            if xxh3_64_intdigest(data[i * CHUNK:(i + 1) * CHUNK]) != digests[first + i]:
-                raise ValueError("checksum mismatch")
-        return data
-
-    def _open(self, name: str, entry: _Entry) -> io.FileIO:
-        """Open a block file, check its size and footer, and keep it open for the next reads."""
-        file = io.FileIO(self.directory / name, "r")
-        fd = file.fileno()
-        if os.fstat(fd).st_size != entry.file_size:
-            raise ValueError("size changed")
-        if entry.digests is None:
-            footer = os.pread(fd, _FOOTER.size, entry.file_size - _FOOTER.size)
-            magic, length, chunks = _FOOTER.unpack(footer)
-            if magic != _MAGIC or length + 8 * chunks + _FOOTER.size != entry.file_size:
-                raise ValueError("bad footer")
-            entry.digests = struct.unpack(f"<{chunks}Q", os.pread(fd, 8 * chunks, length))
-            entry.length = length
+    def _open(self, name: str, entry: _Entry) -> BlockFile:
+        """Open a block file, checked, and keep it open for the next reads."""
+        file = BlockFile(self.directory / name, entry.file_size)
         with self._lock:
             if self._entries.get(name) is entry:
                 entry.file = file
@@ -276,8 +218,8 @@ class BlockCache:
         name = key.filename(self.block_size)
         path = self.directory / name
         tmp = path.with_name(f".tmp-{path.name}-{threading.get_ident()}")
-        trailer = _trailer(payload)
-        size = len(payload) + len(trailer)
+        tail = trailer(payload)
+        size = len(payload) + len(tail)
         if size > self.capacity:
             return False
         # Make room first, so the files on disk never exceed the capacity, even briefly.
@@ -301,7 +243,7 @@ class BlockCache:
                 f = open(tmp, "wb")
             with f:
                 f.write(payload)
-                f.write(trailer)
+                f.write(tail)
             os.replace(tmp, path)
         except CacheLocked as err:  # another process took the recreated directory
             with self._lock:

@@ -10,7 +10,8 @@ blocks up front (``prefetch``), so they merge across the groups it is streamed i
 
 With replicas or workers, members of shards owned by another replica or sibling worker
 are sent to that owner as one sub-batch, and read from the store here if the owner
-fails (``peers.py``).
+fails (``peers.py``). A sibling worker's blocks are first read from its cache directory
+(``siblings.py``): only the members of blocks it has not cached cross its socket.
 
 With plans (``service/plans/``), ``fetch_policy`` says which missing blocks are worth
 fetching whole; the members in the others are read as ranges (``ranges.py``).
@@ -34,6 +35,7 @@ from .metrics import Metrics
 from .peers import Cluster, PeerError
 from .planner import merge_blocks, plan_pieces, take
 from .ranges import RangeReader
+from .siblings import SiblingBlocks
 from .stores import StoreError
 
 log = logging.getLogger("shardfeed.coalescer")
@@ -52,9 +54,13 @@ class Coalescer:
         self.max_blocks = max(1, config.max_fetch // config.block_size)
         self._store_slots = asyncio.Semaphore(config.max_store_requests)
         self._inflight: dict[BlockKey, asyncio.Future] = {}
+        self._sibling_reads: dict[BlockKey, asyncio.Future] = {}  # whole sibling blocks being read
         self._tasks: set[asyncio.Task] = set()
         self.ranges = RangeReader(self._store_read, gap=config.range_gap, max_read=config.max_fetch,
                                   memory=config.plan_memory)
+        self.siblings = None if cluster is None else SiblingBlocks(
+            {node: p.cache_dir for node, p in enumerate(cluster.workers) if p.cache_dir is not None
+             and node != cluster.me}, config.block_size, metrics)
         self.fetch_policy = None
         """``whole_blocks(dataset, shards, blocks) -> bool array``: which missing blocks to
         fetch and cache whole (``plans.Plans``); ``None``: all of them."""
@@ -87,56 +93,110 @@ class Coalescer:
     async def _read_at(self, node: int, dataset: Dataset, members: Members) -> list:
         if node == self.cluster.me:
             return await self._read_local(dataset, members)
+        out: list = [None] * len(members)
+        rows = np.arange(len(members))
+        if node in self.siblings:
+            out = await self._read_sibling_files(node, dataset, members)
+            rows = np.flatnonzero([payload is _ASK_OWNER for payload in out])
+            if not len(rows):
+                return out
+            members = take(members, rows)
         try:
-            return await self.cluster.reader(node).read(dataset.name, members)
+            payloads = await self.cluster.reader(node).read(dataset.name, members)
         except PeerError as err:
             log.warning("reading %d members from the store instead: %s", len(members), err)
             self.metrics.peer_fallbacks.inc(len(members))
-            return await self._read_local(dataset, members)
+            payloads = await self._read_local(dataset, members)
+        for row, payload in zip(rows.tolist(), payloads):
+            out[row] = payload
+        return out
+
+    async def _read_sibling_files(self, node: int, dataset: Dataset, members: Members) -> list:
+        """The members of a sibling's shards, from RAM or its cache directory (``siblings.py``);
+        ``_ASK_OWNER`` for those in blocks it has not cached."""
+        pieces = _Pieces(dataset, members, self.block_size)
+        remaining = self._take_held(pieces)
+        if remaining:
+            found = await self._read_sibling_blocks(node, self._wanted(pieces, remaining))
+            # A sibling's blocks enter the RAM tier though no eviction there is told of them
+            # here: a verified block's bytes never change.
+            self._take_read(pieces, found, keep=lambda key: True)
+            for key in remaining:
+                if key not in found:
+                    pieces.bytes.update((i, _ASK_OWNER) for i in pieces.blocks[key])
+        return _assemble(members, pieces.plan.member, pieces.bytes)
+
+    async def _read_sibling_blocks(self, node: int, wanted: dict) -> dict[BlockKey, list[bytes]]:
+        """``SiblingBlocks.read`` in a thread; a whole block wanted by several groups at once
+        (the groups of one batch, concurrent batches) is read and checked once."""
+        if self.memory is None:  # ranges: each caller its own
+            return await asyncio.to_thread(self.siblings.read, node, wanted)
+        waiting = {key: self._sibling_reads[key] for key in wanted if key in self._sibling_reads}
+        mine = [key for key in wanted if key not in waiting]
+        found: dict[BlockKey, list[bytes]] = {}
+        if mine:
+            future = asyncio.get_running_loop().create_future()
+            for key in mine:
+                self._sibling_reads[key] = future
+            try:
+                found = await asyncio.to_thread(self.siblings.read, node, dict.fromkeys(mine))
+            finally:  # cancelled or not, the others stop waiting (what is not found, they ask the owner)
+                for key in mine:
+                    self._sibling_reads.pop(key, None)
+                future.set_result(found)
+        for future in set(waiting.values()):
+            theirs = await asyncio.shield(future)
+            found.update((key, parts) for key, parts in theirs.items() if key in waiting)
+        return found
+
+    def _take_held(self, pieces: _Pieces) -> list[BlockKey]:
+        """Take the pieces of RAM-held blocks; the other blocks."""
+        if self.memory is None:
+            return list(pieces.blocks)
+        held = self.held_blocks(pieces.blocks)
+        for key, block in held.items():
+            pieces.take(key, block)
+        return [k for k in pieces.blocks if k not in held]
+
+    def _wanted(self, pieces: _Pieces, keys: list[BlockKey]) -> dict[BlockKey, list[tuple[int, int]] | None]:
+        """What to read of each block from disk: whole blocks for the RAM tier, else the pieces' ranges."""
+        starts, ends = pieces.starts, pieces.ends
+        return {k: None if self.memory is not None else [(starts[i], ends[i]) for i in pieces.blocks[k]]
+                for k in keys}
+
+    def _take_read(self, pieces: _Pieces, found: dict[BlockKey, list[bytes]], keep) -> None:
+        """Take the pieces of blocks read from disk as ``_wanted`` said; whole blocks enter
+        the RAM tier where ``keep(key)``."""
+        for key, parts in found.items():
+            if self.memory is None:
+                pieces.bytes.update(zip(pieces.blocks[key], parts))
+                continue
+            if keep(key):
+                self.memory.put(key.filename(self.block_size), parts[0])
+            pieces.take(key, memoryview(parts[0]))
 
     async def _read_local(self, dataset: Dataset, members: Members) -> list[bytes | StoreError | None]:
-        pieces = plan_pieces(members, self.block_size)
-        ids = dataset.shard_ids
-        blocks: dict[BlockKey, list[int]] = defaultdict(list)  # block -> its pieces
-        for i, (shard, block) in enumerate(zip(pieces.shard.tolist(), pieces.block.tolist())):
-            blocks[BlockKey(dataset.id, ids[shard], block)].append(i)
-        starts, ends = pieces.start.tolist(), pieces.end.tolist()
-
-        piece_bytes: dict[int, bytes | memoryview | StoreError] = {}
-        remaining = list(blocks)
-        if self.memory is not None:
-            held = self.held_blocks(remaining)
-            for key, block in held.items():
-                for i in blocks[key]:
-                    piece_bytes[i] = block[starts[i]:ends[i]]
-            remaining = [k for k in remaining if k not in held]
+        pieces = _Pieces(dataset, members, self.block_size)
+        blocks, starts, ends, piece_bytes = pieces.blocks, pieces.starts, pieces.ends, pieces.bytes
+        remaining = self._take_held(pieces)
         for attempt in range(3):
             # Cached blocks first, all in one thread hop.
             cached = [k for k in remaining if k not in self._inflight and k in self.cache]
             if cached:
-                ranges = {k: None if self.memory is not None else [(starts[i], ends[i]) for i in blocks[k]]
-                          for k in cached}
-                found = await asyncio.to_thread(self._read_cached, ranges)
+                found = await asyncio.to_thread(self._read_cached, self._wanted(pieces, cached))
                 self.metrics.cache_hits.inc(len(found))
-                for key, parts in found.items():
-                    if self.memory is None:
-                        piece_bytes.update(zip(blocks[key], parts))
-                        continue
-                    if key in self.cache:  # not evicted meanwhile: the tier mirrors the disk
-                        self.memory.put(key.filename(self.block_size), parts[0])
-                    block = memoryview(parts[0])
-                    for i in blocks[key]:
-                        piece_bytes[i] = block[starts[i]:ends[i]]
+                # A block evicted meanwhile stays out of RAM: the tier mirrors the disk.
+                self._take_read(pieces, found, keep=lambda key: key in self.cache)
                 remaining = [k for k in remaining if k not in found]
             if not remaining:
                 break
             if attempt == 0:
-                remaining = await self._read_ranges(dataset, pieces, blocks, remaining, piece_bytes)
+                remaining = await self._read_ranges(dataset, pieces.plan, blocks, remaining, piece_bytes)
                 if not remaining:
                     break
             # The rest is being read, or is read now. A block that reached the cache while
             # we were reading others is left for the next round (the last round reads all).
-            self._start_fetches(dataset, [(int(pieces.shard[blocks[k][0]]), k.block) for k in remaining],
+            self._start_fetches(dataset, [(int(pieces.plan.shard[blocks[k][0]]), k.block) for k in remaining],
                                 skip_cached=attempt < 2)
             waiting = [k for k in remaining if k in self._inflight]
             results = await asyncio.gather(*(asyncio.shield(self._inflight[k]) for k in waiting))
@@ -146,7 +206,7 @@ class Coalescer:
             done = set(waiting)
             remaining = [k for k in remaining if k not in done]
 
-        return _assemble(members, pieces.member, piece_bytes)
+        return _assemble(members, pieces.plan.member, piece_bytes)
 
     async def _read_ranges(self, dataset: Dataset, pieces, blocks: dict[BlockKey, list[int]],
                            keys: list[BlockKey], piece_bytes: dict) -> list[BlockKey]:
@@ -312,11 +372,35 @@ class Coalescer:
         await self.ranges.close()
 
 
+class _Pieces:
+    """One read of members: their pieces (``planner.plan_pieces``), the pieces in each block,
+    and the bytes of each piece found so far."""
+
+    def __init__(self, dataset: Dataset, members: Members, block_size: int):
+        self.plan = plan_pieces(members, block_size)
+        ids = dataset.shard_ids
+        self.blocks: dict[BlockKey, list[int]] = defaultdict(list)  # block -> its pieces
+        for i, (shard, block) in enumerate(zip(self.plan.shard.tolist(), self.plan.block.tolist())):
+            self.blocks[BlockKey(dataset.id, ids[shard], block)].append(i)
+        self.starts, self.ends = self.plan.start.tolist(), self.plan.end.tolist()
+        self.bytes: dict[int, bytes | memoryview | StoreError] = {}
+
+    def take(self, key: BlockKey, block: memoryview) -> None:
+        """The pieces in ``key``, sliced from its whole payload."""
+        starts, ends = self.starts, self.ends
+        for i in self.blocks[key]:
+            self.bytes[i] = block[starts[i]:ends[i]]
+
+
 def spans_of(pieces, rows, block_size: int) -> list[tuple[int, int, int]]:
     """``(shard, start, end)`` in the shard of the pieces in ``rows`` (a list or slice)."""
     base = pieces.block[rows] * block_size
     return list(zip(pieces.shard[rows].tolist(), (base + pieces.start[rows]).tolist(),
                     (base + pieces.end[rows]).tolist()))
+
+
+_ASK_OWNER = StoreError("not in the sibling's cache directory")
+"""Marks the pieces, then the members, that a sibling's files did not give: its owner is asked."""
 
 
 def _assemble(members: Members, piece_member: np.ndarray, piece_bytes: dict) -> list:

@@ -47,6 +47,8 @@ class WorkerPlace:
     """Per worker, its own TCP port on the service's host: its URL in routing tables."""
     sockets: tuple[str, ...]
     """Per worker, its Unix socket for sub-batches from siblings."""
+    cache_dirs: tuple[Path, ...]
+    """Per worker, its block cache directory, which its siblings read (``siblings.py``)."""
 
 
 @dataclass

@@ -7,7 +7,9 @@ when it is read whole from disk or arrives from the store, and then served from 
 
 The tier holds only blocks the disk cache holds: the cache tells it (``BlockCache.on_forget``)
 when a block is evicted, replaced or found corrupt, and the tier drops its copy, so a RAM
-hit never outlives the disk block it mirrors. It is an LRU bounded by ``capacity`` bytes
+hit never outlives the disk block it mirrors. With ``--workers``, it also holds blocks read
+from a sibling worker's cache (``siblings.py``), verified the same way; the sibling's
+evictions are not heard here, and need not be: a verified block's bytes never change. It is an LRU bounded by ``capacity`` bytes
 (``--memory-cache``); a block larger than that is simply not kept.
 
 Puts and gets run on the event loop; ``discard`` may come from the cache's threads, so

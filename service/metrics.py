@@ -54,6 +54,9 @@ class Metrics:
             ["peer", "kind", "status"], registry=r)
         self.peer_fallbacks = Counter("shardfeed_peer_fallbacks",
                                       "Members read from the store because their owner failed", registry=r)
+        self.sibling_blocks = Counter(
+            "shardfeed_sibling_blocks", "Blocks of sibling workers read from their cache directories: "
+            "read, absent (the owner is asked) or bad (not served; the owner is asked)", ["result"], registry=r)
         self.peers_up = Gauge("shardfeed_peers_up", "Replicas believed live, this one included", registry=r)
         self.plans = Gauge("shardfeed_plans", "Plans held (service/plans/)", registry=r)
         self.rejected = Counter("shardfeed_rejected", "Requests refused with 429 (overloaded)", registry=r)

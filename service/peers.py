@@ -9,7 +9,8 @@ the worker ids. Together that is a two-level owner: host, then worker.
 
 The coalescer sends the members of shards owned elsewhere to their owner in one
 ``POST /v1/internal/read`` per owner: over TCP to another replica, over a Unix socket to
-a sibling worker (``PeerReader``). If the owner is down or misses the deadline, the
+a sibling worker (``PeerReader``), for the blocks that sibling has not cached (those it
+has are read from its directory, ``siblings.py``). If the owner is down or misses the deadline, the
 members are read from the store here instead, so no sample is lost.
 """
 
@@ -20,6 +21,7 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlparse
 
 import aiohttp
@@ -43,6 +45,8 @@ class Peer:
     up: bool = True
     socket: str | None = None
     """A sibling worker's Unix socket: its sub-batches go there rather than to ``url``."""
+    cache_dir: Path | None = None
+    """A sibling worker's block cache directory, read directly (``siblings.py``)."""
 
 
 def parse_peers(spec: str, node_id: str) -> tuple[list[Peer], int]:
@@ -108,7 +112,8 @@ def build_cluster(config: ServiceConfig, metrics: Metrics) -> Cluster | None:
     workers, worker = None, 0
     if config.worker is not None:
         place = config.worker
-        workers = [Peer(f"w{i}", f"{scheme}://{host}:{port}", socket=path)
+        workers = [Peer(f"w{i}", f"{scheme}://{host}:{port}", socket=path,
+                        cache_dir=place.cache_dirs[i])
                    for i, (port, path) in enumerate(zip(place.ports, place.sockets))]
         worker = place.index
     return Cluster(hosts, me, metrics, workers=workers, worker=worker, token=min(config.tokens, default=None),

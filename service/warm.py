@@ -148,13 +148,13 @@ class HeldGroup:
 
 
 def held_group(coalescer: Coalescer, dataset: Dataset, members: Members) -> HeldGroup | None:
-    """The group's blocks if the RAM tier holds every one (and this replica owns them); else ``None``."""
+    """The group's blocks if the RAM tier holds every one (and this host owns them); else ``None``."""
     if coalescer.memory is None:
         return None
     rows = np.flatnonzero(members.found & (members.size > 0))
     if coalescer.cluster is not None and len(rows):
         owners = coalescer.cluster.owners(dataset.url, dataset.index.shards, members.shard[rows])
-        if (owners != coalescer.cluster.me).any():
+        if (coalescer.cluster.host_of(owners) != coalescer.cluster.host).any():  # siblings' blocks: siblings.py
             return None
     bs = coalescer.block_size
     first = members.offset[rows] // bs
@@ -172,11 +172,11 @@ def held_group(coalescer: Coalescer, dataset: Dataset, members: Members) -> Held
 
 
 def held_member(coalescer: Coalescer, dataset: Dataset, shard: int, offset: int, size: int) -> memoryview | None:
-    """One member's bytes if they lie in one RAM-held block (and this replica owns the shard)."""
+    """One member's bytes if they lie in one RAM-held block (and this host owns the shard)."""
     if coalescer.memory is None:
         return None
-    if coalescer.cluster is not None and int(coalescer.cluster.owners(
-            dataset.url, dataset.index.shards, np.array([shard]))[0]) != coalescer.cluster.me:
+    if coalescer.cluster is not None and int(coalescer.cluster.host_of(coalescer.cluster.owners(
+            dataset.url, dataset.index.shards, np.array([shard])))[0]) != coalescer.cluster.host:
         return None
     bs = coalescer.block_size
     number = offset // bs

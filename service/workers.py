@@ -6,7 +6,8 @@ shards given to its id (``peers.py``) and has its own slice of the cache
 cached twice on a host.
 All workers accept on the public port (``SO_REUSEPORT``: the kernel spreads the
 connections), so a plain HTTP client gets any batch, whole and in order, from any
-worker: members owned by a sibling come over that sibling's Unix socket. Each worker
+worker: members owned by a sibling are read from its cache directory (``siblings.py``),
+or, when it has not cached them, come over that sibling's Unix socket. Each worker
 also listens on a TCP port of its own, its URL in the routing tables
 (``api/routing.py``), so the Python client can send each worker its own part of a batch.
 
@@ -120,9 +121,10 @@ def supervise(config: ServiceConfig, serve_worker: Callable[[ServiceConfig], Non
     ports = tuple(sock.getsockname()[1] for sock in held[1:])
     rundir = tempfile.mkdtemp(prefix="shardfeed-")  # short: a Unix socket path has 107 bytes at most
     sockets = tuple(os.path.join(rundir, f"w{i}.sock") for i in range(count))
-    workers = [_Worker(replace(config, port=port, cache_dir=config.cache_dir / f"worker-{i}",
-                               cache_size=config.cache_size // count, memory_cache=config.memory_cache // count,
-                               worker=WorkerPlace(i, ports, sockets)))
+    cache_dirs = tuple(config.cache_dir / f"worker-{i}" for i in range(count))
+    workers = [_Worker(replace(config, port=port, cache_dir=cache_dirs[i], cache_size=config.cache_size // count,
+                               memory_cache=config.memory_cache // count,
+                               worker=WorkerPlace(i, ports, sockets, cache_dirs)))
                for i in range(count)]
     stop: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, frame: stop.append(signum))
