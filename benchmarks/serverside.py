@@ -176,7 +176,9 @@ def measure_point(service: ServiceProcess, pusher: tuple[str, subprocess.Popen],
     ``profile``, py-spy samples the service during the batch and per-sample loads."""
     rng = np.random.default_rng(seed)
     threads = max(1, min(4, os.cpu_count() or 1))
-    connections = max(2 * workers, threads)  # as many batches in flight as the scenario's processes need
+    # Enough batches in flight for every process: SO_REUSEPORT hashes each connection to one
+    # worker, so a few connections may leave a worker idle.
+    connections = max(4 * workers, threads)
     with Client(service.url) as client:
         for lo in range(0, samples, batch):  # warm: every block cached (and checked once, here)
             order = list(range(lo, min(samples, lo + batch)))
