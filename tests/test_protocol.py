@@ -21,13 +21,6 @@ EXPECTED = b"".join(PARTS_SENT)
 
 async def app(scope, receive, send):
     """``/length``: a Content-Length body in two messages of parts; ``/chunked``: no length."""
-    if scope["type"] == "lifespan":
-        while True:
-            message = await receive()
-            kind = message["type"].rsplit(".", 1)[-1]
-            await send({"type": f"lifespan.{kind}.complete"})
-            if kind == "shutdown":
-                return
     offered = PARTS in scope.get("extensions", {})
     headers = [(b"x-parts-offered", b"%d" % offered)]
     if scope["path"] == "/length":
@@ -41,7 +34,8 @@ async def app(scope, receive, send):
 def server_url():
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, http=BoundedHeadProtocol, loop="uvloop", log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, http=BoundedHeadProtocol, loop="uvloop", lifespan="off",
+                                           log_level="warning"))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
