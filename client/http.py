@@ -15,7 +15,7 @@ import random
 import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 from urllib.parse import quote
 
@@ -375,7 +375,7 @@ def transport_error(url: str, exc: httpx.HTTPError) -> ShardfeedConnectionError:
     return ShardfeedConnectionError(url, f"{type(exc).__name__}: {reason}", connect=connect)
 
 
-def status_error(status: int, headers: httpx.Headers, body: bytes, url: str) -> ShardfeedHTTPError:
+def status_error(status: int, headers: Mapping[str, str], body: bytes, url: str) -> ShardfeedHTTPError:
     """Our error for an error status, with the service's ``{"error": {code, message}}``."""
     code, message = httpx.codes.get_reason_phrase(status).lower().replace(" ", "_") or "error", ""
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +18,7 @@ from .http import (
     parse_json, plan_path, routing_path, sample_path, status_error, transport_error,
 )
 from .samples import BatchReader
+from .wire import Pool, Response
 
 T = TypeVar("T")
 
@@ -24,8 +26,17 @@ T = TypeVar("T")
 class Client(BaseClient):
     """Blocking client of a shardfeed service (keep-alive, retries, failover; see BaseClient).
 
-    Safe to share between threads, and to hand to DataLoader worker processes.
+    Safe to share between threads, and to hand to DataLoader worker processes. Batches
+    travel over a lean HTTP/1.1 transport of their own (:mod:`.wire`), everything else
+    over httpx.
     """
+
+    _pool: Pool | None = None  # this process's batch connections (see _wire)
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state.pop("_pool", None)  # it holds sockets: each process opens its own
+        return state
 
     def datasets(self) -> list:
         """``GET /v1/datasets``: the datasets the service serves."""
@@ -119,8 +130,6 @@ class Client(BaseClient):
                         yield from reader.feed(chunk)
                     yield from reader.finish()
                     return
-                except httpx.TransportError as exc:
-                    error = transport_error(base, exc)
                 except ShardfeedConnectionError as exc:
                     error = exc
                 # The stream broke after delivering samples: ask for the rest at once.
@@ -141,6 +150,9 @@ class Client(BaseClient):
         if self._http is not None and self._owner == os.getpid():
             self._http.close()
         self._http = None
+        if self._pool is not None and self._pool.pid == os.getpid():
+            self._pool.close()
+        self._pool = None
 
     def __enter__(self) -> Client:
         return self
@@ -150,6 +162,18 @@ class Client(BaseClient):
 
     def _session(self) -> httpx.Client:
         return self._session_for(os.getpid(), httpx.Client)
+
+    def _wire(self) -> Pool:
+        """This process's batch connections, made on first use (as the httpx session is)."""
+        pool = self._pool
+        if pool is None or pool.pid != os.getpid():
+            with self._session_lock:
+                if self._pool is None or self._pool.pid != os.getpid():
+                    self._pool = Pool(timeout=self.timeout, connect_timeout=self.connect_timeout,
+                                      max_connections=self.max_connections, verify=self.verify)
+                    self.endpoints.scatter()
+                pool = self._pool
+        return pool
 
     def _call(self, method: str, path: str, parse: Callable[[httpx.Response], T], json: Any = None) -> T:
         """One request with retries; ``parse`` runs inside each try, so a short body is retried."""
@@ -169,24 +193,22 @@ class Client(BaseClient):
         return parse(response)
 
     def _open_batch(self, reader: BatchReader, fields: Sequence[str] | None, continue_on_error: bool,
-                    via: Via) -> tuple[str, httpx.Response, Iterator[bytes] | None, list[dict]]:
+                    via: Via) -> tuple[str, Response, Iterator[bytes] | None, list[dict]]:
         """Send the batch request for the samples not yet delivered; read until one arrives.
 
         Returns the base URL, the open response, its remaining chunks (``None`` when the
         response was read to the end) and the samples already complete.
         """
-        http = self._session()
+        pool = self._wire()
         base = via.pick()
         url = base + "/v1/batch"
         reader.restart(url)
-        body = batch_body(reader.dataset, list(reader.remaining()), fields, continue_on_error)
+        body = json.dumps(batch_body(reader.dataset, list(reader.remaining()), fields, continue_on_error),
+                          separators=(",", ":")).encode()
+        response = pool.post(base, "/v1/batch", body, self.headers)
         try:
-            response = http.send(http.build_request("POST", url, json=body), stream=True)
-        except httpx.TransportError as exc:
-            raise transport_error(base, exc) from None
-        try:
-            if response.status_code >= 400:
-                raise status_error(response.status_code, response.headers, _head(response), url)
+            if response.status >= 400:
+                raise status_error(response.status, response.headers, response.read(ERROR_BODY_LIMIT), url)
             self.router.saw(reader.dataset, response.headers.get(ROUTING_HEADER))
             chunks = response.iter_bytes()
             ready: list[dict] = []
@@ -195,19 +217,6 @@ class Client(BaseClient):
                 if ready:
                     return base, response, chunks, ready
             return base, response, None, reader.finish()
-        except httpx.TransportError as exc:
-            response.close()
-            raise transport_error(base, exc) from None
         except BaseException:
             response.close()
             raise
-
-
-def _head(response: httpx.Response) -> bytes:
-    """The start of an error body: enough for the JSON error, never a whole stream."""
-    body = b""
-    for chunk in response.iter_bytes():
-        body += chunk
-        if len(body) >= ERROR_BODY_LIMIT:
-            break
-    return body
