@@ -99,8 +99,7 @@ class Client(BaseClient):
         indices = as_indices(indices)
         if not indices:
             return
-        if self.router.due(dataset):
-            self.router.load(dataset, self._routing_table(dataset))
+        self.load_routing(dataset)
         parts = self.router.split(dataset, indices)
         if len(parts) == 1:
             yield from self._stream(dataset, indices, fields, continue_on_error, parts[0].owner)
@@ -138,6 +137,15 @@ class Client(BaseClient):
                     raise error
             finally:
                 response.close()
+
+    def load_routing(self, dataset: str) -> None:
+        """Fetch ``dataset``'s routing table if one is due (the next batch would fetch it).
+
+        DataLoader workers get copies of this client: loaded before they start, the table
+        saves each of them a request (and an httpx session) at the start of every epoch.
+        """
+        if self.router.due(dataset):
+            self.router.load(dataset, self._routing_table(dataset))
 
     def _routing_table(self, dataset: str) -> dict | None:
         try:

@@ -58,6 +58,7 @@ class _Source:
         self.transform = transform
         self.continue_on_error = continue_on_error
         self.info = self.client.info(dataset)
+        self.client.load_routing(dataset)
 
     def fetch(self, indices: Sequence[int]) -> list:
         """The samples at ``indices``, decoded and transformed, in one request."""
