@@ -19,6 +19,7 @@ with no fields, so a batch always has one entry per requested index, in order.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from sys import intern
 
 from shardfeed.tar import BLOCK, TarFormatError, padding, parse_header, parse_pax
 
@@ -219,6 +220,9 @@ class BatchReader:
             self._deliver({"__key__": None, "__index__": index, MISSING: True}, out)
             return
         key, field = split_name(name)
+        # One str object per field name: the samples of a batch then share their keys, which
+        # pickling (to the DataLoader's main process) sends once per batch, not once per sample.
+        field = intern(field)
         if current is not None and (current["__key__"] != key or field in current):
             self._deliver(current, out)
             current = self._current = None
