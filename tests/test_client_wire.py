@@ -18,9 +18,8 @@ from shardfeed.client import Client, ShardfeedConnectionError
 from shardfeed.client.wire import Pool
 from shardfeed.retry import Backoff
 from shardfeed.service.process import start_service
-from shardfeed.tar import END_OF_ARCHIVE, member_header, padding
 
-from test_client import FAST, expected, seed_synthetic
+from test_client import FAST, expected, seed_synthetic, tar_of
 
 ONE_TRY = Backoff(attempts=1)
 
@@ -50,14 +49,6 @@ def test_an_error_answer_leaves_the_connection_usable(service):
             client.get_batch("nope", [1])
         assert client.get_batch("train", [3]) == [expected(3)]
         assert sum(len(s) for s in client._pool._idle.values()) == 1
-
-
-def tar_of(indices: list[int]) -> bytes:
-    out = bytearray()
-    for i in indices:
-        data = b"%d" % i
-        out += member_header(f"{i:06d}.cls", len(data)) + data + b"\0" * padding(len(data))
-    return bytes(out + END_OF_ARCHIVE)
 
 
 class RawServer:
@@ -108,6 +99,12 @@ def indices_of(body: bytes) -> list[int]:
     return json.loads(body)["indices"]
 
 
+def send_tar(sock: socket.socket, body: bytes) -> None:
+    """Answer a batch request with its samples, framed by Content-Length."""
+    data = tar_of(indices_of(body))
+    sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+
+
 def test_chunked_answers_in_odd_pieces_with_extensions_and_trailers_are_read_whole():
     def answer(sock, n, body):
         data = tar_of(indices_of(body))
@@ -152,8 +149,7 @@ def test_a_kept_connection_closed_under_a_request_is_replaced_at_once_without_a_
     def answer(sock, n, body):
         if n == 2:  # the second request, on the kept connection: close without answering
             return False
-        data = tar_of(indices_of(body))
-        sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+        send_tar(sock, body)
         return True
 
     server = RawServer(answer)
@@ -168,8 +164,7 @@ def test_a_kept_connection_closed_under_a_request_is_replaced_at_once_without_a_
 
 def test_a_kept_connection_the_server_closed_while_idle_is_not_used():
     def answer(sock, n, body):
-        data = tar_of(indices_of(body))
-        sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+        send_tar(sock, body)
         return False  # closes after answering, without saying so
 
     server = RawServer(answer)
@@ -203,8 +198,7 @@ def test_a_garbled_or_cut_answer_is_a_connection_error_naming_the_url(garbage):
 
 def test_connections_in_use_are_bounded_and_a_request_beyond_waits_then_fails():
     def answer(sock, n, body):
-        data = tar_of(indices_of(body))
-        sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+        send_tar(sock, body)
         return True
 
     server = RawServer(answer)
