@@ -31,11 +31,15 @@ class Client(BaseClient):
     over httpx.
     """
 
-    _pool: Pool | None = None  # this process's batch connections (see _wire)
+    # This process's batch connections and its threads for the parts of routed batches,
+    # as (pid, object): made on first use in each process (see _own), never pickled.
+    _pool: tuple[int, Pool] | None = None
+    _threads: tuple[int, ThreadPoolExecutor] | None = None
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
-        state.pop("_pool", None)  # it holds sockets: each process opens its own
+        state.pop("_pool", None)
+        state.pop("_threads", None)
         return state
 
     def datasets(self) -> list:
@@ -104,12 +108,14 @@ class Client(BaseClient):
         if len(parts) == 1:
             yield from self._stream(dataset, indices, fields, continue_on_error, parts[0].owner)
             return
-        with ThreadPoolExecutor(len(parts) - 1, thread_name_prefix="shardfeed-part") as pool:
-            answers = [pool.submit(lambda part=part: list(self._stream(
-                dataset, part.indices, fields, continue_on_error, part.owner))) for part in parts[1:]]
-            first = list(self._stream(dataset, parts[0].indices, fields, continue_on_error, parts[0].owner))
-            for part, row in merge_order(parts):
-                yield first[row] if part == 0 else answers[part - 1].result()[row]
+        # Threads kept for the whole process: starting one per batch cost more than the batch's parsing.
+        threads = self._own("_threads", lambda: ThreadPoolExecutor(self.max_connections,
+                                                                   thread_name_prefix="shardfeed-part"))
+        answers = [threads.submit(lambda part=part: list(self._stream(
+            dataset, part.indices, fields, continue_on_error, part.owner))) for part in parts[1:]]
+        first = list(self._stream(dataset, parts[0].indices, fields, continue_on_error, parts[0].owner))
+        for part, row in merge_order(parts):
+            yield first[row] if part == 0 else answers[part - 1].result()[row]
 
     def _stream(self, dataset: str, indices: list[int], fields: Sequence[str] | None, continue_on_error: bool,
                 owner: str | None) -> Iterator[dict]:
@@ -158,9 +164,11 @@ class Client(BaseClient):
         if self._http is not None and self._owner == os.getpid():
             self._http.close()
         self._http = None
-        if self._pool is not None and self._pool.pid == os.getpid():
-            self._pool.close()
-        self._pool = None
+        if self._pool is not None and self._pool[0] == os.getpid():
+            self._pool[1].close()
+        if self._threads is not None and self._threads[0] == os.getpid():
+            self._threads[1].shutdown(wait=False)
+        self._pool = self._threads = None
 
     def __enter__(self) -> Client:
         return self
@@ -172,16 +180,23 @@ class Client(BaseClient):
         return self._session_for(os.getpid(), httpx.Client)
 
     def _wire(self) -> Pool:
-        """This process's batch connections, made on first use (as the httpx session is)."""
-        pool = self._pool
-        if pool is None or pool.pid != os.getpid():
+        """This process's batch connections."""
+        return self._own("_pool", lambda: Pool(timeout=self.timeout, connect_timeout=self.connect_timeout,
+                                               max_connections=self.max_connections, verify=self.verify))
+
+    def _own(self, attr: str, make: Callable[[], T]) -> T:
+        """This process's object held in ``attr`` as ``(pid, object)``, made on first use, as
+        the httpx session is (a child after ``fork`` makes its own)."""
+        pid = os.getpid()
+        held = getattr(self, attr)
+        if held is None or held[0] != pid:
             with self._session_lock:
-                if self._pool is None or self._pool.pid != os.getpid():
-                    self._pool = Pool(timeout=self.timeout, connect_timeout=self.connect_timeout,
-                                      max_connections=self.max_connections, verify=self.verify)
+                held = getattr(self, attr)
+                if held is None or held[0] != pid:
+                    held = (pid, make())
+                    setattr(self, attr, held)
                     self.endpoints.scatter()
-                pool = self._pool
-        return pool
+        return held[1]
 
     def _call(self, method: str, path: str, parse: Callable[[httpx.Response], T], json: Any = None) -> T:
         """One request with retries; ``parse`` runs inside each try, so a short body is retried."""

@@ -37,10 +37,27 @@ def test_batches_go_over_one_kept_alive_connection_and_hold_the_source(service):
         for start in range(0, 100, 20):
             indices = list(range(start, start + 20))[::-1]
             assert client.get_batch("train", indices) == [expected(i) for i in indices]
-            (kept,) = [sock for socks in client._pool._idle.values() for sock in socks]
+            (kept,) = [sock for socks in client._wire()._idle.values() for sock in socks]
             ports.add(kept.getsockname()[1])
         assert len(ports) == 1
         assert "_pool" not in pickle.loads(pickle.dumps(client)).__dict__  # sockets never travel
+
+
+def test_routed_parts_go_to_their_owners_on_threads_kept_for_the_process(tmp_path):
+    # 1000 samples fill about 13 shards: each worker owns some (all on one: p < 0.001).
+    url = seed_synthetic(tmp_path / "train", samples=1000)
+    with start_service({"train": url}, cache_dir=tmp_path / "cache", workers=2) as svc, \
+            Client(svc.url, backoff=ONE_TRY, max_connections=2) as client:
+        deadline = time.monotonic() + 60
+        while len({part.owner for part in client.router.split("train", list(range(1000)))}) < 2:
+            assert time.monotonic() < deadline, "the routing table never listed both workers"
+            time.sleep(0.1)
+            client.router.load("train", client._routing_table("train"))  # both workers up yet?
+        for start in range(4):
+            indices = list(range(start, 1000, 4))[::-1]  # every batch spans every shard
+            assert client.get_batch("train", indices) == [expected(i) for i in indices]
+        parts = [t for t in threading.enumerate() if t.name.startswith("shardfeed-part")]
+        assert 1 <= len(parts) <= 2  # kept after the batches, at most max_connections of them
 
 
 def test_an_error_answer_leaves_the_connection_usable(service):
@@ -48,7 +65,7 @@ def test_an_error_answer_leaves_the_connection_usable(service):
         with pytest.raises(Exception, match="404"):
             client.get_batch("nope", [1])
         assert client.get_batch("train", [3]) == [expected(3)]
-        assert sum(len(s) for s in client._pool._idle.values()) == 1
+        assert sum(len(s) for s in client._wire()._idle.values()) == 1
 
 
 class RawServer:
