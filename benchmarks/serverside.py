@@ -14,7 +14,10 @@ above 1 needs a service that has ``--workers``), one point measures:
 
 Service CPU per sample is the user + system time of the service's processes (``/proc``)
 over the batch load, divided by the samples served: load-independent enough on a busy
-machine, unlike the rates. Every figure carries the load average it was measured under.
+machine, unlike the rates. The pusher's CPU per sample is measured the same way, and their
+quotient ("per CPU-second") is the ratio the two would reach with the cores to themselves,
+where on a small machine ``wrk`` takes a core from both. Every figure carries the load average
+it was measured under.
 
 Run on its own (``python -m shardfeed.benchmarks.serverside``) it seeds ``file://``
 datasets; ``shardfeed bench`` runs it on its S3-backed services. Without ``wrk`` on the
@@ -165,7 +168,7 @@ def start_pusher(processes: int, log: Path) -> tuple[str, subprocess.Popen]:
             time.sleep(0.1)
 
 
-def measure_point(service: ServiceProcess, pusher_url: str, size: int, batch: int, samples: int, workers: int,
+def measure_point(service: ServiceProcess, pusher: tuple[str, subprocess.Popen], size: int, batch: int, samples: int, workers: int,
                   seconds: float, scratch: Path, seed: int = 0, say: Callable[[str], None] = print,
                   profile: bool = False) -> dict:
     """One (size, workers) point: warm the cache, then the four loads. ``service`` serves
@@ -199,11 +202,15 @@ def measure_point(service: ServiceProcess, pusher_url: str, size: int, batch: in
                       "connections": connections, "load": load}
 
     synthetic = f"synthetic-{size}-{batch}"
-    load = _load()
+    pusher_url, pusher_process = pusher
+    load, before = _load(), tree_cpu(pusher_process.pid)
     got = wrk(pusher_url, batch_script(synthetic, [bodies[0]]), connections=connections, threads=threads,
               seconds=seconds, scratch=scratch)
-    point["pusher"] = {"samples_per_s": round(got["requests"] * batch / (got["duration_us"] / 1e6), 1),
+    cpu = tree_cpu(pusher_process.pid) - before
+    pushed = got["requests"] * batch
+    point["pusher"] = {"samples_per_s": round(pushed / (got["duration_us"] / 1e6), 1),
                        "mb_per_s": round(got["bytes"] / got["duration_us"], 1),
+                       "cpu_us_per_sample": round(cpu / pushed * 1e6, 2) if pushed else None,
                        "processes": workers, "connections": connections, "load": load}
 
     paths = [f"/v1/datasets/{DATASET}/samples/{i}/bin" for i in rng.integers(0, samples, 4096).tolist()]
@@ -219,6 +226,10 @@ def measure_point(service: ServiceProcess, pusher_url: str, size: int, batch: in
                        "service_cpu_us_per_request": round(cpu / got["requests"] * 1e6, 2),
                        "connections": CONNECTIONS, "load": load}
     point["batch_vs_pusher"] = round(point["batch"]["samples_per_s"] / point["pusher"]["samples_per_s"], 3)
+    # Samples per CPU-second against the pusher's: what the ratio is where wrk does not share the cores.
+    point["cpu_vs_pusher"] = (round(point["pusher"]["cpu_us_per_sample"] / point["batch"]["service_cpu_us_per_sample"], 3)
+                              if point["pusher"]["cpu_us_per_sample"] and point["batch"]["service_cpu_us_per_sample"]
+                              else None)
     point["sample_vs_healthz"] = round(point["sample"]["requests_per_s"] / point["healthz"]["requests_per_s"], 3)
     say(render_point(point))
     return point
@@ -251,7 +262,8 @@ def render_point(p: dict) -> str:
     return (f"server-side {format_size(p['sample_size']):>6} batch {p['batch_size']} serve --workers "
             f"{p['serve_workers']}: {b['samples_per_s']:>9,.0f} samples/s ({b['mb_per_s']:.0f} MB/s, "
             f"{b['service_cpu_us_per_sample']} us service CPU/sample, load {b['load']}) = "
-            f"{p['batch_vs_pusher']:.2f}x the bare pusher ({p['pusher']['samples_per_s']:,.0f}); per-sample GETs "
+            f"{p['batch_vs_pusher']:.2f}x the bare pusher ({p['pusher']['samples_per_s']:,.0f}; per CPU-second "
+            f"{p['cpu_vs_pusher']}x, it spent {p['pusher']['cpu_us_per_sample']} us/sample); per-sample GETs "
             f"{s['requests_per_s']:,.0f}/s ({s['service_cpu_us_per_request']} us CPU each) = "
             f"{p['sample_vs_healthz']:.2f}x /healthz ({p['healthz']['requests_per_s']:,.0f}/s)")
 
@@ -260,13 +272,15 @@ def markdown(points: list[dict]) -> str:
     """The server-side section of ``results.md``."""
     lines = ["", "## Server side (wrk, warm cache)", "",
              "| size | batch | serve --workers | batch samples/s | MB/s | service CPU us/sample | bare pusher "
-             "samples/s | ratio | per-sample GET/s | /healthz/s | ratio | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "samples/s | ratio | pusher CPU us/sample | ratio per CPU-second | per-sample GET/s | /healthz/s | "
+             "ratio | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in points:
         b = p["batch"]
         lines.append(f"| {format_size(p['sample_size'])} | {p['batch_size']} | {p['serve_workers']} | "
                      f"{b['samples_per_s']:,.0f} | {b['mb_per_s']:.0f} | {b['service_cpu_us_per_sample']} | "
                      f"{p['pusher']['samples_per_s']:,.0f} | {p['batch_vs_pusher']:.2f} | "
+                     f"{p['pusher']['cpu_us_per_sample']} | {p['cpu_vs_pusher']} | "
                      f"{p['sample']['requests_per_s']:,.0f} | {p['healthz']['requests_per_s']:,.0f} | "
                      f"{p['sample_vs_healthz']:.2f} | {b['load']} |")
     return "\n".join(lines) + "\n"
@@ -293,15 +307,15 @@ def run_points(sizes: list[int], workers_axis: list[int], samples: dict[int, int
     """Every (size, workers) point; ``service_for(size, workers)`` starts a service on a fresh cache."""
     points = []
     for workers in workers_axis:
-        pusher_url, pusher = start_pusher(workers, scratch / "pusher.log")
+        pusher = start_pusher(workers, scratch / "pusher.log")
         try:
             for size in sizes:
                 n = samples[size]
                 with service_for(size, workers) as service:
-                    points.append(measure_point(service, pusher_url, size, min(batch, n), n, workers, seconds,
+                    points.append(measure_point(service, pusher, size, min(batch, n), n, workers, seconds,
                                                 scratch, seed, say, profile))
         finally:
-            stop_process(pusher)
+            stop_process(pusher[1])
     return points
 
 

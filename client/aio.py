@@ -41,8 +41,9 @@ class AsyncClient(BaseClient):
         return await self._call("GET", dataset_path(dataset), parse_json)
 
     async def get_field(self, dataset: str, index: int, field: str) -> bytes:
-        """The raw bytes of one field of sample ``index``."""
-        return await self._call("GET", sample_path(dataset, index, field), lambda r: r.content)
+        """The raw bytes of one field of sample ``index`` (sent to its owner, with routing)."""
+        return await self._call("GET", sample_path(dataset, index, field), lambda r: r.content,
+                                via=await self._via(dataset, index))
 
     async def get(self, dataset: str, index: int, fields: Sequence[str] | None = None) -> dict:
         """Sample ``index`` as a dict (see :meth:`shardfeed.client.Client.get`)."""
@@ -53,7 +54,7 @@ class AsyncClient(BaseClient):
             reader = BatchReader(dataset, [index], url=str(response.url))
             return (reader.feed(response.content) + reader.finish())[0]
 
-        return await self._call("GET", sample_path(dataset, index), parse)
+        return await self._call("GET", sample_path(dataset, index), parse, via=await self._via(dataset, index))
 
     async def get_batch(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None = None,
                         *, continue_on_error: bool = False) -> list[dict]:
@@ -144,13 +145,19 @@ class AsyncClient(BaseClient):
     def _session(self) -> httpx.AsyncClient:
         return self._session_for(self._loop_owner(), httpx.AsyncClient)
 
-    async def _call(self, method: str, path: str, parse: Callable[[httpx.Response], T]) -> T:
-        return await retry_async(lambda: self._once(method, path, parse), backoff=self.backoff,
+    async def _via(self, dataset: str, index: int) -> Via:
+        """Where a per-sample request goes (see ``Client._via``)."""
+        if self.router.due(dataset):
+            self.router.load(dataset, await self._routing_table(dataset))
+        return Via(self.endpoints, self.router, dataset, self.router.owner(dataset, index))
+
+    async def _call(self, method: str, path: str, parse: Callable[[httpx.Response], T], via: Via | None = None) -> T:
+        return await retry_async(lambda: self._once(method, path, parse, via), backoff=self.backoff,
                                  retryable=self._verdict)
 
-    async def _once(self, method: str, path: str, parse: Callable[[httpx.Response], T]) -> T:
+    async def _once(self, method: str, path: str, parse: Callable[[httpx.Response], T], via: Via | None = None) -> T:
         http = self._session()  # first: a new session starts the rotation at a random URL
-        base = self.endpoints.pick()
+        base = self.endpoints.pick() if via is None else via.pick()
         url = base + path
         try:
             response = await http.request(method, url)

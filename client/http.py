@@ -291,6 +291,11 @@ class Router:
         table = self._tables.get(dataset)
         return table.version if table is not None else None
 
+    def owner(self, dataset: str, index: int) -> str | None:
+        """The URL of the node that owns sample ``index`` (``None``: no table)."""
+        table = self._tables.get(dataset) if self.enabled else None
+        return table.owner_of(index) if table is not None and table.urls else None
+
     def split(self, dataset: str, indices: list[int]) -> list[Part]:
         """The batch as one part per owner (a single ownerless part without a table)."""
         table = self._tables.get(dataset) if self.enabled else None

@@ -63,8 +63,9 @@ class Client(BaseClient):
         self._call("DELETE", plan_path(dataset, plan_id), lambda r: None)
 
     def get_field(self, dataset: str, index: int, field: str) -> bytes:
-        """The raw bytes of one field of sample ``index``."""
-        return self._call("GET", sample_path(dataset, index, field), lambda r: r.content)
+        """The raw bytes of one field of sample ``index`` (sent to its owner, with routing)."""
+        return self._call("GET", sample_path(dataset, index, field), lambda r: r.content,
+                          via=self._via(dataset, index))
 
     def get(self, dataset: str, index: int, fields: Sequence[str] | None = None) -> dict:
         """Sample ``index`` as a dict ``{"__key__", "__index__", "<field>": bytes, ...}``.
@@ -78,7 +79,7 @@ class Client(BaseClient):
             reader = BatchReader(dataset, [index], url=str(response.url))
             return (reader.feed(response.content) + reader.finish())[0]
 
-        return self._call("GET", sample_path(dataset, index), parse)
+        return self._call("GET", sample_path(dataset, index), parse, via=self._via(dataset, index))
 
     def get_batch(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None = None,
                   *, continue_on_error: bool = False) -> list[dict]:
@@ -198,14 +199,22 @@ class Client(BaseClient):
                     self.endpoints.scatter()
         return held[1]
 
-    def _call(self, method: str, path: str, parse: Callable[[httpx.Response], T], json: Any = None) -> T:
-        """One request with retries; ``parse`` runs inside each try, so a short body is retried."""
-        return retry_sync(lambda: self._once(method, path, parse, json), backoff=self.backoff,
+    def _via(self, dataset: str, index: int) -> Via:
+        """Where a per-sample request goes: the sample's owner first (see ``Router``)."""
+        self.load_routing(dataset)
+        return Via(self.endpoints, self.router, dataset, self.router.owner(dataset, index))
+
+    def _call(self, method: str, path: str, parse: Callable[[httpx.Response], T], json: Any = None,
+              via: Via | None = None) -> T:
+        """One request with retries; ``parse`` runs inside each try, so a short body is retried.
+        ``via``: where the tries go (default: the client's rotation)."""
+        return retry_sync(lambda: self._once(method, path, parse, json, via), backoff=self.backoff,
                           retryable=self._verdict)
 
-    def _once(self, method: str, path: str, parse: Callable[[httpx.Response], T], json: Any = None) -> T:
+    def _once(self, method: str, path: str, parse: Callable[[httpx.Response], T], json: Any = None,
+              via: Via | None = None) -> T:
         http = self._session()  # first: a new session starts the rotation at a random URL
-        base = self.endpoints.pick()
+        base = self.endpoints.pick() if via is None else via.pick()
         url = base + path
         try:
             response = http.request(method, url, json=json)

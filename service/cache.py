@@ -37,7 +37,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from xxhash import xxh3_64_intdigest
 

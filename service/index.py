@@ -66,6 +66,7 @@ class Members:
     offset: np.ndarray  # int64: data offset in the shard; 0 where not found
     size: np.ndarray  # int64: data size; 0 where not found
     found: np.ndarray  # bool: False for a field the dataset has but this sample lacks
+    row: np.ndarray  # int64: the member's row in the index (``Index.members``); -1 where not found or not indexed
 
     def __len__(self) -> int:
         return len(self.position)
@@ -299,6 +300,7 @@ class Index:
             offset=np.where(found, self._offset[safe], 0).astype(np.int64),
             size=np.where(found, self._size[safe], 0).astype(np.int64),
             found=found,
+            row=np.where(found, member, -1),
         )
 
     @classmethod

@@ -12,6 +12,16 @@ answers such requests with a JSON error and closes the connection:
 - 400 ``bad_http_request`` (JSON instead of uvicorn's plain text) for unparsable HTTP.
 
 Request bodies are not affected: their size and pace are the API's business.
+
+It also sends what a batch framed from RAM is made of without copying it:
+
+- the ASGI extension ``PARTS``: a response body message may carry a list of buffers (the
+  shards' own byte ranges, as ``memoryview`` slices of blocks in RAM) that go to the socket
+  in one gathered write (``writelines``: ``writev`` under uvloop), instead of being joined
+  into one new ``bytes`` first, which cost about 1 us per 10 KiB sample;
+- a connection buffers up to ``WRITE_BUFFER`` bytes of response before the sender waits:
+  with asyncio's default 64 KiB mark every large member would wait for the socket to
+  drain before the next is queued.
 """
 
 from __future__ import annotations
@@ -27,6 +37,14 @@ HEAD_TIMEOUT = 10.0
 MAX_HEAD = 64 * 1024
 """Most bytes of request line plus headers (a browser sends under 8 KiB)."""
 
+WRITE_BUFFER = 4 * 1024 * 1024
+"""Most response bytes queued on one connection before the sender waits for the socket."""
+
+PARTS = "shardfeed.parts"
+"""The ASGI extension (in ``scope["extensions"]``) by which an ``http.response.body`` message
+may carry ``parts``, a list of buffers, in place of ``body``. Only where the scope lists it:
+another server would ignore the key and send nothing."""
+
 _REASONS = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large"}
 
 
@@ -35,6 +53,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        transport.set_write_buffer_limits(high=WRITE_BUFFER)
         self._head_open = True  # a request head is being received
         self._head_bytes = 0
         self._head_timer: asyncio.TimerHandle | None = self.loop.call_later(HEAD_TIMEOUT, self._head_timed_out)
@@ -42,6 +61,9 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
         super().connection_lost(exc)
+
+    def _start_asgi_task(self, cycle, app) -> None:  # uvicorn starts every request's app here
+        super()._start_asgi_task(cycle, _GatheredWrites(app, cycle))
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -83,3 +105,38 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
                              b"connection: close\r\n\r\n%s" % (status, _REASONS[status].encode(), len(body), body))
         self.transport.close()
+
+
+class _GatheredWrites:
+    """The app of one request, offered ``PARTS``: a body message's ``parts`` are written as they
+    are (the request's ``RequestResponseCycle`` keeps its Content-Length accounting)."""
+
+    __slots__ = ("app", "cycle")
+
+    def __init__(self, app, cycle):
+        self.app = app
+        self.cycle = cycle
+
+    async def __call__(self, scope, receive, send) -> None:
+        scope.setdefault("extensions", {})[PARTS] = {}
+        cycle = self.cycle
+
+        async def send_parts(message) -> None:
+            parts = message.get("parts")
+            if parts is None or message["type"] != "http.response.body":
+                return await send(message)
+            more = message.get("more_body", False)
+            size = sum(map(len, parts))
+            if (cycle.chunked_encoding is not False or cycle.response_complete or scope["method"] == "HEAD"
+                    or size > cycle.expected_content_length):  # not a plain Content-Length body: uvicorn's way
+                return await send({"type": "http.response.body", "body": b"".join(parts), "more_body": more})
+            if cycle.flow.write_paused and not cycle.disconnected:
+                await cycle.flow.drain()
+            if cycle.disconnected:
+                return
+            cycle.expected_content_length -= size
+            cycle.transport.writelines(parts)
+            if not more:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        await self.app(scope, receive, send_parts)

@@ -22,9 +22,14 @@ from .datasets import Dataset
 from .index import Members
 from .planner import take
 from .stores import StoreError
-from .warm import HeldGroup, held_group
+from .warm import BUILT, VERBATIM, VERBATIM_SPILLED, HeldGroup, held_group
 
 _PAD = b"\0" * 512
+HELD_GROUP_BYTES = 16 * 1024 * 1024
+"""Group size of a batch held in RAM: its parts are views of held blocks, so a group costs no
+memory, and fewer, larger groups cost less per sample."""
+LARGE_PART = 256 * 1024
+"""A part this large is sent as its own chunk, uncopied; smaller ones are joined into one."""
 
 
 class SampleFailed(Exception):
@@ -48,6 +53,9 @@ class SampleNames:
     (``first``: the group's first request position, ``samples``: its sample numbers),
     so another API (GetBatch) can name the same members its own way.
     """
+
+    shard_names = True
+    """Members are named as the shards' own headers name them (``warm.py`` may send those)."""
 
     def __init__(self, dataset: Dataset, first: int, samples: np.ndarray):
         self.dataset_name = dataset.name
@@ -76,14 +84,16 @@ def _groups(members: Members, n_positions: int, group_bytes: int) -> list[tuple[
 
 async def render_group(coalescer: Coalescer, dataset: Dataset, members: Members, indices: np.ndarray,
                        continue_on_error: bool, names=SampleNames, held: HeldGroup | None = None,
-                       base: int = 0) -> tuple[bytes, int]:
-    """The tar bytes of one group of member rows, and how many samples it served.
+                       base: int = 0) -> tuple[list, int]:
+    """The tar parts (bytes and views) of one group of member rows, and how many samples it served.
 
     A group whose blocks are all in RAM is framed from them at once (``warm.py``): from
     ``held``, the whole batch's, where its rows start at ``base``; any other group is read
     through the coalescer first."""
     if held is None:
         held, base = held_group(coalescer, dataset, members), 0
+    if held is not None and members.found.all():
+        return _held_parts(held, base, dataset, members, indices, names), _count_positions(members)
     if held is None:
         payloads = await coalescer.read_members(dataset, members)
         failed_rows = [i for i, p in enumerate(payloads) if p is None or isinstance(p, StoreError)]
@@ -113,21 +123,69 @@ async def render_group(coalescer: Coalescer, dataset: Dataset, members: Members,
             served += 1
         elif position in failed_positions:
             continue
-        name = naming.member(position, field)
         if held is not None:
-            out += held.frame(base + row, name)
+            out += held.frame(base + row, naming.member(position, field))
             size = held.size[base + row]
         else:
             payload = payloads[row]
             size = len(payload)
-            out.append(member_header(name, size))
+            out.append(member_header(naming.member(position, field), size))
             out.append(payload)
         if size % 512:
             out.append(_PAD[:padding(size)])
-    return b"".join(out), served
+    return out, served
 
 
-def stream_length(dataset: Dataset, members: Members, indices: np.ndarray) -> int:
+def _count_positions(members: Members) -> int:
+    """Samples in a group whose members were all found (its positions are consecutive)."""
+    return int(members.position[-1] - members.position[0]) + 1 if len(members) else 0
+
+
+def _held_parts(held: HeldGroup, base: int, dataset: Dataset, members: Members, indices: np.ndarray,
+                names) -> list:
+    """The tar parts of a group of found members all held in RAM: members whose shard headers
+    name them go out as the shards' own byte ranges (runs of them at once); the others are
+    framed one by one."""
+    n = len(members)
+    runs = held.runs(base, base + n) if names.shard_names else [(base, base + n, BUILT)]
+    positions, fields = members.position.tolist(), members.field.tolist()
+    naming = None
+    out: list = []
+    for lo, hi, kind in runs:
+        if kind == VERBATIM:
+            out += held.ranges(lo, hi)
+        elif kind == VERBATIM_SPILLED:
+            for at in range(lo, hi):
+                out += held.spilled(at)
+        else:
+            if naming is None:
+                first = positions[0]
+                naming = names(dataset, first, indices[first:positions[-1] + 1])
+            for at in range(lo, hi):
+                out += held.frame(at, naming.member(positions[at - base], fields[at - base]))
+                if held.size[at] % 512:
+                    out.append(_PAD[:padding(held.size[at])])
+    return out
+
+
+def chunks_of(parts: list, large: int = LARGE_PART) -> list:
+    """``parts`` as few chunks to send: runs of small parts joined, a part of ``large`` bytes
+    or more passed as it is (a join would copy it only to send it)."""
+    chunks, run = [], []
+    for part in parts:
+        if len(part) >= large:
+            if run:
+                chunks.append(b"".join(run))
+                run = []
+            chunks.append(part)
+        else:
+            run.append(part)
+    if run or not chunks:
+        chunks.append(b"".join(run))
+    return chunks
+
+
+def stream_length(dataset: Dataset, members: Members, indices: np.ndarray, held: HeldGroup | None = None) -> int:
     """The exact length of the batch's tar stream if every member found is served.
 
     Known up front when RAM holds every block of the batch (``held_group``: the stream is
@@ -139,11 +197,20 @@ def stream_length(dataset: Dataset, members: Members, indices: np.ndarray) -> in
     total = len(END_OF_ARCHIVE) + sum(len(member_header(missing_name(dataset.name, int(indices[p])), 0))
                                       for p in missing.tolist())
     rows = ~np.isin(members.position, missing)
+    if held is not None:  # a member sent as its shard's own range is that many bytes, whatever its name
+        verbatim = rows & (held.kind != BUILT)
+        total += held.verbatim_bytes(verbatim)
+        rows &= ~verbatim
     size = members.size[rows]
     total += int((size + (-size % 512)).sum())
-    key_bytes = np.array([len(k.encode()) for k in index.keys(indices)], np.int64)
+    if not rows.any():
+        return total
+    positions = members.position[rows]
+    wanted = np.unique(positions)
+    key_bytes = np.zeros(len(indices), np.int64)
+    key_bytes[wanted] = [len(k.encode()) for k in index.keys(indices[wanted])]
     field_bytes = np.array([len(f.encode()) for f in index.fields], np.int64)
-    name_bytes = key_bytes[members.position[rows]] + 1 + field_bytes[members.field[rows]]
+    name_bytes = key_bytes[positions] + 1 + field_bytes[members.field[rows]]
     total += 512 * len(name_bytes)
     for n in name_bytes[name_bytes > 100].tolist():  # a PAX record first (its length depends on the name's only)
         total += len(member_header("n" * n, 0)) - 512
@@ -152,13 +219,30 @@ def stream_length(dataset: Dataset, members: Members, indices: np.ndarray) -> in
 
 async def stream_batch(coalescer: Coalescer, dataset: Dataset, members: Members, indices: np.ndarray, *,
                        continue_on_error: bool, group_bytes: int, prefetch: int,
-                       on_served=None, names=SampleNames, held: HeldGroup | None = None) -> AsyncIterator[bytes]:
-    """Yield the batch's tar stream, one group at a time, ending with the end-of-archive marker.
+                       on_served=None, names=SampleNames, held: HeldGroup | None = None,
+                       ) -> AsyncIterator[list[bytes | memoryview]]:
+    """Yield the batch's tar stream as the parts of one group at a time (bytes and views of
+    blocks, unjoined: ``chunks_of`` or a gathered write sends them), ending with the
+    end-of-archive marker.
 
     ``names`` names the members (``SampleNames`` by default). ``held``: the batch's blocks,
     all held in RAM (``held_group``); then nothing is read."""
-    groups = _groups(members, len(indices), group_bytes)
-    if held is None and len(groups) > 1:
+    groups = _groups(members, len(indices), group_bytes if held is None else max(group_bytes, HELD_GROUP_BYTES))
+
+    def sent(parts: list, served: int, last: bool) -> list:
+        if on_served is not None:
+            on_served(served, sum(map(len, parts)))
+        if last:
+            parts.append(END_OF_ARCHIVE)
+        return parts
+
+    if held is not None:  # all in RAM: each group is framed as it is sent, nothing to read ahead
+        for number, (lo, hi) in enumerate(groups, 1):
+            parts, served = await render_group(coalescer, dataset, take(members, slice(lo, hi)), indices,
+                                               continue_on_error, names, held, lo)
+            yield sent(parts, served, number == len(groups))
+        return
+    if len(groups) > 1:
         coalescer.prefetch(dataset, members)
     pending: deque[asyncio.Task] = deque()
     upcoming = iter(groups)
@@ -166,21 +250,16 @@ async def stream_batch(coalescer: Coalescer, dataset: Dataset, members: Members,
     def start_next() -> None:
         for lo, hi in upcoming:
             pending.append(asyncio.create_task(
-                render_group(coalescer, dataset, take(members, slice(lo, hi)), indices, continue_on_error,
-                             names, held, lo)))
+                render_group(coalescer, dataset, take(members, slice(lo, hi)), indices, continue_on_error, names)))
             return
 
     try:
         for _ in range(max(1, prefetch)):
             start_next()
         while pending:
-            chunk, served = await pending.popleft()
+            parts, served = await pending.popleft()
             start_next()
-            if on_served is not None:
-                on_served(served, len(chunk))
-            yield chunk
-            if not pending:
-                yield END_OF_ARCHIVE  # on its own: appending would copy the whole last group
+            yield sent(parts, served, not pending)
     finally:
         for task in pending:  # client went away or a sample failed: stop reading ahead
             task.cancel()

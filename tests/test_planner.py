@@ -9,7 +9,7 @@ def members(offsets, sizes, found=None):
     return Members(position=np.arange(n), sample=np.arange(n), field=np.zeros(n, np.int32),
                    shard=np.zeros(n, np.int32), offset=np.array(offsets, np.int64),
                    size=np.array(sizes, np.int64),
-                   found=np.ones(n, bool) if found is None else np.array(found))
+                   found=np.ones(n, bool) if found is None else np.array(found), row=np.arange(n))
 
 
 def test_members_are_split_at_block_boundaries():

@@ -122,6 +122,18 @@ def test_client_routing_sends_each_replica_its_own_part_with_no_hop(cluster, dat
 
     assert asyncio.run(epoch()) == [samples(source, batch) for batch in batches]
     assert sum(hops(s.url, "replica") for s in services) == 0, "a batch part went to a non-owner"
+    few = order[:24]  # per-sample GETs go to the owner too
+    with Client(services[1].url) as client:
+        assert [(client.get("train", i)["__key__"], client.get_field("train", i, "bin")) for i in few] \
+            == samples(source, few)
+
+    async def singles():
+        async with AsyncClient(services[2].url) as client:
+            return [((await client.get("train", i))["__key__"], await client.get_field("train", i, "bin"))
+                    for i in few]
+
+    assert asyncio.run(singles()) == samples(source, few)
+    assert sum(hops(s.url, "replica") for s in services) == 0, "a per-sample GET went to a non-owner"
     assert all(metrics(s.url)["shardfeed_samples_served_total"] > 0 for s in services)
 
 

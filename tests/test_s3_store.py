@@ -20,6 +20,7 @@ from shardfeed.service.stores import (
     InvalidPath,
     ObjectNotFound,
     ShortRead,
+    StoreError,
     StoreUnavailable,
     open_store,
 )
@@ -302,3 +303,23 @@ def test_refreshed_credentials_are_used_on_the_next_request(s3_env, bucket, tmp_
             assert await store.read("x") == b"1"
 
     run(go())
+
+
+def test_an_object_rewritten_while_served_is_refused_and_the_etag_pins_stay_bounded(bucket, monkeypatch):
+    import shardfeed.service.stores.s3 as s3_module
+
+    monkeypatch.setattr(s3_module, "PINNED_ETAGS", 2)
+
+    async def main():
+        async with s3(bucket) as store:
+            for name in ("a", "b", "c"):
+                await store.write(name, DATA)
+                await store.read_range(name, 0, 10)
+            assert list(store._etags) == ["data/b", "data/c"]  # "a", least recently read, was forgotten
+            await store.write("c", DATA[::-1])
+            with pytest.raises(StoreError, match="changed while being served"):
+                await store.read_range("c", 0, 10)
+            await store.write("a", DATA[::-1])  # not pinned any more: pinned afresh
+            assert await store.read_range("a", 0, 10) == DATA[::-1][:10]
+
+    run(main())

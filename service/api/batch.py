@@ -76,6 +76,7 @@ async def batch(request: Request, state: AppState) -> Response:
     if state.cluster is not None:
         headers[ROUTING_HEADER] = state.cluster.version()
     if held is not None:  # every byte is in RAM: the length is known, no chunked framing
-        headers["Content-Length"] = str(stream_length(dataset, members, indices))
+        headers["Content-Length"] = str(stream_length(dataset, members, indices, held))
     return await tar_stream_response(state, "batch", chunks, media_type=TAR, headers=headers,
-                                     what=f"batch dataset={dataset.name} samples={len(indices)}")
+                                     what=f"batch dataset={dataset.name} samples={len(indices)}",
+                                     in_memory=held is not None)

@@ -27,7 +27,8 @@ from ..plans.prefetch import Prefetcher
 from ..plans.registry import Plans
 from ..samples import SampleBatcher
 from ..stats import StatsRecorder
-from ..stream import SampleFailed
+from ..protocol import PARTS
+from ..stream import SampleFailed, chunks_of
 
 log = logging.getLogger("shardfeed.api")
 
@@ -198,15 +199,35 @@ def served_metrics(state: State) -> Callable[[int, int], None]:
     return served
 
 
-async def tar_stream_response(state: State, route: str, chunks: AsyncIterator[bytes], *, media_type: str,
+class InMemoryStreamingResponse(StreamingResponse):
+    """A batch stream framed from bytes already in RAM. Each group's parts go out in one
+    gathered write where the server offers it (``protocol.PARTS``), else as ``chunks_of``; and
+    without Starlette's disconnect listener (a task group per request), which only stops
+    reads that a gone client would waste."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        gathered = PARTS in scope.get("extensions", {})
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for parts in self.body_iterator:
+            if gathered:
+                await send({"type": "http.response.body", "parts": parts, "more_body": True})
+                continue
+            for chunk in chunks_of(parts):
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def tar_stream_response(state: State, route: str, chunks: AsyncIterator[list], *, media_type: str,
                               headers: dict[str, str], what: str,
                               failed: Callable[[SampleFailed], ApiError] = lambda err: StoreUnavailable(str(err)),
-                              ) -> StreamingResponse:
+                              in_memory: bool = False) -> StreamingResponse:
     """Serve a batch stream under admission control (kind ``batch``), with its metrics.
 
     The first chunk is read before the status line, so a sample that fails in the first
     group is a real error answer (``failed`` picks it; 503 by default), not a truncated 200.
     Later failures can only end the response early: the client sees a truncated stream.
+    ``chunks`` yields lists of parts (``stream_batch``); ``in_memory``: every part is framed
+    from RAM, nothing is read (``held_group``).
     """
     metrics = state.metrics
     state.admission.acquire("batch")
@@ -231,9 +252,12 @@ async def tar_stream_response(state: State, route: str, chunks: AsyncIterator[by
     async def body_stream():
         status = "500"
         try:
-            yield first
-            async for chunk in chunks:
-                yield chunk
+            async for parts in _prepend(first, chunks):
+                if in_memory:
+                    yield parts
+                    continue
+                for chunk in chunks_of(parts):
+                    yield chunk
             status = "200"
         except SampleFailed as err:
             # Headers are gone: end the response early so the client sees a truncated stream.
@@ -244,4 +268,11 @@ async def tar_stream_response(state: State, route: str, chunks: AsyncIterator[by
             finish(status)
             log.debug("%s status=%s ms=%.1f", what, status, 1e3 * (time.perf_counter() - began))
 
-    return StreamingResponse(body_stream(), media_type=media_type, headers=headers)
+    response = InMemoryStreamingResponse if in_memory else StreamingResponse
+    return response(body_stream(), media_type=media_type, headers=headers)
+
+
+async def _prepend(first, rest: AsyncIterator) -> AsyncIterator:
+    yield first
+    async for item in rest:
+        yield item

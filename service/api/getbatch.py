@@ -49,25 +49,26 @@ MAX_BUFFERED = 256 << 20
 before it is sent (AIStore does the same); larger batches must stream."""
 
 
-async def _gzip(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def _gzip(groups: AsyncIterator[list]) -> AsyncIterator[list]:
     packer = zlib.compressobj(6, zlib.DEFLATED, 31)  # wbits 31: a gzip member
-    async for chunk in chunks:
-        out = packer.compress(chunk)
+    async for parts in groups:
+        out = b"".join([packer.compress(part) for part in parts])
         if out:
-            yield out
-    yield packer.flush()
+            yield [out]
+    yield [packer.flush()]
 
 
-async def _identity(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    async for chunk in chunks:
-        yield chunk
+async def _identity(groups: AsyncIterator[list]) -> AsyncIterator[list]:
+    async for parts in groups:
+        yield parts
 
 
 @dataclass(frozen=True)
 class Format:
     media_type: str
     extension: str
-    encode: Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]]
+    encode: Callable[[AsyncIterator[list]], AsyncIterator[list]]
+    """Re-encodes a batch stream: lists of parts (``stream.stream_batch``) in, lists out."""
 
 
 FORMATS = {".tar": Format(TAR, ".tar", _identity), ".tgz": Format("application/gzip", ".tgz", _gzip),
@@ -159,6 +160,8 @@ class EntryNames:
     """Member names of a GetBatch answer (``stream.SampleNames``' counterpart); remembers why
     each missing entry failed, for the multipart metadata."""
 
+    shard_names = False  # an entry is named by its bucket and object, not as in its shard
+
     def __init__(self, entries: list[Entry], errors: dict[int, str]):
         self.entries = entries
         self.errors = errors
@@ -206,7 +209,7 @@ def _plan(spans: list[Span | None], buckets) -> tuple[Dataset, Members]:
                             field=np.zeros(n, np.int32), shard=np.array(codes, np.int32),
                             offset=np.array([s.offset if s else 0 for s in spans], np.int64),
                             size=np.array([s.size if s else 0 for s in spans], np.int64),
-                            found=np.array([s is not None for s in spans], bool))
+                            found=np.array([s is not None for s in spans], bool), row=np.full(n, -1, np.int64))
 
 
 async def _locate(state, entries: list[Entry], coer: bool) -> tuple[list[Span | None], dict[int, str]]:
@@ -284,7 +287,7 @@ async def _getbatch(request: Request, state: AppState, bucket: str, provider: st
     names = EntryNames(entries, errors)
     indices = np.arange(len(entries), dtype=np.int64)
 
-    def chunks() -> AsyncIterator[bytes]:
+    def chunks() -> AsyncIterator[list]:
         return stream_batch(state.coalescer, view, members, indices, continue_on_error=req.coer,
                             group_bytes=config.group_bytes, prefetch=config.prefetch_groups,
                             on_served=served_metrics(state), names=names)
@@ -304,10 +307,10 @@ async def _multipart(state, entries: list[Entry], members: Members, fmt: Format,
                                          f"{MAX_BUFFERED} (use streaming: strm true)")
     parts: list[bytes] = []
 
-    async def collect() -> AsyncIterator[bytes]:
-        async for chunk in fmt.encode(chunks()):
-            parts.append(chunk)
-        yield b""
+    async def collect() -> AsyncIterator[list]:
+        async for group in fmt.encode(chunks()):
+            parts.extend(group)
+        yield []
 
     response = await tar_stream_response(state, "getbatch", collect(), media_type=fmt.media_type, headers={},
                                          what=f"getbatch entries={len(entries)} multipart",

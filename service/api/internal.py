@@ -47,7 +47,8 @@ async def internal_read(request: Request, state: AppState) -> Response:
               or (offset + size > dataset.extents[shard]).any()):
         raise InvalidRequest("a range lies outside the dataset's shards")
     members = Members(position=np.arange(n), sample=np.zeros(n, np.int64), field=np.zeros(n, np.int32),
-                      shard=shard.astype(np.int32), offset=offset, size=size, found=np.ones(n, bool))
+                      shard=shard.astype(np.int32), offset=offset, size=size, found=np.ones(n, bool),
+                      row=np.full(n, -1, np.int64))
     payloads = await state.coalescer.read_members(dataset, members, scope=req.scope)
     for payload in payloads:
         if isinstance(payload, StoreError):

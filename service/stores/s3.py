@@ -18,6 +18,7 @@ import asyncio
 import os
 import re
 import xml.etree.ElementTree as ET
+from collections import OrderedDict
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 from urllib.parse import quote, unquote_plus, urlsplit
@@ -52,6 +53,10 @@ _DENIED_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", 
 _TRANSIENT_STATUS = {429, 500, 502, 503, 504}
 _SIGN_IN_THREAD = 1 << 20  # hashing a larger body for the signature would stall the loop
 _ERROR_BODY_LIMIT = 64 << 10
+PINNED_ETAGS = 1 << 18
+"""Objects whose first-read ETag is remembered (least recently read forgotten first): a
+dataset's shards all fit; a GetBatch bucket's objects may not, and one forgotten is pinned
+again at its next read."""
 MIN_PART, MAX_PART = 5 << 20, 5 << 30  # S3's multipart limits (the last part may be smaller)
 
 
@@ -147,7 +152,7 @@ class S3Store(Store):
         self.requests = 0
         self.retries = 0
         self.bytes_read = 0
-        self._etags: dict[str, str] = {}  # key -> ETag of the first range read of it
+        self._etags: OrderedDict[str, str] = OrderedDict()  # key -> ETag of the first range read of it
         self._botocore = botocore.session.get_session()
         try:
             self.region = region or self._botocore.get_config_variable("region") or "us-east-1"
@@ -348,6 +353,9 @@ class S3Store(Store):
             etag = resp.headers.get("ETag")
             if etag:  # every range of an object must come from the version first read
                 pinned = self._etags.setdefault(key, etag)
+                self._etags.move_to_end(key)
+                if len(self._etags) > PINNED_ETAGS:
+                    self._etags.popitem(last=False)
                 if etag != pinned:
                     raise StoreError(f"{object_url} changed while being served (ETag {pinned} -> {etag}); "
                                      "re-index the dataset and restart the service")
