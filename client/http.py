@@ -325,7 +325,8 @@ class Via:
     """Where the tries of one request go: its owner first, then the client's rotation.
 
     Moving off the owner expires the dataset's routing table, so the next batch asks
-    for a fresh one.
+    for a fresh one. A request with no owner (no table, or one naming no owners, as a
+    single service's) expires nothing: a fresh table would say the same.
     """
 
     def __init__(self, endpoints: Endpoints, router: Router, dataset: str, owner: str | None):
@@ -333,12 +334,14 @@ class Via:
         self.router = router
         self.dataset = dataset
         self.owner = owner
+        self.routed = owner is not None
 
     def pick(self) -> str:
         owner, self.owner = self.owner, None
         if owner is not None:
             return owner
-        self.router.expire(self.dataset)
+        if self.routed:
+            self.router.expire(self.dataset)
         return self.endpoints.pick()
 
 

@@ -60,6 +60,16 @@ def test_routed_parts_go_to_their_owners_on_threads_kept_for_the_process(tmp_pat
         assert 1 <= len(parts) <= 2  # kept after the batches, at most max_connections of them
 
 
+def test_a_service_without_owners_is_not_asked_again_for_its_routing_table(service):
+    with Client(service.url, backoff=ONE_TRY) as client:
+        client.router.refresh = 0.0  # an expired table would be fetched again at once
+        client.load_routing("train")  # a single service's table: no owners
+        client.close()
+        for start in range(0, 100, 20):
+            assert client.get_batch("train", [start]) == [expected(start)]
+        assert client._http is None  # no httpx session: no request for the table was made
+
+
 def test_an_error_answer_leaves_the_connection_usable(service):
     with Client(service.url, backoff=ONE_TRY, route=False) as client:
         with pytest.raises(Exception, match="404"):
