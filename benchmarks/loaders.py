@@ -8,6 +8,9 @@ shards for ``shardfeed serve`` and as Streaming's MDS shards. Each loader runs
 cold caches (a fresh service cache; a fresh Streaming local directory), the second warm.
 Rounds alternate the loaders; the medians are printed with the shardfeed/Streaming
 ratios. Every batch is checked: each sample's ``bin`` is compared with the bytes seeded.
+Each epoch also reports the CPU it cost per sample, in microseconds, by party: the
+training process (which checks the samples), the DataLoader workers and, for shardfeed,
+the service. On a shared machine, these move less with the load than samples/s do.
 
     python -m shardfeed.benchmarks.loaders --samples 20000 --size 10KiB --rounds 5
 
@@ -24,6 +27,7 @@ import importlib
 import importlib.machinery
 import importlib.util
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -31,11 +35,13 @@ import tempfile
 import time
 import types
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 from torch.utils.data import DataLoader
 
 from shardfeed.benchmarks.s3server import S3_SERVERS, default_server, start_s3
+from shardfeed.benchmarks.serverside import tree_cpu
 from shardfeed.client.torch import ShardfeedDataset, ShardfeedIterableDataset, ShardfeedLoader
 from shardfeed.seeds.synthetic import member_bytes, parse_sizes
 from shardfeed.service.process import start_service
@@ -80,27 +86,48 @@ def _check(batch: list, seed_sizes: tuple[int, int], key: str) -> int:
     return len(batch)
 
 
-def _epochs(loader, sizes, key: str, epochs: int = 2) -> list[float]:
-    """Samples/s of each epoch, every sample checked."""
-    rates = []
+PARTIES = ("main", "workers", "service")
+
+
+@dataclass
+class Epoch:
+    """One epoch: samples/s, and microseconds of CPU per sample for each of ``PARTIES``."""
+
+    rate: float
+    cpu: dict[str, float]
+
+
+def _cpu(service_pid: int | None) -> dict[str, float]:
+    """CPU seconds so far of this process, of its children waited for (the DataLoader workers
+    of finished epochs: a DataLoader joins its workers at the end of an epoch), and of the service."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"main": own.ru_utime + own.ru_stime, "workers": children.ru_utime + children.ru_stime,
+            "service": tree_cpu(service_pid) if service_pid is not None else 0.0}
+
+
+def _epochs(loader, sizes, key: str, service_pid: int | None = None, epochs: int = 2) -> list[Epoch]:
+    """Each epoch's samples/s and CPU per sample, every sample checked."""
+    out = []
     for _ in range(epochs):
-        began, n = time.perf_counter(), 0
+        cpu, began, n = _cpu(service_pid), time.perf_counter(), 0
         for batch in loader:
             n += _check(batch, sizes, key)
-        rates.append(n / (time.perf_counter() - began))
-    return rates
+        rate = n / (time.perf_counter() - began)
+        cpu = {party: (spent - cpu[party]) * 1e6 / n for party, spent in _cpu(service_pid).items()}
+        out.append(Epoch(rate, cpu))
+    return out
 
 
-def shardfeed_round(kind: str, url: str, sizes, seed: int) -> list[float]:
+def shardfeed_round(kind: str, url: str, sizes, seed: int, service_pid: int | None = None) -> list[Epoch]:
     if kind == "shardfeed-map":
         loader = DataLoader(ShardfeedDataset(url, "bench"), batch_size=BATCH, shuffle=True,
                             num_workers=LOADER_WORKERS, collate_fn=_collate, persistent_workers=False)
-        return _epochs(loader, sizes, "__index__")
+        return _epochs(loader, sizes, "__index__", service_pid)
     dataset = ShardfeedIterableDataset(url, "bench", batch_size=BATCH, seed=seed, collate_fn=None)
-    return _epochs(ShardfeedLoader(dataset, num_workers=LOADER_WORKERS), sizes, "__index__")
+    return _epochs(ShardfeedLoader(dataset, num_workers=LOADER_WORKERS), sizes, "__index__", service_pid)
 
 
-def streaming_round(streaming, remote: str, local: Path, sizes, seed: int) -> list[float]:
+def streaming_round(streaming, remote: str, local: Path, sizes, seed: int) -> list[Epoch]:
     streaming.base.util.clean_stale_shared_memory()
     dataset = streaming.StreamingDataset(remote=remote, local=str(local), shuffle=True, shuffle_seed=seed,
                                          batch_size=BATCH)
@@ -152,7 +179,7 @@ def main(argv=None) -> int:
                         "--fields", "bin,cls"], check=True, env=env)
         remote = write_mds(streaming, server, args.samples, sizes, shard_size, tmp) if streaming else None
         kinds = ["shardfeed-map", "shardfeed-iterable"] + (["streaming"] if streaming else [])
-        results: dict[str, list[list[float]]] = {k: [] for k in kinds}
+        results: dict[str, list[list[Epoch]]] = {k: [] for k in kinds}
         for r in range(args.rounds):
             for kind in (kinds if r % 2 == 0 else kinds[::-1]):
                 if kind == "streaming":
@@ -160,21 +187,31 @@ def main(argv=None) -> int:
                 else:
                     with start_service({"bench": "s3://bench/data"}, cache_dir=tmp / f"cache-{kind}-{r}",
                                        env=server.env(), workers=args.service_workers) as svc:
-                        rates = shardfeed_round(kind, svc.url, sizes, seed=r)
+                        rates = shardfeed_round(kind, svc.url, sizes, seed=r, service_pid=svc.process.pid)
                 results[kind].append(rates)
-                print(f"round {r + 1} {kind:20s} cold {rates[0]:8.0f}  warm {rates[1]:8.0f} samples/s", flush=True)
+                print(f"round {r + 1} {kind:20s} cold {rates[0].rate:8.0f}  warm {rates[1].rate:8.0f} samples/s   "
+                      f"CPU us/sample cold {_parts(rates[0].cpu)}, warm {_parts(rates[1].cpu)}", flush=True)
     print(f"\n{args.samples} x {args.size} samples, DataLoader(batch_size={BATCH}, num_workers={LOADER_WORKERS}), "
           f"shuffled, medians of {args.rounds} rounds, {server.kind} S3; shardfeed serve --workers "
           f"{args.service_workers}; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    medians = {k: [statistics.median(r[e] for r in v) for e in range(2)] for k, v in results.items()}
+    medians = {k: [statistics.median(r[e].rate for r in v) for e in range(2)] for k, v in results.items()}
     for kind, (cold, warm) in medians.items():
         ratio = ""
         if "streaming" in medians and kind != "streaming":
             base = medians["streaming"]
             ratio = f"   {cold / base[0]:.2f}x / {warm / base[1]:.2f}x Streaming"
         print(f"{kind:20s} cold {cold:8.0f}  warm {warm:8.0f} samples/s{ratio}")
+    print(f"\nCPU per sample, us ({' + '.join(PARTIES)}), medians:")
+    for kind, rounds in results.items():
+        cpu = [{p: statistics.median(r[e].cpu[p] for r in rounds) for p in PARTIES} for e in range(2)]
+        print(f"{kind:20s} cold {_parts(cpu[0])}   warm {_parts(cpu[1])}")
     return 0
+
+
+def _parts(cpu: dict[str, float]) -> str:
+    """``main + workers + service = total`` microseconds per sample."""
+    return f"{' + '.join(f'{cpu[p]:.0f}' for p in PARTIES)} = {sum(cpu.values()):.0f}"
 
 
 if __name__ == "__main__":

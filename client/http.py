@@ -15,7 +15,7 @@ import random
 import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 from urllib.parse import quote
 
@@ -325,7 +325,8 @@ class Via:
     """Where the tries of one request go: its owner first, then the client's rotation.
 
     Moving off the owner expires the dataset's routing table, so the next batch asks
-    for a fresh one.
+    for a fresh one. A request with no owner (no table, or one naming no owners, as a
+    single service's) expires nothing: a fresh table would say the same.
     """
 
     def __init__(self, endpoints: Endpoints, router: Router, dataset: str, owner: str | None):
@@ -333,12 +334,14 @@ class Via:
         self.router = router
         self.dataset = dataset
         self.owner = owner
+        self.routed = owner is not None
 
     def pick(self) -> str:
         owner, self.owner = self.owner, None
         if owner is not None:
             return owner
-        self.router.expire(self.dataset)
+        if self.routed:
+            self.router.expire(self.dataset)
         return self.endpoints.pick()
 
 
@@ -380,7 +383,7 @@ def transport_error(url: str, exc: httpx.HTTPError) -> ShardfeedConnectionError:
     return ShardfeedConnectionError(url, f"{type(exc).__name__}: {reason}", connect=connect)
 
 
-def status_error(status: int, headers: httpx.Headers, body: bytes, url: str) -> ShardfeedHTTPError:
+def status_error(status: int, headers: Mapping[str, str], body: bytes, url: str) -> ShardfeedHTTPError:
     """Our error for an error status, with the service's ``{"error": {code, message}}``."""
     code, message = httpx.codes.get_reason_phrase(status).lower().replace(" ", "_") or "error", ""
     try:

@@ -19,6 +19,7 @@ with no fields, so a batch always has one entry per requested index, in order.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from sys import intern
 
 from shardfeed.tar import BLOCK, TarFormatError, padding, parse_header, parse_pax
 
@@ -29,6 +30,7 @@ MISSING = "__missing__"
 
 _NOT_FOUND = "__404__/"
 _ZERO_BLOCK = bytes(BLOCK)
+_REGULAR = (b"0", b"\0")
 
 
 class TarStream:
@@ -76,18 +78,16 @@ class TarStream:
                     self._parts.append(memoryview(chunk)[pos:])  # no copy until the join
                     self._need -= end - pos
                     pos = end
-            else:
-                if not self._head and end - pos >= BLOCK:
-                    header = chunk[pos:pos + BLOCK]
-                    pos += BLOCK
-                else:
-                    take = min(BLOCK - len(self._head), end - pos)
-                    self._head += chunk[pos:pos + take]
-                    pos += take
-                    if len(self._head) < BLOCK:
-                        break
-                    header = bytes(self._head)
-                    self._head.clear()
+            elif not self._head and end - pos >= BLOCK:
+                pos = self._whole(chunk, pos, end, out)
+            else:  # a header split between chunks
+                take = min(BLOCK - len(self._head), end - pos)
+                self._head += chunk[pos:pos + take]
+                pos += take
+                if len(self._head) < BLOCK:
+                    break
+                header = bytes(self._head)
+                self._head.clear()
                 if header == _ZERO_BLOCK:
                     self.ended = True
                     break
@@ -97,16 +97,43 @@ class TarStream:
                     self._done(b"", out)
         return out
 
+    def _whole(self, chunk: bytes, pos: int, end: int, out: list[tuple[str, bytes]]) -> int:
+        """Read the members whose headers lie whole in ``chunk`` from ``pos`` on (the common
+        case, in one tight loop); return where the rest of the chunk starts."""
+        while end - pos >= BLOCK:
+            if not chunk[pos] and chunk.startswith(_ZERO_BLOCK, pos):
+                self.ended = True
+                return end
+            name, size, typeflag = parse_header(chunk, pos)
+            start = pos + BLOCK
+            stop = start + size
+            if stop > end:  # the payload runs on into the next chunks
+                self._member = (name, size, typeflag)
+                self._need = size
+                return start
+            pos = stop + padding(size)
+            if self._long_name is None and typeflag in _REGULAR:
+                out.append((name.decode(), chunk[start:stop]))
+            else:
+                self._complete(name, typeflag, chunk[start:stop], out)
+            if pos > end:  # the padding runs on into the next chunk
+                self._skip = pos - end
+                return end
+        return pos
+
     def _done(self, payload: bytes, out: list[tuple[str, bytes]]) -> None:
         """The member being received is complete."""
         name, size, typeflag = self._member
         self._member = None
         self._skip = padding(size)
+        self._complete(name, typeflag, payload, out)
+
+    def _complete(self, name: bytes, typeflag: bytes, payload: bytes, out: list[tuple[str, bytes]]) -> None:
         if typeflag == b"x":
             self._long_name = parse_pax(payload).get(b"path", self._long_name)
         elif typeflag == b"L":
             self._long_name = payload.rstrip(b"\0")
-        elif typeflag in (b"0", b"\0"):
+        elif typeflag in _REGULAR:
             out.append(((self._long_name or name).decode(), payload))
             self._long_name = None
         else:
@@ -193,6 +220,9 @@ class BatchReader:
             self._deliver({"__key__": None, "__index__": index, MISSING: True}, out)
             return
         key, field = split_name(name)
+        # One str object per field name: the samples of a batch then share their keys, which
+        # pickling (to the DataLoader's main process) sends once per batch, not once per sample.
+        field = intern(field)
         if current is not None and (current["__key__"] != key or field in current):
             self._deliver(current, out)
             current = self._current = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +18,7 @@ from .http import (
     parse_json, plan_path, routing_path, sample_path, status_error, transport_error,
 )
 from .samples import BatchReader
+from .wire import Pool, Response
 
 T = TypeVar("T")
 
@@ -24,8 +26,21 @@ T = TypeVar("T")
 class Client(BaseClient):
     """Blocking client of a shardfeed service (keep-alive, retries, failover; see BaseClient).
 
-    Safe to share between threads, and to hand to DataLoader worker processes.
+    Safe to share between threads, and to hand to DataLoader worker processes. Batches
+    travel over a lean HTTP/1.1 transport of their own (:mod:`.wire`), everything else
+    over httpx.
     """
+
+    # This process's batch connections and its threads for the parts of routed batches,
+    # as (pid, object): made on first use in each process (see _own), never pickled.
+    _pool: tuple[int, Pool] | None = None
+    _threads: tuple[int, ThreadPoolExecutor] | None = None
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state.pop("_pool", None)
+        state.pop("_threads", None)
+        return state
 
     def datasets(self) -> list:
         """``GET /v1/datasets``: the datasets the service serves."""
@@ -89,18 +104,19 @@ class Client(BaseClient):
         indices = as_indices(indices)
         if not indices:
             return
-        if self.router.due(dataset):
-            self.router.load(dataset, self._routing_table(dataset))
+        self.load_routing(dataset)
         parts = self.router.split(dataset, indices)
         if len(parts) == 1:
             yield from self._stream(dataset, indices, fields, continue_on_error, parts[0].owner)
             return
-        with ThreadPoolExecutor(len(parts) - 1, thread_name_prefix="shardfeed-part") as pool:
-            answers = [pool.submit(lambda part=part: list(self._stream(
-                dataset, part.indices, fields, continue_on_error, part.owner))) for part in parts[1:]]
-            first = list(self._stream(dataset, parts[0].indices, fields, continue_on_error, parts[0].owner))
-            for part, row in merge_order(parts):
-                yield first[row] if part == 0 else answers[part - 1].result()[row]
+        # Threads kept for the whole process: starting one per batch cost more than the batch's parsing.
+        threads = self._own("_threads", lambda: ThreadPoolExecutor(self.max_connections,
+                                                                   thread_name_prefix="shardfeed-part"))
+        answers = [threads.submit(lambda part=part: list(self._stream(
+            dataset, part.indices, fields, continue_on_error, part.owner))) for part in parts[1:]]
+        first = list(self._stream(dataset, parts[0].indices, fields, continue_on_error, parts[0].owner))
+        for part, row in merge_order(parts):
+            yield first[row] if part == 0 else answers[part - 1].result()[row]
 
     def _stream(self, dataset: str, indices: list[int], fields: Sequence[str] | None, continue_on_error: bool,
                 owner: str | None) -> Iterator[dict]:
@@ -120,8 +136,6 @@ class Client(BaseClient):
                         yield from reader.feed(chunk)
                     yield from reader.finish()
                     return
-                except httpx.TransportError as exc:
-                    error = transport_error(base, exc)
                 except ShardfeedConnectionError as exc:
                     error = exc
                 # The stream broke after delivering samples: ask for the rest at once.
@@ -130,6 +144,15 @@ class Client(BaseClient):
                     raise error
             finally:
                 response.close()
+
+    def load_routing(self, dataset: str) -> None:
+        """Fetch ``dataset``'s routing table if one is due (the next batch would fetch it).
+
+        DataLoader workers get copies of this client: loaded before they start, the table
+        saves each of them a request (and an httpx session) at the start of every epoch.
+        """
+        if self.router.due(dataset):
+            self.router.load(dataset, self._routing_table(dataset))
 
     def _routing_table(self, dataset: str) -> dict | None:
         try:
@@ -142,6 +165,11 @@ class Client(BaseClient):
         if self._http is not None and self._owner == os.getpid():
             self._http.close()
         self._http = None
+        if self._pool is not None and self._pool[0] == os.getpid():
+            self._pool[1].close()
+        if self._threads is not None and self._threads[0] == os.getpid():
+            self._threads[1].shutdown(wait=False)
+        self._pool = self._threads = None
 
     def __enter__(self) -> Client:
         return self
@@ -152,10 +180,28 @@ class Client(BaseClient):
     def _session(self) -> httpx.Client:
         return self._session_for(os.getpid(), httpx.Client)
 
+    def _wire(self) -> Pool:
+        """This process's batch connections."""
+        return self._own("_pool", lambda: Pool(timeout=self.timeout, connect_timeout=self.connect_timeout,
+                                               max_connections=self.max_connections, verify=self.verify))
+
+    def _own(self, attr: str, make: Callable[[], T]) -> T:
+        """This process's object held in ``attr`` as ``(pid, object)``, made on first use, as
+        the httpx session is (a child after ``fork`` makes its own)."""
+        pid = os.getpid()
+        held = getattr(self, attr)
+        if held is None or held[0] != pid:
+            with self._session_lock:
+                held = getattr(self, attr)
+                if held is None or held[0] != pid:
+                    held = (pid, make())
+                    setattr(self, attr, held)
+                    self.endpoints.scatter()
+        return held[1]
+
     def _via(self, dataset: str, index: int) -> Via:
         """Where a per-sample request goes: the sample's owner first (see ``Router``)."""
-        if self.router.due(dataset):
-            self.router.load(dataset, self._routing_table(dataset))
+        self.load_routing(dataset)
         return Via(self.endpoints, self.router, dataset, self.router.owner(dataset, index))
 
     def _call(self, method: str, path: str, parse: Callable[[httpx.Response], T], json: Any = None,
@@ -179,24 +225,22 @@ class Client(BaseClient):
         return parse(response)
 
     def _open_batch(self, reader: BatchReader, fields: Sequence[str] | None, continue_on_error: bool,
-                    via: Via) -> tuple[str, httpx.Response, Iterator[bytes] | None, list[dict]]:
+                    via: Via) -> tuple[str, Response, Iterator[bytes] | None, list[dict]]:
         """Send the batch request for the samples not yet delivered; read until one arrives.
 
         Returns the base URL, the open response, its remaining chunks (``None`` when the
         response was read to the end) and the samples already complete.
         """
-        http = self._session()
+        pool = self._wire()
         base = via.pick()
         url = base + "/v1/batch"
         reader.restart(url)
-        body = batch_body(reader.dataset, list(reader.remaining()), fields, continue_on_error)
+        body = json.dumps(batch_body(reader.dataset, list(reader.remaining()), fields, continue_on_error),
+                          separators=(",", ":")).encode()
+        response = pool.post(base, "/v1/batch", body, self.headers)
         try:
-            response = http.send(http.build_request("POST", url, json=body), stream=True)
-        except httpx.TransportError as exc:
-            raise transport_error(base, exc) from None
-        try:
-            if response.status_code >= 400:
-                raise status_error(response.status_code, response.headers, _head(response), url)
+            if response.status >= 400:
+                raise status_error(response.status, response.headers, response.read(ERROR_BODY_LIMIT), url)
             self.router.saw(reader.dataset, response.headers.get(ROUTING_HEADER))
             chunks = response.iter_bytes()
             ready: list[dict] = []
@@ -205,19 +249,6 @@ class Client(BaseClient):
                 if ready:
                     return base, response, chunks, ready
             return base, response, None, reader.finish()
-        except httpx.TransportError as exc:
-            response.close()
-            raise transport_error(base, exc) from None
         except BaseException:
             response.close()
             raise
-
-
-def _head(response: httpx.Response) -> bytes:
-    """The start of an error body: enough for the JSON error, never a whole stream."""
-    body = b""
-    for chunk in response.iter_bytes():
-        body += chunk
-        if len(body) >= ERROR_BODY_LIMIT:
-            break
-    return body

@@ -8,6 +8,7 @@ headers with no per-member objects beyond the (name, payload) pair.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator
 from zlib import adler32
 
@@ -84,18 +85,23 @@ def names_member(data: bytes, at: int, name: bytes, size: int) -> bool:
             and data[at + 156] in (48, 0) and data.startswith(b"%011o\0" % size, at + 124))
 
 
-def parse_header(block: bytes | memoryview) -> tuple[bytes, int, bytes]:
-    """``(name, size, typeflag)`` of one header block; raises ``TarFormatError``."""
-    block = bytes(block)
-    if len(block) != BLOCK:
+# The fields a reader acts on, in one unpack: name, size, checksum, typeflag, magic, prefix.
+_FIELDS = struct.Struct("100s24x12s12x8sc100x5s83x155s12x")
+
+
+def parse_header(block: bytes | memoryview, at: int = 0) -> tuple[bytes, int, bytes]:
+    """``(name, size, typeflag)`` of the header block at offset ``at`` of ``block``;
+    raises ``TarFormatError``."""
+    if len(block) - at < BLOCK:
         raise TarFormatError("truncated tar header")
-    stored = block[148:156]
+    name, size_field, stored, typeflag, magic, prefix = _FIELDS.unpack_from(block, at)
     # The byte sum of each half (at most 256 * 255, below adler32's modulus) is adler32's low
     # half minus one: the exact checksum in C, where a Python sum over 512 bytes costs microseconds.
-    checksum = (adler32(block[:256]) & 0xFFFF) + (adler32(block[256:]) & 0xFFFF) - 2 - sum(stored) + 256
+    # The checksum field itself counts as eight spaces.
+    checksum = ((adler32(block[at:at + 256]) & 0xFFFF) + (adler32(block[at + 256:at + BLOCK]) & 0xFFFF)
+                - (adler32(stored) & 0xFFFF) + 255)
     try:
         ok = int(stored.strip(b"\0 ") or b"0", 8) == checksum
-        size_field = block[124:136]
         if size_field[0] & 0x80:  # GNU base-256 size for members over 8 GiB
             size = int.from_bytes(size_field[1:], "big")
         else:
@@ -104,11 +110,10 @@ def parse_header(block: bytes | memoryview) -> tuple[bytes, int, bytes]:
         ok = False
     if not ok:
         raise TarFormatError("bad tar header checksum (not a tar file, or corrupt)")
-    name = block[0:100].split(b"\0", 1)[0]
-    prefix = block[345:500].split(b"\0", 1)[0] if block[257:262] == b"ustar" else b""
-    if prefix:
-        name = prefix + b"/" + name
-    return name, size, block[156:157]
+    name = name.split(b"\0", 1)[0]
+    if magic == b"ustar" and prefix[0]:
+        name = prefix.split(b"\0", 1)[0] + b"/" + name
+    return name, size, typeflag
 
 
 def parse_pax(data: bytes) -> dict[bytes, bytes]:

@@ -6,9 +6,10 @@ import time
 from collections import Counter
 
 import httpx
+import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, default_convert
 
 from shardfeed.client import ShardfeedHTTPError
 from shardfeed.client.torch import ShardfeedDataset, ShardfeedIterableDataset, ShardfeedLoader, ShardfeedSampler
@@ -99,6 +100,25 @@ def test_iterable_batches_hold_the_source_samples(service):
         for s in batch:
             assert s["cls"] == int(expected(s["__index__"], ("cls",))["cls"])
     assert loader.epoch == 1  # a pass read to the end moves to the next epoch
+
+
+def _label_array(sample: dict) -> np.ndarray:
+    return np.array([int(sample["cls"]), sample["__index__"]])
+
+
+def test_shardfeed_loader_hands_batches_on_as_the_dataset_made_them(service):
+    # collate_fn=None yields the list of transformed samples: NumPy arrays stay arrays
+    # (a plain DataLoader's default_convert would make them tensors).
+    got = list(ShardfeedLoader(iterable(service, collate_fn=None, transform=_label_array), num_workers=2))
+    assert sum(len(b) for b in got) == SAMPLES
+    for batch in got:
+        assert isinstance(batch, list)
+        for array in batch:
+            assert type(array) is np.ndarray
+            assert array[0] == int(expected(int(array[1]), ("cls",))["cls"])
+    converted = next(iter(ShardfeedLoader(iterable(service, collate_fn=None, transform=_label_array),
+                                          collate_fn=default_convert)))
+    assert all(torch.is_tensor(t) for t in converted)
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
