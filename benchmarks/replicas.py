@@ -35,6 +35,7 @@ per-sample GET to one replica for a sample it owns versus one a peer owns: one h
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import subprocess
@@ -126,8 +127,10 @@ class Phase:
         return [n.served / self.seconds / single.rate for n in self.nodes]
 
     def efficiencies(self, single: Phase) -> list[float]:
-        """Each node's CPU per served sample against ``single``'s (1.0: as cheap)."""
-        return [single.cpu_us_per_sample / n.cpu_us_per_sample for n in self.nodes if n.cpu_us_per_sample]
+        """Each node's CPU per served sample against ``single``'s (1.0: as cheap; NaN where a
+        run was too short for /proc's 10 ms ticks to see any CPU)."""
+        return [single.cpu_us_per_sample / n.cpu_us_per_sample if n.cpu_us_per_sample else math.nan
+                for n in self.nodes]
 
 
 def _report(label: str, phase: Phase, single: Phase | None) -> None:
