@@ -330,7 +330,10 @@ class Coalescer:
             if self.memory is not None:
                 for key, block in written:
                     if key in self.cache:  # not evicted meanwhile: the tier mirrors the disk
-                        self.memory.put(key.filename(self.block_size), bytes(block))
+                        # A block that is the whole read is kept as read; a slice of a longer
+                        # one is copied, so the tier keeps alive no more bytes than it counts.
+                        whole = isinstance(payload, bytes) and len(block) == len(payload)
+                        self.memory.put(key.filename(self.block_size), payload if whole else bytes(block))
         finally:
             for key in keys:
                 self._inflight.pop(key, None)
