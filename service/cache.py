@@ -104,8 +104,8 @@ class BlockCache:
         self._lock = threading.Lock()
         self._lock_file = None
         self._last_warning = -1e9
-        self.on_forget: Callable[[str], None] = lambda name: None
-        """Called with the file name of every block evicted, replaced or dropped as corrupt."""
+        self.on_forget: Callable[[BlockKey], None] = lambda key: None
+        """Called with the key of every block evicted, replaced or dropped as corrupt."""
         self.victims: Callable[[list[str]], Iterable[str]] | None = None
         """Orders eviction candidates, given as file names least recently used first (the
         first returned goes first); ``None`` keeps LRU. Called with the lock held."""
@@ -134,7 +134,7 @@ class BlockCache:
                 self._bytes += size
             evicted = self._evict_locked()
         for victim in evicted:  # the capacity may have shrunk since the last run
-            self.on_forget(victim)
+            self._forget(victim)
             (self.directory / victim).unlink(missing_ok=True)
         self._update_gauges()
         log.info("block cache %s: %d blocks, %d bytes reused", self.directory, len(found), self._bytes)
@@ -198,10 +198,13 @@ class BlockCache:
                         victim.file = None
         return file
 
+    def _forget(self, name: str) -> None:
+        self.on_forget(BlockKey.from_filename(name))
+
     def _drop(self, name: str, why: str) -> None:
         log.warning("cache block %s %s: dropped, will refetch", name, why)
         self.metrics.cache_corrupt.inc()
-        self.on_forget(name)
+        self._forget(name)
         with self._lock:
             entry = self._entries.pop(name, None)
             self._open_files.pop(name, None)
@@ -229,9 +232,9 @@ class BlockCache:
             self._bytes += size - (old.file_size if old is not None else 0)
             evicted = self._evict_locked()
         if old is not None:
-            self.on_forget(name)
+            self._forget(name)
         for victim in evicted:
-            self.on_forget(victim)
+            self._forget(victim)
             (self.directory / victim).unlink(missing_ok=True)
         try:
             try:

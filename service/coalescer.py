@@ -172,7 +172,7 @@ class Coalescer:
                 pieces.bytes.update(zip(pieces.blocks[key], parts))
                 continue
             if keep(key):
-                self.memory.put(key.filename(self.block_size), parts[0])
+                self.memory.put(key, parts[0])
             pieces.take(key, memoryview(parts[0]))
 
     async def _read_local(self, dataset: Dataset, members: Members) -> list[bytes | StoreError | None]:
@@ -262,7 +262,7 @@ class Coalescer:
         with ``all_or_none``, nothing unless it holds them all."""
         held = {}
         for key in keys:
-            block = self.memory.get(key.filename(self.block_size))
+            block = self.memory.get(key)
             if block is not None:
                 held[key] = memoryview(block)
             elif all_or_none:
@@ -333,7 +333,7 @@ class Coalescer:
                         # A block that is the whole read is kept as read; a slice of a longer
                         # one is copied, so the tier keeps alive no more bytes than it counts.
                         whole = isinstance(payload, bytes) and len(block) == len(payload)
-                        self.memory.put(key.filename(self.block_size), payload if whole else bytes(block))
+                        self.memory.put(key, payload if whole else bytes(block))
         finally:
             for key in keys:
                 self._inflight.pop(key, None)

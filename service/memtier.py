@@ -9,8 +9,9 @@ The tier holds only blocks the disk cache holds: the cache tells it (``BlockCach
 when a block is evicted, replaced or found corrupt, and the tier drops its copy, so a RAM
 hit never outlives the disk block it mirrors. With ``--workers``, it also holds blocks read
 from a sibling worker's cache (``siblings.py``), verified the same way; the sibling's
-evictions are not heard here, and need not be: a verified block's bytes never change. It is an LRU bounded by ``capacity`` bytes
-(``--memory-cache``); a block larger than that is simply not kept.
+evictions are not heard here, and need not be: a verified block's bytes never change. It
+is an LRU bounded by ``capacity`` bytes (``--memory-cache``); a block larger than that is
+simply not kept.
 
 Puts and gets run on the event loop; ``discard`` may come from the cache's threads, so
 every change holds a lock (uncontended: tens of nanoseconds).
@@ -20,17 +21,19 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Hashable
 
 from .metrics import Metrics
 
 
 class MemoryTier:
-    """A bounded LRU of verified block payloads, keyed by the block's cache file name."""
+    """A bounded LRU of verified block payloads, keyed by the block's ``BlockKey`` (a hashable
+    tuple: a lookup formats no file name)."""
 
     def __init__(self, capacity: int, metrics: Metrics):
         self.capacity = capacity
         self.metrics = metrics
-        self._blocks: OrderedDict[str, bytes] = OrderedDict()
+        self._blocks: OrderedDict[Hashable, bytes] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -41,34 +44,34 @@ class MemoryTier:
     def bytes(self) -> int:
         return self._bytes
 
-    def get(self, name: str) -> bytes | None:
+    def get(self, key: Hashable) -> bytes | None:
         """The block's payload, marked recently used; ``None`` if not held."""
         with self._lock:
-            payload = self._blocks.get(name)
+            payload = self._blocks.get(key)
             if payload is not None:
-                self._blocks.move_to_end(name)
+                self._blocks.move_to_end(key)
         return payload
 
-    def put(self, name: str, payload: bytes) -> None:
+    def put(self, key: Hashable, payload: bytes) -> None:
         """Keep a verified block (least recently used blocks make room)."""
         size = len(payload)
         if size > self.capacity:
             return
         with self._lock:
-            old = self._blocks.pop(name, None)
+            old = self._blocks.pop(key, None)
             if old is not None:
                 self._bytes -= len(old)
-            self._blocks[name] = payload
+            self._blocks[key] = payload
             self._bytes += size
             while self._bytes > self.capacity:
                 _, victim = self._blocks.popitem(last=False)
                 self._bytes -= len(victim)
         self.metrics.memory_cache_bytes.set(self._bytes)
 
-    def discard(self, name: str) -> None:
+    def discard(self, key: Hashable) -> None:
         """Forget a block (its disk copy was evicted, replaced or found corrupt)."""
         with self._lock:
-            old = self._blocks.pop(name, None)
+            old = self._blocks.pop(key, None)
             if old is not None:
                 self._bytes -= len(old)
         if old is not None:

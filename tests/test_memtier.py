@@ -52,14 +52,14 @@ def test_blocks_evicted_from_disk_leave_the_tier(tmp_path):
     for key in keys:
         payload = bytes([key.block]) * 4096
         assert cache.write(key, payload)
-        t.put(key.filename(4096), payload)
+        t.put(key, payload)
     # The disk keeps about three blocks; the tier holds exactly the blocks the disk holds.
     on_disk = [k for k in keys if k in cache]
     assert 0 < len(on_disk) < len(keys)
-    assert [k for k in keys if t.get(k.filename(4096)) is not None] == on_disk
+    assert [k for k in keys if t.get(k) is not None] == on_disk
     # Rewriting a block replaces the disk copy: the tier forgets the old one.
     cache.write(on_disk[-1], b"z" * 4096)
-    assert t.get(on_disk[-1].filename(4096)) is None
+    assert t.get(on_disk[-1]) is None
 
 
 def test_a_block_found_corrupt_on_disk_leaves_the_tier(tmp_path):
@@ -70,7 +70,7 @@ def test_a_block_found_corrupt_on_disk_leaves_the_tier(tmp_path):
     key = BlockKey("d", "s", 0)
     cache.write(key, b"q" * 4096)
     name = key.filename(4096)
-    t.put(name, b"q" * 4096)
+    t.put(key, b"q" * 4096)
     assert cache.read(key, None) == [b"q" * 4096]  # the whole block, verified
     path = tmp_path / name
     data = bytearray(path.read_bytes())
@@ -78,7 +78,7 @@ def test_a_block_found_corrupt_on_disk_leaves_the_tier(tmp_path):
     path.write_bytes(bytes(data))
     cache._entries[name].file = None  # reopen, as after the open-file set turned over
     assert cache.read(key, [(0, 100)]) is None
-    assert t.get(name) is None and key not in cache
+    assert t.get(key) is None and key not in cache
 
 
 @pytest.fixture(scope="module")
