@@ -134,15 +134,19 @@ def test_the_replicas_benchmark_routes_with_no_hop_and_prints_every_ratio():
     assert out.returncode == 0, out.stderr[-2000:]
     summary = out.stdout.split("summary", 1)[1]
     ratio = r"(\d+\.\d\d)-(\d+\.\d\d)x"
+    # A replica serves a few hundred samples per phase here, at times too few for /proc's 10 ms
+    # CPU ticks to see: its efficiency is then NaN (a real run serves thousands).
+    measured = r"(\d+\.\d\d|nan)-(\d+\.\d\d|nan)x"
     for label in ("routed", "unrouted"):
         for phase in ("cold", "warm"):
-            line = re.search(rf"{label} +{phase}: samples/s per replica {ratio}, efficiency {ratio}.*"
+            line = re.search(rf"{label} +{phase}: samples/s per replica {ratio}, efficiency {measured}.*"
                              r"replica-to-replica sub-batches (\d+)", summary)
             assert line, (label, phase, summary)
-            assert 0 < float(line[1]) <= float(line[2]) and 0 < float(line[3]) <= float(line[4]), line[0]
+            assert 0 < float(line[1]) <= float(line[2]), line[0]
+            assert all(x == "nan" or float(x) > 0 for x in (line[3], line[4])), line[0]
             hops = int(line[5])
             assert hops == 0 if label == "routed" else hops > 0, line[0]  # the target, and the cost it removes
     assert re.search(r"warm per-sample GET to node 0, P50: a sample it owns \d+\.\d\d ms", out.stdout)
-    alone = re.search(rf"each replica alone \(median of 1 rounds\): samples/s {ratio}, efficiency {ratio} "
-                      rf"\({ratio} against the single service at batch 32\)", summary)
-    assert alone and all(float(x) > 0 for x in alone.groups()), summary
+    alone = re.search(rf"each replica alone \(median of 1 rounds\): samples/s {ratio}, efficiency {measured} "
+                      rf"\({measured} against the single service at batch 32\)", summary)
+    assert alone and float(alone[1]) > 0 and all(x == "nan" or float(x) > 0 for x in alone.groups()), summary
