@@ -53,6 +53,9 @@ _DENIED_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", 
 _TRANSIENT_STATUS = {429, 500, 502, 503, 504}
 _SIGN_IN_THREAD = 1 << 20  # hashing a larger body for the signature would stall the loop
 _ERROR_BODY_LIMIT = 64 << 10
+READ_BUFFER = 1 << 20
+"""aiohttp's read buffer per response: a block-sized range arrives in a few large pieces,
+not sixteen 64 KiB ones, each a pass through aiohttp's Python."""
 PINNED_ETAGS = 1 << 18
 """Objects whose first-read ETag is remembered (least recently read forgotten first): a
 dataset's shards all fit; a GetBatch bucket's objects may not, and one forgotten is pinned
@@ -187,6 +190,7 @@ class S3Store(Store):
                 timeout=self._timeout,
                 auto_decompress=False,  # byte ranges must arrive exactly as stored
                 cookie_jar=aiohttp.DummyCookieJar(),
+                read_bufsize=READ_BUFFER,
             )
             self._session_loop = loop
         return self._session
