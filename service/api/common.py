@@ -221,17 +221,29 @@ def served_metrics(state: State) -> Callable[[int, int], None]:
     return served
 
 
-class InMemoryStreamingResponse(StreamingResponse):
-    """A batch stream framed from bytes already in RAM. Each group's parts go out in one
-    gathered write where the server offers it (``protocol.PARTS``), else as ``chunks_of``; and
-    without Starlette's disconnect listener (a task group per request), which only stops
-    reads that a gone client would waste."""
+class TarStreamResponse(StreamingResponse):
+    """A batch stream: the parts of one group at a time (``stream.stream_batch``). With a
+    Content-Length and a server that offers ``protocol.PARTS``, each group goes out in one
+    gathered write, uncopied; otherwise as ``chunks_of``. ``in_memory`` (every part framed from
+    RAM, nothing to read): sent without Starlette's disconnect listener (a task group per
+    request), which only stops reads that a gone client would waste."""
+
+    def __init__(self, groups: AsyncIterator[list], *, in_memory: bool, **kwargs):
+        super().__init__(groups, **kwargs)
+        self.in_memory = in_memory
+        self.gathered = False
 
     async def __call__(self, scope, receive, send) -> None:
-        gathered = PARTS in scope.get("extensions", {})
+        self.gathered = PARTS in scope.get("extensions", {}) and "content-length" in self.headers
+        if self.in_memory:
+            await self.stream_response(send)
+        else:
+            await super().__call__(scope, receive, send)
+
+    async def stream_response(self, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         async for parts in self.body_iterator:
-            if gathered:
+            if self.gathered:
                 await send({"type": "http.response.body", "parts": parts, "more_body": True})
                 continue
             for chunk in chunks_of(parts):
@@ -242,7 +254,7 @@ class InMemoryStreamingResponse(StreamingResponse):
 async def tar_stream_response(state: State, route: str, chunks: AsyncIterator[list], *, media_type: str,
                               headers: dict[str, str], what: str,
                               failed: Callable[[SampleFailed], ApiError] = lambda err: StoreUnavailable(str(err)),
-                              in_memory: bool = False) -> StreamingResponse:
+                              in_memory: bool = False) -> TarStreamResponse:
     """Serve a batch stream under admission control (kind ``batch``), with its metrics.
 
     The first chunk is read before the status line, so a sample that fails in the first
@@ -275,11 +287,7 @@ async def tar_stream_response(state: State, route: str, chunks: AsyncIterator[li
         status = "500"
         try:
             async for parts in _prepend(first, chunks):
-                if in_memory:
-                    yield parts
-                    continue
-                for chunk in chunks_of(parts):
-                    yield chunk
+                yield parts
             status = "200"
         except SampleFailed as err:
             # Headers are gone: end the response early so the client sees a truncated stream.
@@ -290,8 +298,7 @@ async def tar_stream_response(state: State, route: str, chunks: AsyncIterator[li
             finish(status)
             log.debug("%s status=%s ms=%.1f", what, status, 1e3 * (time.perf_counter() - began))
 
-    response = InMemoryStreamingResponse if in_memory else StreamingResponse
-    return response(body_stream(), media_type=media_type, headers=headers)
+    return TarStreamResponse(body_stream(), in_memory=in_memory, media_type=media_type, headers=headers)
 
 
 async def _prepend(first, rest: AsyncIterator) -> AsyncIterator:
