@@ -1,4 +1,5 @@
-"""One block file of the cache: its format, and the one way of reading it verified.
+"""One block file of the cache: its format, the one way of writing it, and the one way of
+reading it verified.
 
 A block file is the block's payload, then an XXH3-64 digest per 16 KiB chunk, then a
 footer (magic, payload length, chunk count). A reader verifies only the chunks it reads,
@@ -13,9 +14,12 @@ worker reading the owner's directory (``siblings.py``) both read through this cl
 
 from __future__ import annotations
 
+import errno
 import io
+import mmap
 import os
 import struct
+import threading
 
 from xxhash import xxh3_64_intdigest
 
@@ -28,11 +32,76 @@ class BadBlock(ValueError):
     """A block file that fails its checks (truncated, bad footer, checksum mismatch)."""
 
 
+def file_size(length: int) -> int:
+    """The size of the block file of a ``length``-byte payload."""
+    return length + 8 * -(-length // CHUNK) + _FOOTER.size
+
+
 def trailer(payload: bytes | memoryview) -> bytes:
     """What follows ``payload`` in its block file: the chunk digests and the footer."""
     view = memoryview(payload)
     digests = [xxh3_64_intdigest(view[i:i + CHUNK]) for i in range(0, len(view), CHUNK)]
     return struct.pack(f"<{len(digests)}Q", *digests) + _FOOTER.pack(_MAGIC, len(view), len(digests))
+
+
+def write_file(path: str | os.PathLike, payload: bytes | memoryview) -> int:
+    """Write ``payload`` and its trailer as a new block file at ``path``; its size.
+
+    The file is written around the page cache (``O_DIRECT``) where the filesystem allows.
+    The service keeps its hot blocks in its own RAM tier (``memtier.py``), so a second copy
+    in the page cache only costs RAM, and kernel CPU to fill it: here 0.4 s for 225 MiB of
+    fresh pages, against 0.05 s written direct. Where ``O_DIRECT`` is refused (tmpfs, some
+    other systems), files are written buffered from then on.
+    """
+    global _direct_usable
+    tail = trailer(payload)
+    if _direct_usable:
+        try:
+            return _write_direct(path, memoryview(payload), tail)
+        except OSError as err:
+            if err.errno != errno.EINVAL:
+                raise
+            _direct_usable = False
+    with open(path, "wb") as f:
+        f.write(payload)
+        f.write(tail)
+    return len(payload) + len(tail)
+
+
+_direct_usable = hasattr(os, "O_DIRECT")
+_PIECE = 1 << 20  # bytes per direct write, through one page-aligned buffer per thread
+_ALIGN = 4096  # O_DIRECT wants buffers, lengths and offsets aligned to the device's blocks
+_buffers = threading.local()
+
+
+def _write_direct(path, payload: memoryview, tail: bytes) -> int:
+    buffer = getattr(_buffers, "buffer", None)
+    if buffer is None:
+        buffer = _buffers.buffer = mmap.mmap(-1, _PIECE)  # mmap'd memory is page-aligned
+    size = len(payload) + len(tail)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    try:
+        filled = 0
+        for piece in [payload[i:i + _PIECE] for i in range(0, len(payload), _PIECE)] + [memoryview(tail)]:
+            while piece:
+                n = min(len(piece), _PIECE - filled)
+                buffer[filled:filled + n] = piece[:n]
+                filled, piece = filled + n, piece[n:]
+                if filled == _PIECE:
+                    _write_all(fd, buffer)
+                    filled = 0
+        if filled:  # the last piece goes out padded to the alignment, then is cut to size
+            with memoryview(buffer) as view:
+                _write_all(fd, view[:-(-filled // _ALIGN) * _ALIGN])
+            os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    return size
+
+
+def _write_all(fd: int, data) -> None:
+    if os.write(fd, data) != len(data):  # a direct write is whole or fails; short means a full disk
+        raise OSError(errno.ENOSPC, "short write")
 
 
 class BlockFile:

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NamedTuple
 
-from .blockfile import BadBlock, BlockFile, trailer
+from .blockfile import BadBlock, BlockFile, file_size, write_file
 from .metrics import Metrics
 
 log = logging.getLogger("shardfeed.cache")
@@ -221,8 +221,7 @@ class BlockCache:
         name = key.filename(self.block_size)
         path = self.directory / name
         tmp = path.with_name(f".tmp-{path.name}-{threading.get_ident()}")
-        tail = trailer(payload)
-        size = len(payload) + len(tail)
+        size = file_size(len(payload))
         if size > self.capacity:
             return False
         # Make room first, so the files on disk never exceed the capacity, even briefly.
@@ -238,15 +237,12 @@ class BlockCache:
             (self.directory / victim).unlink(missing_ok=True)
         try:
             try:
-                f = open(tmp, "wb")
+                write_file(tmp, payload)
             except FileNotFoundError:  # first block of a dataset, or someone removed the directory
                 path.parent.mkdir(parents=True, exist_ok=True)
                 if not (self.directory / ".lock").exists():  # removed with the directory: lock anew
                     self._lock_directory()
-                f = open(tmp, "wb")
-            with f:
-                f.write(payload)
-                f.write(tail)
+                write_file(tmp, payload)
             os.replace(tmp, path)
         except CacheLocked as err:  # another process took the recreated directory
             with self._lock:

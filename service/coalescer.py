@@ -52,6 +52,7 @@ class Coalescer:
             cache.on_forget = self.memory.discard
         self.gap_blocks = config.merge_gap // config.block_size
         self.max_blocks = max(1, config.max_fetch // config.block_size)
+        self.window_blocks = max(1, min(config.fetch_window // config.block_size, self.max_blocks))
         self._store_slots = asyncio.Semaphore(config.max_store_requests)
         self._inflight: dict[BlockKey, asyncio.Future] = {}
         self._sibling_reads: dict[BlockKey, asyncio.Future] = {}  # whole sibling blocks being read
@@ -286,6 +287,7 @@ class Coalescer:
         for shard, block in wanted:
             by_shard[shard].add(block)
         loop = asyncio.get_running_loop()
+        window = self._window(dataset)
         for shard, numbers in by_shard.items():
             shard_key = BlockKey(dataset.id, dataset.shard_ids[shard], 0)
 
@@ -294,6 +296,11 @@ class Coalescer:
                 return key not in self._inflight and not (skip_cached and key in self.cache)
 
             todo = sorted(b for b in numbers if idle(b, skip_cached))
+            if window > 1 and todo:
+                last = (int(dataset.extents[shard]) - 1) // self.block_size
+                around = {b for first in {n - n % window for n in todo}
+                          for b in range(first, min(first + window - 1, last) + 1) if idle(b)}
+                todo = sorted(around.union(todo))
             for first, last in merge_blocks(todo, self.gap_blocks, self.max_blocks, idle):
                 for block in range(first, last + 1):
                     self._inflight[shard_key._replace(block=block)] = loop.create_future()
@@ -301,6 +308,14 @@ class Coalescer:
                 task = asyncio.create_task(self._fetch(dataset, shard, first, last))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+
+    def _window(self, dataset: Dataset) -> int:
+        """Blocks per window fetched around a miss: ``window_blocks`` when this node's share of
+        the dataset fits in its cache, else 1."""
+        if self.window_blocks == 1 or not self.cache.writable:
+            return 1
+        nodes = len(self.cluster.peers) if self.cluster is not None and dataset.owned else 1
+        return self.window_blocks if dataset.stored_bytes <= self.cache.capacity * nodes else 1
 
     async def _fetch(self, dataset: Dataset, shard: int, first: int, last: int) -> None:
         """One ranged read for blocks ``first..last`` of a shard; resolves their futures."""

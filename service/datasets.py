@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -29,6 +30,11 @@ class Dataset:
     owned: bool = True
     """Whether replicas split its shards by owner; ``False`` for a view made for one request
     (GetBatch), which the peers do not know: read where it was asked."""
+
+    @cached_property
+    def stored_bytes(self) -> int:
+        """Bytes of its shards the service may read: the sum of ``extents``."""
+        return int(self.extents.sum())
 
     def info(self) -> dict:
         return {

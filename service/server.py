@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cache block and store read unit (default: 1MiB)")
     parser.add_argument("--merge-gap", type=parse_size, default=defaults.merge_gap,
                         help="fetch missing blocks this close together in one read (default: 1MiB)")
+    parser.add_argument("--fetch-window", type=parse_size, default=defaults.fetch_window,
+                        help="a miss in a dataset the cache holds whole fetches its aligned window "
+                             "of this many shard bytes in one read (default: 8MiB)")
     parser.add_argument("--max-store-requests", type=int, default=defaults.max_store_requests,
                         help="store reads in flight at once (default: %(default)s)")
     parser.add_argument("--store-timeout", type=float, metavar="SECONDS",
@@ -125,6 +128,7 @@ def _check_ranges(args: argparse.Namespace) -> None:
         ("--port", args.port, 0, 65535),
         ("--block-size", args.block_size, 4096, 1 << 30),
         ("--merge-gap", args.merge_gap, 0, 1 << 40),
+        ("--fetch-window", args.fetch_window, 0, 1 << 30),
         ("--max-store-requests", args.max_store_requests, 1, 1 << 16),
         ("--sample-window-ms", args.sample_window_ms, 0, 1000),
         ("--max-batch", args.max_batch, 1, 1 << 24),
@@ -184,6 +188,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         datasets=datasets, index_objects=args.index_objects, buckets=tuple(dict.fromkeys(args.bucket)),
         host=args.host, port=args.port, cache_dir=args.cache_dir, cache_size=args.cache_size,
         memory_cache=args.memory_cache, block_size=args.block_size, merge_gap=args.merge_gap,
+        fetch_window=args.fetch_window,
         max_store_requests=args.max_store_requests, sample_window=args.sample_window_ms / 1e3,
         max_batch=args.max_batch, max_inflight_batches=args.max_inflight_batches,
         max_inflight_samples=args.max_inflight_samples, tokens=frozenset(tokens),

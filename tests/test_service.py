@@ -99,6 +99,28 @@ def test_concurrent_per_sample_gets_are_coalesced_into_few_store_reads(service, 
     assert m["shardfeed_store_requests_total"] < 1000 / 10
 
 
+@pytest.mark.parametrize("args, windows", [([], True), (["--fetch-window", "0"], False),
+                                           (["--cache-size", "1MiB"], False)])
+def test_a_dataset_the_cache_holds_is_fetched_in_windows_a_larger_one_block_by_block(
+        s3_dataset, s3_server, tmp_path, args, windows):
+    url, source = s3_dataset
+    one_per_shard = [0, 50, 100, 150]
+    with start_service({"train": url}, cache_dir=tmp_path / "cache", env=s3_server.env(),
+                       args=["--block-size", "64KiB", *args]) as svc:
+        assert tar_members(batch(svc.url, {"dataset": "train", "indices": one_per_shard}).content) == \
+            expected(source, one_per_shard)
+        m = metrics(svc.url)
+        assert m["shardfeed_store_requests_total"] == 4  # one read per shard either way
+        shard_bytes = sum(len(v) + 1024 for v in source.values())
+        if windows:  # each shard (under 1 MiB) is one window: read whole
+            assert m["shardfeed_store_bytes_total"] >= 0.9 * shard_bytes
+            assert tar_members(batch(svc.url, {"dataset": "train", "indices": list(range(SAMPLES))}).content) == \
+                expected(source, range(SAMPLES))
+            assert metrics(svc.url)["shardfeed_store_requests_total"] == 4
+        else:  # the samples' own blocks only
+            assert m["shardfeed_store_bytes_total"] <= 4 * 2 * 65536
+
+
 @pytest.mark.both_s3
 def test_unreadable_samples_become_404_entries_with_continue_on_error(s3_dataset, s3_server, tmp_path):
     _, source = s3_dataset
