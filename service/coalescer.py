@@ -259,15 +259,13 @@ class Coalescer:
             self._start_fetches(dataset, pairs, skip_cached=True)
 
     def held_blocks(self, keys, *, all_or_none: bool = False) -> dict[BlockKey, memoryview]:
-        """The blocks among ``keys`` that the RAM tier holds, as views (no copy, no thread);
-        with ``all_or_none``, nothing unless it holds them all."""
-        held = {}
-        for key in keys:
-            block = self.memory.get(key)
-            if block is not None:
-                held[key] = memoryview(block)
-            elif all_or_none:
-                return {}
+        """The blocks among ``keys`` that the RAM tier holds, as views (no copy, no thread), in
+        the order of ``keys``; with ``all_or_none``, nothing unless it holds them all."""
+        keys = list(keys)
+        payloads = self.memory.get_many(keys)
+        if all_or_none and None in payloads:
+            return {}
+        held = {key: memoryview(block) for key, block in zip(keys, payloads) if block is not None}
         if held:
             self.metrics.memory_cache_hits.inc(len(held))
         return held

@@ -274,28 +274,29 @@ class Index:
         owner = np.repeat(np.arange(len(idx)), count)
         member = np.arange(total, dtype=np.int64) + np.repeat(start - (np.cumsum(count) - count), count)
 
-        if codes is None:
-            position, found = owner, np.ones(total, bool)
-        else:
-            # Scatter members into a (request x wanted-field) grid, then read it in fields order.
-            wanted, column_of_wanted = np.unique(codes, return_inverse=True)
-            column = np.full(len(self.fields), -1, np.int64)
-            column[wanted] = np.arange(len(wanted))
-            col = column[self._field[member]]
-            keep = col >= 0
-            grid = np.full((len(idx), len(wanted)), -1, np.int64)
-            grid[owner[keep], col[keep]] = member[keep]
-            member = grid[:, column_of_wanted].reshape(-1)
-            position = np.repeat(np.arange(len(idx)), len(codes))
-            found = member >= 0
+        if codes is None:  # every member of every sample: all found, nothing to mask
+            return Members(position=owner, sample=idx[owner], field=self._field[member].astype(np.int32, copy=False),
+                           shard=self._shard[member].astype(np.int32, copy=False),
+                           offset=self._offset[member].astype(np.int64, copy=False),
+                           size=self._size[member].astype(np.int64, copy=False), found=np.ones(total, bool),
+                           row=member)
+        # Scatter members into a (request x wanted-field) grid, then read it in fields order.
+        wanted, column_of_wanted = np.unique(codes, return_inverse=True)
+        column = np.full(len(self.fields), -1, np.int64)
+        column[wanted] = np.arange(len(wanted))
+        col = column[self._field[member]]
+        keep = col >= 0
+        grid = np.full((len(idx), len(wanted)), -1, np.int64)
+        grid[owner[keep], col[keep]] = member[keep]
+        member = grid[:, column_of_wanted].reshape(-1)
+        position = np.repeat(np.arange(len(idx)), len(codes))
+        found = member >= 0
         sample = idx[position]
         safe = np.where(found, member, 0)
-        field = (self._field[safe].astype(np.int32) if codes is None
-                 else np.tile(codes, len(idx)))
         return Members(
             position=position.astype(np.int64),
             sample=sample,
-            field=field,
+            field=np.tile(codes, len(idx)),
             shard=np.where(found, self._shard[safe], -1).astype(np.int32),
             offset=np.where(found, self._offset[safe], 0).astype(np.int64),
             size=np.where(found, self._size[safe], 0).astype(np.int64),

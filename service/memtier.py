@@ -46,11 +46,18 @@ class MemoryTier:
 
     def get(self, key: Hashable) -> bytes | None:
         """The block's payload, marked recently used; ``None`` if not held."""
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: list[Hashable]) -> list[bytes | None]:
+        """Per key, the block's payload, marked recently used; ``None`` if not held. One pass
+        under one lock: a warm batch asks for all its blocks at once."""
+        blocks = self._blocks
         with self._lock:
-            payload = self._blocks.get(key)
-            if payload is not None:
-                self._blocks.move_to_end(key)
-        return payload
+            payloads = [blocks.get(key) for key in keys]
+            for key, payload in zip(keys, payloads):
+                if payload is not None:
+                    blocks.move_to_end(key)
+        return payloads
 
     def put(self, key: Hashable, payload: bytes) -> None:
         """Keep a verified block (least recently used blocks make room)."""

@@ -73,6 +73,8 @@ class SampleNames:
 
 def _groups(members: Members, n_positions: int, group_bytes: int) -> list[tuple[int, int]]:
     """Member row ranges ``[lo, hi)`` of consecutive samples with about ``group_bytes`` of payload."""
+    if int(members.size.sum()) < group_bytes:  # the usual warm batch: one group, nothing to cut
+        return [(0, len(members.position))]
     per_position = np.bincount(members.position, weights=members.size, minlength=n_positions)
     starts = np.cumsum(per_position) - per_position
     group_of_position = (starts // max(group_bytes, 1)).astype(np.int64)
@@ -193,18 +195,21 @@ def stream_length(dataset: Dataset, members: Members, indices: np.ndarray, held:
     spares the HTTP server a copy of every chunk (chunked framing joins each chunk with
     its size line)."""
     index = dataset.index
-    missing = np.unique(members.position[~members.found])
-    total = len(END_OF_ARCHIVE) + sum(len(member_header(missing_name(dataset.name, int(indices[p])), 0))
-                                      for p in missing.tolist())
-    rows = ~np.isin(members.position, missing)
+    total = len(END_OF_ARCHIVE)
+    if members.found.all():  # the usual case: no placeholder to size, every row served
+        rows = np.ones(len(members), bool)
+    else:
+        missing = np.unique(members.position[~members.found])
+        total += sum(len(member_header(missing_name(dataset.name, int(indices[p])), 0)) for p in missing.tolist())
+        rows = ~np.isin(members.position, missing)
     if held is not None:  # a member sent as its shard's own range is that many bytes, whatever its name
         verbatim = rows & (held.kind != BUILT)
         total += held.verbatim_bytes(verbatim)
         rows &= ~verbatim
-    size = members.size[rows]
-    total += int((size + (-size % 512)).sum())
     if not rows.any():
         return total
+    size = members.size[rows]
+    total += int((size + (-size % 512)).sum())
     positions = members.position[rows]
     wanted = np.unique(positions)
     key_bytes = np.zeros(len(indices), np.int64)

@@ -17,6 +17,7 @@ list of slices, sized and cut with numpy, and costs no Python work per byte or p
 from __future__ import annotations
 
 import weakref
+from functools import cached_property
 
 import numpy as np
 
@@ -72,32 +73,61 @@ BUILT, VERBATIM, VERBATIM_SPILLED = 0, 1, 2
 data, padding) in one block; or that range over several blocks."""
 
 
-class HeldGroup:
-    """The RAM-held blocks of a batch's member rows, and how to frame each row from them."""
+_NUMBER_BITS = 32
+"""A block of a dataset is one int64, ``shard << _NUMBER_BITS | number`` (a shard has fewer than
+2**32 blocks): a batch's distinct blocks are then one ``np.unique``, not a set of tuples."""
+_NUMBER_MASK = (1 << _NUMBER_BITS) - 1
 
-    def __init__(self, blocks: dict[tuple[int, int], memoryview], members: Members, block_size: int,
+
+def _code(shard: np.ndarray, number: np.ndarray) -> np.ndarray:
+    return (shard.astype(np.int64) << _NUMBER_BITS) | number
+
+
+class HeldGroup:
+    """The RAM-held blocks of a batch's member rows, and how to frame each row from them.
+
+    ``codes``: the distinct blocks of the rows (sorted ``_code``s); ``views``: those blocks, in
+    that order. What only members framed one by one need (per-row lists, blocks by code) is
+    made on first use: a batch of verbatim members never needs it."""
+
+    def __init__(self, codes: np.ndarray, views: list[memoryview], members: Members, block_size: int,
                  dataset: Dataset):
-        self.blocks = blocks
         self.block_size = block_size
-        self.shard = members.shard.tolist()
-        self.offset = members.offset.tolist()
-        self.size = members.size.tolist()
+        self._codes = codes
+        self._views = views
+        self._members = members
         # Each row's first block, and its verbatim range from there (header, data, padding).
-        views = list(blocks.values())
-        number = {pair: i for i, pair in enumerate(blocks)}
         first = members.offset // block_size
-        block = np.array([number.get(pair, 0) for pair in zip(self.shard, first.tolist())], np.int64)
+        block = np.searchsorted(codes, _code(members.shard, first))
+        if views:  # rows not held (empty or not found) point past the end: any block will do
+            np.minimum(block, len(views) - 1, out=block)
         local = members.offset - first * block_size
         start = local - BLOCK
         stop = local + members.size + (-members.size % BLOCK)
         self.kind = np.full(len(members), BUILT, np.int8)
         if views:
-            lengths = np.array([len(v) for v in views], np.int64)
+            lengths = np.fromiter(map(len, views), np.int64, len(views))
             named = HeaderMemo.named(dataset, members, views, block, start)
             self.kind[named] = np.where(stop[named] <= lengths[block[named]], VERBATIM, VERBATIM_SPILLED)
-        self._views = views
-        self._block, self._start, self._stop = block.tolist(), start.tolist(), stop.tolist()
+        self._block, self._start, self._stop = block, start, stop
         self._range_bytes = stop - start
+
+    @cached_property
+    def shard(self) -> list[int]:
+        return self._members.shard.tolist()
+
+    @cached_property
+    def offset(self) -> list[int]:
+        return self._members.offset.tolist()
+
+    @cached_property
+    def size(self) -> list[int]:
+        """Per row, its payload size (lists: members framed one by one read them row by row)."""
+        return self._members.size.tolist()
+
+    @cached_property
+    def _block_of_code(self) -> dict[int, memoryview]:
+        return dict(zip(self._codes.tolist(), self._views))
 
     def runs(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
         """Rows ``[lo, hi)`` as runs ``(start, stop, kind)`` of rows of one kind."""
@@ -115,14 +145,15 @@ class HeldGroup:
     def ranges(self, lo: int, hi: int) -> list[memoryview]:
         """The tar bytes of rows ``[lo, hi)``, all ``VERBATIM``: one slice per member."""
         views = self._views
-        return [views[b][a:z] for b, a, z in zip(self._block[lo:hi], self._start[lo:hi], self._stop[lo:hi])]
+        return [views[b][a:z] for b, a, z in zip(self._block[lo:hi].tolist(), self._start[lo:hi].tolist(),
+                                                 self._stop[lo:hi].tolist())]
 
     def spilled(self, row: int) -> list:
         """The tar bytes of a ``VERBATIM_SPILLED`` row: its header and data over consecutive
         blocks, then its padding (zeros, as in the shard: the block after its data may not be held)."""
         data = self.data(row)
         local = self.offset[row] % self.block_size
-        return [self._views[self._block[row]][self._start[row]:local + len(data[0])], *data[1:],
+        return [self._views[int(self._block[row])][int(self._start[row]):local + len(data[0])], *data[1:],
                 _ZEROS[:padding(self.size[row])]]
 
     def frame(self, row: int, name: str) -> list:
@@ -137,13 +168,14 @@ class HeldGroup:
         bs = self.block_size
         first = offset // bs
         local = offset - first * bs
-        block = self.blocks[(self.shard[row], first)]
+        shard = self.shard[row] << _NUMBER_BITS
+        block = self._block_of_code[shard | first]
         if local + size <= bs:
             return [block[local:local + size]]
         parts = [block[local:]]  # a member over several blocks
         end = offset + size
         for number in range(first + 1, (end - 1) // bs + 1):
-            parts.append(self.blocks[(self.shard[row], number)][:min(bs, end - number * bs)])
+            parts.append(self._block_of_code[shard | number][:min(bs, end - number * bs)])
         return parts
 
 
@@ -156,19 +188,28 @@ def held_group(coalescer: Coalescer, dataset: Dataset, members: Members) -> Held
         owners = coalescer.cluster.owners(dataset.url, dataset.index.shards, members.shard[rows])
         if (coalescer.cluster.host_of(owners) != coalescer.cluster.host).any():  # siblings' blocks: siblings.py
             return None
-    bs = coalescer.block_size
-    first = members.offset[rows] // bs
-    last = (members.offset[rows] + members.size[rows] - 1) // bs
-    shard = members.shard[rows].astype(np.int64)
-    pairs = set(zip(shard.tolist(), first.tolist()))
-    for r in np.flatnonzero(last > first).tolist():
-        pairs.update((int(shard[r]), b) for b in range(int(first[r]) + 1, int(last[r]) + 1))
+    codes = _blocks_of(members, rows, coalescer.block_size)
     ids = dataset.shard_ids
-    keys = {pair: BlockKey(dataset.id, ids[pair[0]], pair[1]) for pair in pairs}
-    held = coalescer.held_blocks(keys.values(), all_or_none=True)
+    keys = [BlockKey(dataset.id, ids[shard], number)
+            for shard, number in zip((codes >> _NUMBER_BITS).tolist(), (codes & _NUMBER_MASK).tolist())]
+    held = coalescer.held_blocks(keys, all_or_none=True)
     if len(held) != len(keys):
         return None
-    return HeldGroup({pair: held[key] for pair, key in keys.items()}, members, bs, dataset)
+    return HeldGroup(codes, list(held.values()), members, coalescer.block_size, dataset)
+
+
+def _blocks_of(members: Members, rows: np.ndarray, block_size: int) -> np.ndarray:
+    """The distinct blocks that member ``rows`` lie in, as sorted ``_code``s."""
+    offset, size = members.offset[rows], members.size[rows]
+    first = offset // block_size
+    code = _code(members.shard[rows], first)
+    spans = (offset + size - 1) // block_size - first  # blocks after its first that a member reaches
+    over = np.flatnonzero(spans)
+    if len(over):
+        count = spans[over]
+        step = np.arange(1, int(count.sum()) + 1) - np.repeat(np.cumsum(count) - count, count)
+        code = np.concatenate([code, np.repeat(code[over], count) + step])
+    return np.unique(code)
 
 
 def held_member(coalescer: Coalescer, dataset: Dataset, shard: int, offset: int, size: int) -> memoryview | None:
