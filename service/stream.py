@@ -150,7 +150,6 @@ def _held_parts(held: HeldGroup, base: int, dataset: Dataset, members: Members, 
     framed one by one."""
     n = len(members)
     runs = held.runs(base, base + n) if names.shard_names else [(base, base + n, BUILT)]
-    positions, fields = members.position.tolist(), members.field.tolist()
     naming = None
     out: list = []
     for lo, hi, kind in runs:
@@ -160,7 +159,8 @@ def _held_parts(held: HeldGroup, base: int, dataset: Dataset, members: Members, 
             for at in range(lo, hi):
                 out += held.spilled(at)
         else:
-            if naming is None:
+            if naming is None:  # a first member framed one by one
+                positions, fields = members.position.tolist(), members.field.tolist()
                 first = positions[0]
                 naming = names(dataset, first, indices[first:positions[-1] + 1])
             for at in range(lo, hi):
@@ -194,9 +194,12 @@ def stream_length(dataset: Dataset, members: Members, indices: np.ndarray, held:
     then framed from those very bytes and cannot fail), and sent as ``Content-Length``, it
     spares the HTTP server a copy of every chunk (chunked framing joins each chunk with
     its size line)."""
+    found = members.found.all()
+    if held is not None and found and not (held.kind == BUILT).any():  # the usual warm batch: shard ranges only
+        return len(END_OF_ARCHIVE) + held.verbatim_bytes()
     index = dataset.index
     total = len(END_OF_ARCHIVE)
-    if members.found.all():  # the usual case: no placeholder to size, every row served
+    if found:  # the usual case: no placeholder to size, every row served
         rows = np.ones(len(members), bool)
     else:
         missing = np.unique(members.position[~members.found])

@@ -42,20 +42,19 @@ class HeaderMemo:
     _memos: weakref.WeakKeyDictionary[Index, np.ndarray] = weakref.WeakKeyDictionary()
 
     @classmethod
-    def named(cls, dataset: Dataset, members: Members, blocks: list[memoryview], block: np.ndarray,
-              header: np.ndarray) -> np.ndarray:
-        """bool per row: at ``header`` in its first block (-1: not there) is the member's own
-        header, naming it as a batch does."""
-        named = np.zeros(len(members), bool)
-        candidate = np.flatnonzero((members.row >= 0) & (members.size > 0) & (header >= 0))
-        if not len(candidate):
-            return named
+    def named(cls, dataset: Dataset, members: Members, held: np.ndarray, blocks: list[memoryview],
+              block: np.ndarray, header: np.ndarray) -> np.ndarray:
+        """bool per row: a ``held`` row (a mask) whose own header, at ``header`` in its first
+        block (negative: not there), names it as a batch does."""
+        candidate = held & (members.row >= 0) & (header >= 0)
+        if not candidate.any():  # e.g. members of no index (GetBatch's objects), whose memo is empty
+            return candidate
         index = dataset.index
         memo = cls._memos.get(index)
         if memo is None:
             memo = cls._memos[index] = np.zeros(index.members, np.uint8)
-        state = memo[members.row[candidate]]
-        unknown = candidate[state == _UNKNOWN]
+        state = np.where(candidate, memo[members.row], _BUILT)  # row -1 reads a state masked out here
+        unknown = np.flatnonzero(state == _UNKNOWN)
         if len(unknown):
             keys = index.keys(members.sample[unknown])
             fields = index.fields
@@ -63,9 +62,8 @@ class HeaderMemo:
                 found = names_member(blocks[block[r]].obj, int(header[r]), f"{key}.{fields[field]}".encode(),
                                      int(members.size[r]))
                 memo[members.row[r]] = _VERBATIM if found else _BUILT
-            state = memo[members.row[candidate]]
-        named[candidate[state == _VERBATIM]] = True
-        return named
+            state = np.where(candidate, memo[members.row], _BUILT)
+        return state == _VERBATIM
 
 
 BUILT, VERBATIM, VERBATIM_SPILLED = 0, 1, 2
@@ -83,32 +81,52 @@ def _code(shard: np.ndarray, number: np.ndarray) -> np.ndarray:
     return (shard.astype(np.int64) << _NUMBER_BITS) | number
 
 
+class _Layout:
+    """Where each member row lies in its shard's blocks (all arrays by row)."""
+
+    def __init__(self, members: Members, block_size: int):
+        self.members = members
+        self.block_size = block_size
+        first = members.offset // block_size
+        self.first = _code(members.shard, first)  # its first block
+        self.local = members.offset - first * block_size  # its data's offset in that block
+        self.end = self.local + members.size  # its data's end, counted from there
+
+    def blocks(self, held: np.ndarray) -> np.ndarray:
+        """The distinct blocks that the ``held`` rows (a mask) lie in, as sorted ``_code``s."""
+        code = self.first if held.all() else self.first[held]
+        over = np.flatnonzero(self.end > self.block_size)  # members over several blocks (never an empty one)
+        if len(over):  # each block after their first (a few rows: fewer numpy calls in a loop)
+            more = ((self.end[over] - 1) // self.block_size).tolist()
+            code = np.concatenate([code, [first + k for first, n in zip(self.first[over].tolist(), more)
+                                          for k in range(1, n + 1)]])
+        return np.unique(code)
+
+
 class HeldGroup:
     """The RAM-held blocks of a batch's member rows, and how to frame each row from them.
 
-    ``codes``: the distinct blocks of the rows (sorted ``_code``s); ``views``: those blocks, in
-    that order. What only members framed one by one need (per-row lists, blocks by code) is
-    made on first use: a batch of verbatim members never needs it."""
+    ``codes``: the distinct blocks of the ``held`` rows (sorted ``_code``s); ``views``: those
+    blocks, in that order. What only members framed one by one need (per-row lists, blocks by
+    code) is made on first use: a batch of verbatim members never needs it."""
 
-    def __init__(self, codes: np.ndarray, views: list[memoryview], members: Members, block_size: int,
+    def __init__(self, layout: _Layout, held: np.ndarray, codes: np.ndarray, views: list[memoryview],
                  dataset: Dataset):
-        self.block_size = block_size
+        members = self._members = layout.members
+        self.block_size = layout.block_size
         self._codes = codes
         self._views = views
-        self._members = members
         # Each row's first block, and its verbatim range from there (header, data, padding).
-        first = members.offset // block_size
-        block = np.searchsorted(codes, _code(members.shard, first))
-        if views:  # rows not held (empty or not found) point past the end: any block will do
-            np.minimum(block, len(views) - 1, out=block)
-        local = members.offset - first * block_size
-        start = local - BLOCK
-        stop = local + members.size + (-members.size % BLOCK)
-        self.kind = np.full(len(members), BUILT, np.int8)
+        block = np.searchsorted(codes, layout.first)
+        start = layout.local - BLOCK
+        stop = layout.end + (-members.size % BLOCK)
         if views:
+            np.minimum(block, len(views) - 1, out=block)  # rows not held point past the end: any block will do
             lengths = np.fromiter(map(len, views), np.int64, len(views))
-            named = HeaderMemo.named(dataset, members, views, block, start)
-            self.kind[named] = np.where(stop[named] <= lengths[block[named]], VERBATIM, VERBATIM_SPILLED)
+            self.kind = np.where(stop <= lengths[block], VERBATIM, VERBATIM_SPILLED)
+            self.kind[~HeaderMemo.named(dataset, members, held, views, block, start)] = BUILT
+        else:
+            self.kind = np.full(len(members), BUILT)
         self._block, self._start, self._stop = block, start, stop
         self._range_bytes = stop - start
 
@@ -138,9 +156,10 @@ class HeldGroup:
         bounds = [lo, *cuts, hi]
         return [(a, z, int(kind[a])) for a, z in zip(bounds, bounds[1:])]
 
-    def verbatim_bytes(self, rows: np.ndarray) -> int:
-        """The bytes of the verbatim ranges of ``rows`` (a mask of rows of a verbatim kind)."""
-        return int(self._range_bytes[rows].sum())
+    def verbatim_bytes(self, rows: np.ndarray | None = None) -> int:
+        """The bytes of the verbatim ranges of ``rows`` (a mask of rows of a verbatim kind; all rows
+        by default)."""
+        return int((self._range_bytes if rows is None else self._range_bytes[rows]).sum())
 
     def ranges(self, lo: int, hi: int) -> list[memoryview]:
         """The tar bytes of rows ``[lo, hi)``, all ``VERBATIM``: one slice per member."""
@@ -183,33 +202,20 @@ def held_group(coalescer: Coalescer, dataset: Dataset, members: Members) -> Held
     """The group's blocks if the RAM tier holds every one (and this host owns them); else ``None``."""
     if coalescer.memory is None:
         return None
-    rows = np.flatnonzero(members.found & (members.size > 0))
-    if coalescer.cluster is not None and len(rows):
-        owners = coalescer.cluster.owners(dataset.url, dataset.index.shards, members.shard[rows])
+    held = members.found & (members.size > 0)  # rows with bytes in a block
+    if coalescer.cluster is not None and held.any():
+        owners = coalescer.cluster.owners(dataset.url, dataset.index.shards, members.shard[held])
         if (coalescer.cluster.host_of(owners) != coalescer.cluster.host).any():  # siblings' blocks: siblings.py
             return None
-    codes = _blocks_of(members, rows, coalescer.block_size)
+    layout = _Layout(members, coalescer.block_size)
+    codes = layout.blocks(held)
     ids = dataset.shard_ids
     keys = [BlockKey(dataset.id, ids[shard], number)
             for shard, number in zip((codes >> _NUMBER_BITS).tolist(), (codes & _NUMBER_MASK).tolist())]
-    held = coalescer.held_blocks(keys, all_or_none=True)
-    if len(held) != len(keys):
+    views = coalescer.held_blocks(keys, all_or_none=True)
+    if len(views) != len(keys):
         return None
-    return HeldGroup(codes, list(held.values()), members, coalescer.block_size, dataset)
-
-
-def _blocks_of(members: Members, rows: np.ndarray, block_size: int) -> np.ndarray:
-    """The distinct blocks that member ``rows`` lie in, as sorted ``_code``s."""
-    offset, size = members.offset[rows], members.size[rows]
-    first = offset // block_size
-    code = _code(members.shard[rows], first)
-    spans = (offset + size - 1) // block_size - first  # blocks after its first that a member reaches
-    over = np.flatnonzero(spans)
-    if len(over):
-        count = spans[over]
-        step = np.arange(1, int(count.sum()) + 1) - np.repeat(np.cumsum(count) - count, count)
-        code = np.concatenate([code, np.repeat(code[over], count) + step])
-    return np.unique(code)
+    return HeldGroup(layout, held, codes, list(views.values()), dataset)
 
 
 def held_member(coalescer: Coalescer, dataset: Dataset, shard: int, offset: int, size: int) -> memoryview | None:
