@@ -311,10 +311,11 @@ class Coalescer:
 
     def _window(self, dataset: Dataset) -> int:
         """Blocks per window fetched around a miss: ``window_blocks`` when this node's share of
-        the dataset fits in its cache, else 1."""
-        if self.window_blocks == 1 or not self.cache.writable:
+        a served dataset fits in its cache, else 1. A GetBatch request's objects (not
+        ``owned``) are read block by block: no epoch will come for the rest of them."""
+        if self.window_blocks == 1 or not self.cache.writable or not dataset.owned:
             return 1
-        nodes = len(self.cluster.peers) if self.cluster is not None and dataset.owned else 1
+        nodes = len(self.cluster.peers) if self.cluster is not None else 1
         return self.window_blocks if dataset.stored_bytes <= self.cache.capacity * nodes else 1
 
     async def _fetch(self, dataset: Dataset, shard: int, first: int, last: int) -> None:
