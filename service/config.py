@@ -102,8 +102,8 @@ class ServiceConfig:
     in the same read: its aligned window of this many bytes of the shard. An epoch will want
     those blocks before anything evicts them, and one larger read costs the store much less
     than several (S3 advises ranges of 8-16 MB; SeaweedFS spent 0.7 ms of CPU per extra 1 MiB
-    read here). A dataset larger than the cache is read block by block. ``block_size`` or
-    less: no window."""
+    read here). A dataset larger than the cache, and a GetBatch request's objects, are read
+    block by block. ``block_size`` or less: no window."""
 
     max_fetch: int = 16 * MiB
     """Largest single ranged read; longer runs of blocks are split."""
