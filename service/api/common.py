@@ -286,7 +286,8 @@ async def tar_stream_response(state: State, route: str, chunks: AsyncIterator[li
     async def body_stream():
         status = "500"
         try:
-            async for parts in _prepend(first, chunks):
+            yield first
+            async for parts in chunks:
                 yield parts
             status = "200"
         except SampleFailed as err:
@@ -299,9 +300,3 @@ async def tar_stream_response(state: State, route: str, chunks: AsyncIterator[li
             log.debug("%s status=%s ms=%.1f", what, status, 1e3 * (time.perf_counter() - began))
 
     return TarStreamResponse(body_stream(), in_memory=in_memory, media_type=media_type, headers=headers)
-
-
-async def _prepend(first, rest: AsyncIterator) -> AsyncIterator:
-    yield first
-    async for item in rest:
-        yield item
