@@ -275,11 +275,12 @@ class Index:
         member = np.arange(total, dtype=np.int64) + np.repeat(start - (np.cumsum(count) - count), count)
 
         if codes is None:  # every member of every sample: all found, nothing to mask
-            return Members(position=owner, sample=idx[owner], field=self._field[member].astype(np.int32, copy=False),
+            return Members(position=owner, sample=idx[owner],
+                           field=self._field[member].astype(np.int32, copy=False),
                            shard=self._shard[member].astype(np.int32, copy=False),
                            offset=self._offset[member].astype(np.int64, copy=False),
-                           size=self._size[member].astype(np.int64, copy=False), found=np.ones(total, bool),
-                           row=member)
+                           size=self._size[member].astype(np.int64, copy=False),
+                           found=np.ones(total, bool), row=member)
         # Scatter members into a (request x wanted-field) grid, then read it in fields order.
         wanted, column_of_wanted = np.unique(codes, return_inverse=True)
         column = np.full(len(self.fields), -1, np.int64)
