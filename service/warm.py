@@ -152,7 +152,7 @@ class HeldGroup:
         if hi <= lo:
             return []
         kind = self.kind
-        cuts = (np.flatnonzero(np.diff(kind[lo:hi])) + 1 + lo).tolist()
+        cuts = (np.flatnonzero(kind[lo + 1:hi] != kind[lo:hi - 1]) + 1 + lo).tolist()
         bounds = [lo, *cuts, hi]
         return [(a, z, int(kind[a])) for a, z in zip(bounds, bounds[1:])]
 
@@ -210,7 +210,8 @@ def held_group(coalescer: Coalescer, dataset: Dataset, members: Members) -> Held
     layout = _Layout(members, coalescer.block_size)
     codes = layout.blocks(held)
     ids = dataset.shard_ids
-    keys = [BlockKey(dataset.id, ids[shard], number)
+    new_key = tuple.__new__  # BlockKey(...) would run its Python __new__ once per block
+    keys = [new_key(BlockKey, (dataset.id, ids[shard], number))
             for shard, number in zip((codes >> _NUMBER_BITS).tolist(), (codes & _NUMBER_MASK).tolist())]
     views = coalescer.held_blocks(keys, all_or_none=True)
     if len(views) != len(keys):
