@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import TypeVar
 
 from .errors import ShardfeedConnectionError
-from .http11 import READ_SIZE, Endpoint, Head, HeadReader, PoolBase, body_of, post_request, reason, resendable
+from .http11 import READ_SIZE, Endpoint, Head, HeadReader, PoolBase, body_of, post_request, reason
 
 T = TypeVar("T")
 
@@ -147,10 +147,7 @@ class AsyncPool(PoolBase):
     """Kept-alive connections of one process and event loop, per base URL; see the module's
     docstring and :class:`~.http11.PoolBase` for the arguments."""
 
-    def __init__(self, *, timeout: float, connect_timeout: float, max_connections: int, verify: bool | str):
-        super().__init__(timeout=timeout, connect_timeout=connect_timeout, max_connections=max_connections,
-                         verify=verify)
-        self._slots = asyncio.BoundedSemaphore(max_connections)
+    slots = asyncio.BoundedSemaphore
 
     async def post(self, base: str, path: str, body: bytes, headers: Mapping[str, str]) -> AsyncResponse:
         """Send ``POST base+path`` with a JSON ``body``; the answer once its head arrived."""
@@ -166,23 +163,11 @@ class AsyncPool(PoolBase):
                 try:
                     await conn.send(request)
                     return await self._answer(endpoint, conn, base)
-                except OSError as exc:
-                    conn.close()
-                    if not (reused and resendable(exc)):  # a kept connection closed by the server: send again
-                        raise ShardfeedConnectionError(base, reason(exc)) from None
-                except BaseException:  # cancelled while waiting for the answer
-                    conn.close()
-                    raise
+                except BaseException as exc:
+                    self.failed(conn, exc, reused, base)
         except BaseException:
             self._slots.release()
             raise
-
-    def release(self, endpoint: Endpoint, conn: Connection, reusable: bool) -> None:
-        """A request is done with ``conn``: keep it for the next, or close it."""
-        try:
-            self.keep(endpoint, conn, reusable)
-        finally:
-            self._slots.release()
 
     def usable(self, conn: Connection) -> bool:
         return conn.idle()

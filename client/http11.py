@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import ssl
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
@@ -233,7 +233,8 @@ class UntilClosed(Body):
 
 class PoolBase:
     """Kept connections of one process, per base URL, and their settings; a driver adds the
-    I/O (see the drivers' modules). A connection is anything with ``close()``.
+    I/O (see the drivers' modules). A connection is anything with ``close()``; ``slots``,
+    the driver's bounded semaphore, counts the connections in use.
 
     Args:
         timeout: seconds any read or write on a connection may wait.
@@ -242,6 +243,8 @@ class PoolBase:
         verify: for HTTPS, check the server's certificate (True), against a CA bundle
             file (a path), or not at all (False).
     """
+
+    slots: Callable[[int], Any]
 
     def __init__(self, *, timeout: float, connect_timeout: float, max_connections: int, verify: bool | str):
         self.pid = os.getpid()
@@ -253,6 +256,7 @@ class PoolBase:
         self._lock = threading.Lock()
         self._tls: ssl.SSLContext | None = None
         self._endpoints: dict[str, Endpoint] = {}
+        self._slots = self.slots(max_connections)
 
     def endpoint(self, base: str) -> Endpoint:
         return self._endpoints.get(base) or self._endpoints.setdefault(base, Endpoint.of(base))
@@ -275,15 +279,27 @@ class PoolBase:
         """Whether a kept connection is still open, with nothing waiting to be read."""
         raise NotImplementedError
 
-    def keep(self, endpoint: Endpoint, conn: Any, reusable: bool) -> None:
-        """A request is done with ``conn``: keep it for the next, or close it."""
-        if reusable and os.getpid() == self.pid:
-            with self._lock:
-                idle = self._idle.setdefault(endpoint, [])
-                if len(idle) < self.max_connections:
-                    idle.append(conn)
-                    return
+    def failed(self, conn: Any, exc: BaseException, reused: bool, base: str) -> None:
+        """Sending a request on ``conn`` or reading its answer's head failed: close it, and
+        raise unless the request may go out again on a new connection (see ``resendable``)."""
         conn.close()
+        if not isinstance(exc, OSError):
+            raise exc  # interrupted, or cancelled
+        if not (reused and resendable(exc)):
+            raise ShardfeedConnectionError(base, reason(exc)) from None
+
+    def release(self, endpoint: Endpoint, conn: Any, reusable: bool) -> None:
+        """A request is done with ``conn``: keep it for the next, or close it; its slot is free."""
+        try:
+            if reusable and os.getpid() == self.pid:
+                with self._lock:
+                    idle = self._idle.setdefault(endpoint, [])
+                    if len(idle) < self.max_connections:
+                        idle.append(conn)
+                        return
+            conn.close()
+        finally:
+            self._slots.release()
 
     def close(self) -> None:
         """Close the kept connections (connections in use close when their answers do)."""

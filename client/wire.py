@@ -28,7 +28,7 @@ import threading
 from collections.abc import Iterator, Mapping
 
 from .errors import ShardfeedConnectionError
-from .http11 import READ_SIZE, Endpoint, Head, HeadReader, PoolBase, body_of, post_request, reason, resendable
+from .http11 import READ_SIZE, Endpoint, Head, HeadReader, PoolBase, body_of, post_request, reason
 
 
 class Response:
@@ -82,10 +82,7 @@ class Pool(PoolBase):
     """Kept-alive connections of one process, per base URL; see the module's docstring and
     :class:`~.http11.PoolBase` for the arguments."""
 
-    def __init__(self, *, timeout: float, connect_timeout: float, max_connections: int, verify: bool | str):
-        super().__init__(timeout=timeout, connect_timeout=connect_timeout, max_connections=max_connections,
-                         verify=verify)
-        self._slots = threading.BoundedSemaphore(max_connections)
+    slots = threading.BoundedSemaphore
 
     def post(self, base: str, path: str, body: bytes, headers: Mapping[str, str]) -> Response:
         """Send ``POST base+path`` with a JSON ``body``; the answer once its head arrived."""
@@ -102,23 +99,11 @@ class Pool(PoolBase):
                 try:
                     sock.sendall(request)
                     return self._answer(endpoint, sock, base)
-                except OSError as exc:
-                    sock.close()
-                    if not (reused and resendable(exc)):  # a kept connection closed by the server: send again
-                        raise ShardfeedConnectionError(base, reason(exc)) from None
-                except BaseException:  # interrupted while waiting for the answer
-                    sock.close()
-                    raise
+                except BaseException as exc:
+                    self.failed(sock, exc, reused, base)
         except BaseException:
             self._slots.release()
             raise
-
-    def release(self, endpoint: Endpoint, sock: socket.socket, reusable: bool) -> None:
-        """A request is done with ``sock``: keep it for the next, or close it."""
-        try:
-            self.keep(endpoint, sock, reusable)
-        finally:
-            self._slots.release()
 
     def usable(self, sock: socket.socket) -> bool:
         # An idle connection has nothing to read; if it does, the server closed it (or
