@@ -16,12 +16,12 @@ import httpx
 
 from shardfeed.retry import retry_async
 
+from .aiowire import AsyncPool, AsyncResponse
 from .errors import ShardfeedConnectionError, ShardfeedError
 from .http import (
     ERROR_BODY_LIMIT, ROUTING_HEADER, BaseClient, Via, as_indices, batch_body, dataset_path, merge_order,
     parse_json, routing_path, sample_path, status_error, transport_error,
 )
-from .aiowire import AsyncPool, AsyncResponse
 from .samples import BatchReader
 
 T = TypeVar("T")

@@ -21,6 +21,7 @@ import pytest
 
 from shardfeed.client import AsyncClient, Client, ShardfeedConnectionError
 from shardfeed.client.aiowire import AsyncPool
+from shardfeed.client.http11 import HeadReader, body_of
 from shardfeed.client.wire import Pool
 from shardfeed.retry import Backoff
 from shardfeed.service.process import start_service
@@ -196,6 +197,33 @@ def send_tar(sock: socket.socket, body: bytes) -> None:
     """Answer a batch request with its samples, framed by Content-Length."""
     data = tar_of(indices_of(body))
     sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+
+
+def read_answer(data: bytes, step: int) -> tuple[bytes, bool]:
+    """Feed an answer to the shared parsers ``step`` bytes at a time, as a driver would:
+    its body, and whether the connection could carry another request."""
+    head, body, out = HeadReader(), None, b""
+    for at in range(0, len(data), step):
+        piece = data[at:at + step]
+        if body is not None:
+            out += b"".join(body.feed(piece))
+        elif answer := head.feed(piece):
+            body = body_of(answer[0])
+            out += b"".join(body.feed(answer[1])) if answer[1] else b""
+    assert body.done
+    return out, body.reusable
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 5, 64, 1 << 20])
+def test_the_shared_framing_reads_answers_split_anywhere(step):
+    chunked = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3;x=y\r\nabc\r\nA\r\n0123456789\r\n"
+               b"0\r\nX-Trailer: 1\r\n\r\n")
+    assert read_answer(chunked, step) == (b"abc0123456789", True)
+    assert read_answer(chunked + b"extra", step) == (b"abc0123456789", False)  # out of step
+    sized = b"HTTP/1.1 200 OK\r\nContent-Length: 13\r\n\r\nabc0123456789"
+    assert read_answer(sized, step) == (b"abc0123456789", True)
+    assert read_answer(sized.replace(b"OK", b"OK\r\nConnection: close"), step) == (b"abc0123456789", False)
+    assert read_answer(sized.replace(b"1.1", b"1.0"), step) == (b"abc0123456789", False)
 
 
 def test_chunked_answers_in_odd_pieces_with_extensions_and_trailers_are_read_whole(each_client):
