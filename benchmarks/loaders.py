@@ -14,6 +14,10 @@ the service. On a shared machine, these move less with the load than samples/s d
 
     python -m shardfeed.benchmarks.loaders --samples 20000 --size 10KiB --rounds 5
 
+``--loaders`` picks some of the three; ``--serve-arg`` passes a knob to ``shardfeed serve``
+(``--serve-arg=--fetch-window=0 --serve-arg=--cache-writes=buffered`` measures the cold
+path as it was before fetch windows and direct cache writes).
+
 Streaming is optional (``pip install mosaicml-streaming``, then ``pip uninstall -y
 torchvision``: the PyPI torchvision wheels need CUDA torch). Without it, shardfeed alone
 is measured and the script says so.
@@ -48,6 +52,7 @@ from shardfeed.service.process import start_service
 from shardfeed.service.sizes import parse_size
 
 BATCH, LOADER_WORKERS = 64, 4
+LOADERS = ("shardfeed-map", "shardfeed-iterable", "streaming")
 
 
 class _StandIn(types.ModuleType):
@@ -155,17 +160,26 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--service-workers", type=int, default=len(os.sched_getaffinity(0)),
                         help="shardfeed serve --workers (default: the usable cores)")
+    parser.add_argument("--loaders", default=",".join(LOADERS),
+                        help=f"which loaders to run, comma-separated (default: all of {', '.join(LOADERS)}; "
+                             "Streaming only where installed)")
+    parser.add_argument("--serve-arg", action="append", default=[],
+                        help="a further argument for shardfeed serve, e.g. --serve-arg=--fetch-window=0")
     parser.add_argument("--s3", choices=S3_SERVERS, default=default_server(),
                         help="the S3 server both loaders read from (default: SeaweedFS when installed)")
     args = parser.parse_args(argv)
+    kinds = [kind.strip() for kind in args.loaders.split(",") if kind.strip()]
+    if not kinds or set(kinds) - set(LOADERS):
+        parser.error(f"--loaders takes some of {', '.join(LOADERS)}, not {args.loaders!r}")
     # 4 DataLoader workers on fewer cores is the setting compared, not a mistake to warn about.
     warnings.filterwarnings("ignore", message="This DataLoader will create")
     sizes = parse_sizes(args.size)
     shard_size = parse_size(args.shard_size)
 
-    streaming = import_streaming()
-    if streaming is None:
+    streaming = import_streaming() if "streaming" in kinds else None
+    if "streaming" in kinds and streaming is None:
         print("MosaicML Streaming is not installed (pip install mosaicml-streaming): measuring shardfeed alone")
+        kinds.remove("streaming")
     server = start_s3(args.s3)
     with tempfile.TemporaryDirectory() as tmp_name, contextlib.ExitStack() as stack:
         stack.callback(server.stop)
@@ -178,7 +192,6 @@ def main(argv=None) -> int:
                         str(args.samples), "--size", args.size, "--shard-size", args.shard_size,
                         "--fields", "bin,cls"], check=True, env=env)
         remote = write_mds(streaming, server, args.samples, sizes, shard_size, tmp) if streaming else None
-        kinds = ["shardfeed-map", "shardfeed-iterable"] + (["streaming"] if streaming else [])
         results: dict[str, list[list[Epoch]]] = {k: [] for k in kinds}
         for r in range(args.rounds):
             for kind in (kinds if r % 2 == 0 else kinds[::-1]):
@@ -186,14 +199,15 @@ def main(argv=None) -> int:
                     rates = streaming_round(streaming, remote, tmp / f"local-{r}", sizes, seed=r)
                 else:
                     with start_service({"bench": "s3://bench/data"}, cache_dir=tmp / f"cache-{kind}-{r}",
-                                       env=server.env(), workers=args.service_workers) as svc:
+                                       env=server.env(), workers=args.service_workers,
+                                       args=args.serve_arg) as svc:
                         rates = shardfeed_round(kind, svc.url, sizes, seed=r, service_pid=svc.process.pid)
                 results[kind].append(rates)
                 print(f"round {r + 1} {kind:20s} cold {rates[0].rate:8.0f}  warm {rates[1].rate:8.0f} samples/s   "
                       f"CPU us/sample cold {_parts(rates[0].cpu)}, warm {_parts(rates[1].cpu)}", flush=True)
     print(f"\n{args.samples} x {args.size} samples, DataLoader(batch_size={BATCH}, num_workers={LOADER_WORKERS}), "
           f"shuffled, medians of {args.rounds} rounds, {server.kind} S3; shardfeed serve --workers "
-          f"{args.service_workers}; "
+          f"{' '.join([str(args.service_workers), *args.serve_arg])}; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     medians = {k: [statistics.median(r[e].rate for r in v) for e in range(2)] for k, v in results.items()}
     for kind, (cold, warm) in medians.items():

@@ -44,31 +44,30 @@ def trailer(payload: bytes | memoryview) -> bytes:
     return struct.pack(f"<{len(digests)}Q", *digests) + _FOOTER.pack(_MAGIC, len(view), len(digests))
 
 
-def write_file(path: str | os.PathLike, payload: bytes | memoryview) -> int:
-    """Write ``payload`` and its trailer as a new block file at ``path``; its size.
+def write_file(path: str | os.PathLike, payload: bytes | memoryview, *, direct: bool) -> bool:
+    """Write ``payload`` and its trailer as a new block file at ``path``; whether it went
+    direct. With ``direct``, the file is written around the page cache (``O_DIRECT``) if
+    the filesystem allows; where it refuses (tmpfs before Linux 6.6, some FUSE
+    filesystems), the file is written buffered and ``False`` returned.
 
-    The file is written around the page cache (``O_DIRECT``) where the filesystem allows.
-    The service keeps its hot blocks in its own RAM tier (``memtier.py``), so a second copy
-    in the page cache only costs RAM, and kernel CPU to fill it: here 0.4 s for 225 MiB of
-    fresh pages, against 0.05 s written direct. Where ``O_DIRECT`` is refused (tmpfs, some
-    other systems), files are written buffered from then on.
+    Why direct: the service keeps its hot blocks in its own RAM tier (``memtier.py``), so
+    a second copy in the page cache only costs RAM, and kernel CPU to fill it: here 0.4 s
+    for 225 MiB of fresh pages, against 0.05 s written direct.
     """
-    global _direct_usable
     tail = trailer(payload)
-    if _direct_usable:
+    if direct and hasattr(os, "O_DIRECT"):
         try:
-            return _write_direct(path, memoryview(payload), tail)
+            _write_direct(path, memoryview(payload), tail)
+            return True
         except OSError as err:
             if err.errno != errno.EINVAL:
                 raise
-            _direct_usable = False
     with open(path, "wb") as f:
         f.write(payload)
         f.write(tail)
-    return len(payload) + len(tail)
+    return False
 
 
-_direct_usable = hasattr(os, "O_DIRECT")
 _PIECE = 1 << 20  # bytes per direct write, through one page-aligned buffer per thread
 _ALIGN = 4096  # O_DIRECT wants buffers, lengths and offsets aligned to the device's blocks
 _buffers = threading.local()

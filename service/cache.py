@@ -90,13 +90,17 @@ class BlockCache:
         block_size: bytes per block; part of each file name, so a restart with another
             block size simply starts cold.
         metrics: counters for hits, misses, evictions, corruption and write errors.
+        direct_writes: write block files around the page cache where the filesystem
+            allows (``blockfile.write_file``); after one refusal, buffered.
     """
 
-    def __init__(self, directory: str | os.PathLike, capacity: int, block_size: int, metrics: Metrics):
+    def __init__(self, directory: str | os.PathLike, capacity: int, block_size: int, metrics: Metrics, *,
+                 direct_writes: bool = True):
         self.directory = Path(directory)
         self.capacity = capacity
         self.block_size = block_size
         self.metrics = metrics
+        self.direct_writes = direct_writes
         self.writable = True
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._open_files: OrderedDict[str, None] = OrderedDict()
@@ -237,12 +241,15 @@ class BlockCache:
             (self.directory / victim).unlink(missing_ok=True)
         try:
             try:
-                write_file(tmp, payload)
+                direct = write_file(tmp, payload, direct=self.direct_writes)
             except FileNotFoundError:  # first block of a dataset, or someone removed the directory
                 path.parent.mkdir(parents=True, exist_ok=True)
                 if not (self.directory / ".lock").exists():  # removed with the directory: lock anew
                     self._lock_directory()
-                write_file(tmp, payload)
+                direct = write_file(tmp, payload, direct=self.direct_writes)
+            if self.direct_writes and not direct:
+                self.direct_writes = False
+                log.info("the cache's filesystem refuses O_DIRECT: block files are written buffered")
             os.replace(tmp, path)
         except CacheLocked as err:  # another process took the recreated directory
             with self._lock:

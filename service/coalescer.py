@@ -23,6 +23,7 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -41,6 +42,10 @@ from .stores import StoreError
 log = logging.getLogger("shardfeed.coalescer")
 
 
+WRITE_THREADS = 2
+"""Threads writing fetched blocks to the cache: one disk, a write each while the next is copied."""
+
+
 class Coalescer:
     def __init__(self, cache: BlockCache, metrics: Metrics, config: ServiceConfig, cluster: Cluster | None = None):
         self.cache = cache
@@ -57,6 +62,9 @@ class Coalescer:
         self._inflight: dict[BlockKey, asyncio.Future] = {}
         self._sibling_reads: dict[BlockKey, asyncio.Future] = {}  # whole sibling blocks being read
         self._tasks: set[asyncio.Task] = set()
+        # Cache writes wait on the disk (``O_DIRECT``, ``blockfile.py``): on threads of their
+        # own, so a slow disk never queues the cache reads on the default executor behind them.
+        self._writer = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="cache-write")
         self.ranges = RangeReader(self._store_read, gap=config.range_gap, max_read=config.max_fetch,
                                   memory=config.plan_memory)
         self.siblings = None if cluster is None else SiblingBlocks(
@@ -311,10 +319,11 @@ class Coalescer:
 
     def _window(self, dataset: Dataset) -> int:
         """Blocks per window fetched around a miss: ``window_blocks`` when this node's share of
-        the dataset fits in its cache, else 1."""
-        if self.window_blocks == 1 or not self.cache.writable:
+        a served dataset fits in its cache, else 1. A GetBatch request's objects (not
+        ``owned``) are read block by block: no epoch will come for the rest of them."""
+        if self.window_blocks == 1 or not self.cache.writable or not dataset.owned:
             return 1
-        nodes = len(self.cluster.peers) if self.cluster is not None and dataset.owned else 1
+        nodes = len(self.cluster.peers) if self.cluster is not None else 1
         return self.window_blocks if dataset.stored_bytes <= self.cache.capacity * nodes else 1
 
     async def _fetch(self, dataset: Dataset, shard: int, first: int, last: int) -> None:
@@ -341,7 +350,7 @@ class Coalescer:
         try:
             # Keep the futures registered until the blocks are on disk, so a request that
             # arrives meanwhile shares these bytes instead of reading them again.
-            written = await asyncio.to_thread(self._write_blocks, blocks)
+            written = await asyncio.get_running_loop().run_in_executor(self._writer, self._write_blocks, blocks)
             if self.memory is not None:
                 for key, block in written:
                     if key in self.cache:  # not evicted meanwhile: the tier mirrors the disk
@@ -387,6 +396,7 @@ class Coalescer:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._writer.shutdown(wait=False)
         await self.ranges.close()
 
 

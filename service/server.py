@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-cache", type=parse_size, default=defaults.memory_cache,
                         help="most bytes of verified blocks kept in RAM in front of the disk cache; "
                              "0 disables it (default: 1GiB, at most 1/8 of the RAM)")
+    parser.add_argument("--cache-writes", choices=["direct", "buffered"], default="direct",
+                        help="write cache blocks around the page cache (O_DIRECT, where the "
+                             "filesystem allows) or through it (default: direct)")
     parser.add_argument("--block-size", type=parse_size, default=defaults.block_size,
                         help="cache block and store read unit (default: 1MiB)")
     parser.add_argument("--merge-gap", type=parse_size, default=defaults.merge_gap,
@@ -187,7 +190,8 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         store_options=store_options, hedge=hedge,
         datasets=datasets, index_objects=args.index_objects, buckets=tuple(dict.fromkeys(args.bucket)),
         host=args.host, port=args.port, cache_dir=args.cache_dir, cache_size=args.cache_size,
-        memory_cache=args.memory_cache, block_size=args.block_size, merge_gap=args.merge_gap,
+        memory_cache=args.memory_cache, direct_writes=args.cache_writes == "direct",
+        block_size=args.block_size, merge_gap=args.merge_gap,
         fetch_window=args.fetch_window,
         max_store_requests=args.max_store_requests, sample_window=args.sample_window_ms / 1e3,
         max_batch=args.max_batch, max_inflight_batches=args.max_inflight_batches,
@@ -229,7 +233,8 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
     if not config.datasets and not config.buckets:
         config.datasets = {DEFAULT_DATASET: await ensure_default_dataset(data_dir)}
     metrics = Metrics()
-    cache = BlockCache(config.cache_dir, config.cache_size, config.block_size, metrics)
+    cache = BlockCache(config.cache_dir, config.cache_size, config.block_size, metrics,
+                       direct_writes=config.direct_writes)
     await asyncio.to_thread(cache.open)
     datasets = {}
     hedger = Hedger(config.hedge, metrics.registry) if config.hedge else None

@@ -150,3 +150,17 @@ def test_the_replicas_benchmark_routes_with_no_hop_and_prints_every_ratio():
     alone = re.search(rf"each replica alone \(median of 1 rounds\): samples/s {ratio}, efficiency {measured} "
                       rf"\({measured} against the single service at batch 32\)", summary)
     assert alone and float(alone[1]) > 0 and all(x == "nan" or float(x) > 0 for x in alone.groups()), summary
+
+
+@pytest.mark.timeout(180)
+def test_the_loaders_benchmark_checks_every_sample_and_takes_serve_arguments():
+    out = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.loaders", "--samples", "1500", "--rounds", "1",
+                          "--loaders", "shardfeed-map", "--service-workers", "1", "--serve-arg=--fetch-window=0",
+                          "--serve-arg=--cache-writes=buffered"], capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "shardfeed serve --workers 1 --fetch-window=0 --cache-writes=buffered" in out.stdout
+    line = re.search(r"shardfeed-map +cold +(\d+) +warm +(\d+) samples/s", out.stdout.split("medians", 1)[1])
+    assert line and int(line[1]) > 0 and int(line[2]) > 0, out.stdout
+    refused = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.loaders", "--loaders", "petastorm"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--loaders takes some of" in refused.stderr

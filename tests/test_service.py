@@ -225,11 +225,12 @@ def test_token_auth_refuses_missing_or_wrong_tokens(s3_dataset, s3_server, tmp_p
         assert "s3cret" not in svc.log() and s3_server.secret_key not in svc.log()
 
 
-def test_cache_is_reused_after_restart_and_corrupt_blocks_are_refetched(s3_dataset, s3_server, tmp_path):
+@pytest.mark.parametrize("writes", ["direct", "buffered"])
+def test_cache_is_reused_after_restart_and_corrupt_blocks_are_refetched(s3_dataset, s3_server, tmp_path, writes):
     url, source = s3_dataset
     indices = list(range(SAMPLES))
     random.Random(3).shuffle(indices)
-    args = ["--block-size", "64KiB"]
+    args = ["--block-size", "64KiB", "--cache-writes", writes]
     with start_service({"train": url}, cache_dir=tmp_path / "cache", env=s3_server.env(), args=args) as svc:
         assert tar_members(batch(svc.url, {"dataset": "train", "indices": indices}).content) == \
             expected(source, indices)
