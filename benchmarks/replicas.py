@@ -128,9 +128,9 @@ class Phase:
 
     def efficiencies(self, single: Phase) -> list[float]:
         """Each node's CPU per served sample against ``single``'s (1.0: as cheap; NaN where a
-        run was too short for /proc's 10 ms ticks to see any CPU)."""
-        return [single.cpu_us_per_sample / n.cpu_us_per_sample if n.cpu_us_per_sample else math.nan
-                for n in self.nodes]
+        run, this one or ``single``'s, was too short for /proc's 10 ms ticks to see any CPU)."""
+        return [single.cpu_us_per_sample / n.cpu_us_per_sample if n.cpu_us_per_sample and single.cpu_us_per_sample
+                else math.nan for n in self.nodes]
 
 
 def _report(label: str, phase: Phase, single: Phase | None) -> None:
@@ -144,7 +144,7 @@ def _report(label: str, phase: Phase, single: Phase | None) -> None:
                 f"cache hit ratio {hits / max(1.0, hits + misses):.3f}, sub-batches to replicas {node.replica_hops:4.0f}")
         if single is not None:
             line += f"; vs 1 service: samples/s {node.served / phase.seconds / single.rate:.2f}x"
-            if node.cpu_us_per_sample:
+            if node.cpu_us_per_sample and single.cpu_us_per_sample:
                 line += f", efficiency {single.cpu_us_per_sample / node.cpu_us_per_sample:.2f}x"
         print(line)
 

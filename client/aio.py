@@ -1,7 +1,8 @@
 """The asyncio client: ``await AsyncClient(url).get_batch("train", [17, 4, 9])``.
 
 The twin of :mod:`.sync`, line for line; what to send and what answers mean is shared
-in :mod:`.http` and :mod:`.samples`.
+in :mod:`.http` and :mod:`.samples`. Batches travel over the lean HTTP/1.1 transport the
+blocking client uses, in its asyncio form (:mod:`.aiowire`); everything else over httpx.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import httpx
 
 from shardfeed.retry import retry_async
 
+from .aiowire import AsyncPool, AsyncResponse
 from .errors import ShardfeedConnectionError, ShardfeedError
 from .http import (
     ERROR_BODY_LIMIT, ROUTING_HEADER, BaseClient, Via, as_indices, batch_body, dataset_path, merge_order,
@@ -29,7 +31,8 @@ class AsyncClient(BaseClient):
     """Asyncio client of a shardfeed service (keep-alive, retries, failover; see BaseClient).
 
     Its connections belong to the event loop that opened them: using the client from
-    another loop (or another process) opens new ones.
+    another loop (or another process) opens new ones. Batches travel over a lean HTTP/1.1
+    transport of their own (:mod:`.aiowire`), everything else over httpx.
     """
 
     async def datasets(self) -> list:
@@ -110,15 +113,13 @@ class AsyncClient(BaseClient):
                     for sample in reader.finish():
                         yield sample
                     return
-                except httpx.TransportError as exc:
-                    error = transport_error(base, exc)
                 except ShardfeedConnectionError as exc:
                     error = exc
                 # The stream broke after delivering samples: ask for the rest at once.
                 if not self._verdict(error):
                     raise error
             finally:
-                await response.aclose()
+                response.close()
 
     async def _routing_table(self, dataset: str) -> dict | None:
         try:
@@ -128,9 +129,12 @@ class AsyncClient(BaseClient):
 
     async def aclose(self) -> None:
         """Close the connections of this process and loop (the client stays usable)."""
-        if self._http is not None and self._owner == self._loop_owner():
+        owner = self._loop_owner()
+        if self._http is not None and self._owner == owner:
             await self._http.aclose()
-        self._http = None
+        if self._pool is not None and self._pool[0] == owner:
+            self._pool[1].close()
+        self._http = self._pool = None
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -144,6 +148,10 @@ class AsyncClient(BaseClient):
 
     def _session(self) -> httpx.AsyncClient:
         return self._session_for(self._loop_owner(), httpx.AsyncClient)
+
+    def _wire(self) -> AsyncPool:
+        """This process's and event loop's batch connections."""
+        return self._own("_pool", self._loop_owner(), lambda: AsyncPool(**self._pool_options()))
 
     async def _via(self, dataset: str, index: int) -> Via:
         """Where a per-sample request goes (see ``Client._via``)."""
@@ -168,20 +176,18 @@ class AsyncClient(BaseClient):
         return parse(response)
 
     async def _open_batch(self, reader: BatchReader, fields: Sequence[str] | None, continue_on_error: bool,
-                          via: Via) -> tuple[str, httpx.Response, AsyncIterator[bytes] | None, list[dict]]:
-        """Send the batch request for the samples not yet delivered; read until one arrives."""
-        http = self._session()
+                          via: Via) -> tuple[str, AsyncResponse, AsyncIterator[bytes] | None, list[dict]]:
+        """Send the batch request for the samples not yet delivered; read until one arrives
+        (see ``Client._open_batch``)."""
+        pool = self._wire()
         base = via.pick()
         url = base + "/v1/batch"
         reader.restart(url)
         body = batch_body(reader.dataset, list(reader.remaining()), fields, continue_on_error)
+        response = await pool.post(base, "/v1/batch", body, self.headers)
         try:
-            response = await http.send(http.build_request("POST", url, json=body), stream=True)
-        except httpx.TransportError as exc:
-            raise transport_error(base, exc) from None
-        try:
-            if response.status_code >= 400:
-                raise status_error(response.status_code, response.headers, await _head(response), url)
+            if response.status >= 400:
+                raise status_error(response.status, response.headers, await response.read(ERROR_BODY_LIMIT), url)
             self.router.saw(reader.dataset, response.headers.get(ROUTING_HEADER))
             chunks = response.aiter_bytes()
             ready: list[dict] = []
@@ -190,19 +196,6 @@ class AsyncClient(BaseClient):
                 if ready:
                     return base, response, chunks, ready
             return base, response, None, reader.finish()
-        except httpx.TransportError as exc:
-            await response.aclose()
-            raise transport_error(base, exc) from None
         except BaseException:
-            await response.aclose()
+            response.close()
             raise
-
-
-async def _head(response: httpx.Response) -> bytes:
-    """The start of an error body: enough for the JSON error, never a whole stream."""
-    body = b""
-    async for chunk in response.aiter_bytes():
-        body += chunk
-        if len(body) >= ERROR_BODY_LIMIT:
-            break
-    return body

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import email.utils
+import json
 import math
 import operator
 import os
@@ -15,8 +16,8 @@ import random
 import ssl
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -24,6 +25,8 @@ import httpx
 from shardfeed.retry import Backoff
 
 from .errors import ShardfeedConnectionError, ShardfeedError, ShardfeedHTTPError
+
+T = TypeVar("T")
 
 DEFAULT_BACKOFF = Backoff(attempts=6, base=0.1, cap=10.0)
 """Six tries over about 3 s of jittered waits; a ``Retry-After`` up to 10 s is honoured."""
@@ -104,6 +107,10 @@ class BaseClient:
     started by ``fork``, ``spawn`` or ``forkserver``: each opens its own connections.
     """
 
+    # This process's (and event loop's) batch connections, as (owner, pool): made on first
+    # use by each (see _own), never pickled.
+    _pool: tuple[Any, Any] | None = None
+
     def __init__(
         self,
         url: str | Sequence[str],
@@ -159,6 +166,7 @@ class BaseClient:
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_http"] = state["_owner"] = None  # sessions hold sockets: each process opens its own
+        state.pop("_pool", None)
         del state["_session_lock"]
         return state
 
@@ -181,6 +189,11 @@ class BaseClient:
             verify=ssl.create_default_context(cafile=self.verify) if isinstance(self.verify, str) else self.verify,
         )
 
+    def _pool_options(self) -> dict:
+        """The arguments of the batch transport's pool (:mod:`.wire`, :mod:`.aiowire`)."""
+        return dict(timeout=self.timeout, connect_timeout=self.connect_timeout,
+                    max_connections=self.max_connections, verify=self.verify)
+
     def _session_for(self, owner: Any, make: Any) -> Any:
         """The session of ``owner`` (a pid, or a pid and event loop), made on first use."""
         if self._http is None or self._owner != owner:
@@ -190,6 +203,20 @@ class BaseClient:
                     self._owner = owner
                     self.endpoints.scatter()
         return self._http
+
+    def _own(self, attr: str, owner: Any, make: Callable[[], T]) -> T:
+        """The object of ``owner`` (a pid, or a pid and event loop) held in ``attr`` as
+        ``(owner, object)``, made on first use, as the httpx session is (a child after
+        ``fork`` or another event loop makes its own)."""
+        held = getattr(self, attr)
+        if held is None or held[0] != owner:
+            with self._session_lock:
+                held = getattr(self, attr)
+                if held is None or held[0] != owner:
+                    held = (owner, make())
+                    setattr(self, attr, held)
+                    self.endpoints.scatter()
+        return held[1]
 
     def _verdict(self, exc: Exception) -> bool | float | None:
         """The retry predicate: give up, back off, or wait a given time (see shardfeed.retry)."""
@@ -367,13 +394,13 @@ def plan_path(dataset: str, plan_id: str | None = None) -> str:
 
 
 def batch_body(dataset: str, indices: list[int], fields: Sequence[str] | None,
-               continue_on_error: bool) -> dict:
-    """JSON body of ``POST /v1/batch``."""
+               continue_on_error: bool) -> bytes:
+    """JSON body of ``POST /v1/batch``, encoded."""
     body: dict[str, Any] = {"dataset": dataset, "indices": indices, "format": "tar",
                             "continue_on_error": continue_on_error}
     if fields is not None:
         body["fields"] = list(fields)
-    return body
+    return json.dumps(body, separators=(",", ":")).encode()
 
 
 def transport_error(url: str, exc: httpx.HTTPError) -> ShardfeedConnectionError:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,14 +30,12 @@ class Client(BaseClient):
     over httpx.
     """
 
-    # This process's batch connections and its threads for the parts of routed batches,
-    # as (pid, object): made on first use in each process (see _own), never pickled.
-    _pool: tuple[int, Pool] | None = None
+    # This process's threads for the parts of routed batches, as (pid, executor): made on
+    # first use in each process (see _own), never pickled.
     _threads: tuple[int, ThreadPoolExecutor] | None = None
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
-        state.pop("_pool", None)
         state.pop("_threads", None)
         return state
 
@@ -110,8 +107,8 @@ class Client(BaseClient):
             yield from self._stream(dataset, indices, fields, continue_on_error, parts[0].owner)
             return
         # Threads kept for the whole process: starting one per batch cost more than the batch's parsing.
-        threads = self._own("_threads", lambda: ThreadPoolExecutor(self.max_connections,
-                                                                   thread_name_prefix="shardfeed-part"))
+        threads = self._own("_threads", os.getpid(), lambda: ThreadPoolExecutor(
+            self.max_connections, thread_name_prefix="shardfeed-part"))
         answers = [threads.submit(lambda part=part: list(self._stream(
             dataset, part.indices, fields, continue_on_error, part.owner))) for part in parts[1:]]
         first = list(self._stream(dataset, parts[0].indices, fields, continue_on_error, parts[0].owner))
@@ -182,22 +179,7 @@ class Client(BaseClient):
 
     def _wire(self) -> Pool:
         """This process's batch connections."""
-        return self._own("_pool", lambda: Pool(timeout=self.timeout, connect_timeout=self.connect_timeout,
-                                               max_connections=self.max_connections, verify=self.verify))
-
-    def _own(self, attr: str, make: Callable[[], T]) -> T:
-        """This process's object held in ``attr`` as ``(pid, object)``, made on first use, as
-        the httpx session is (a child after ``fork`` makes its own)."""
-        pid = os.getpid()
-        held = getattr(self, attr)
-        if held is None or held[0] != pid:
-            with self._session_lock:
-                held = getattr(self, attr)
-                if held is None or held[0] != pid:
-                    held = (pid, make())
-                    setattr(self, attr, held)
-                    self.endpoints.scatter()
-        return held[1]
+        return self._own("_pool", os.getpid(), lambda: Pool(**self._pool_options()))
 
     def _via(self, dataset: str, index: int) -> Via:
         """Where a per-sample request goes: the sample's owner first (see ``Router``)."""
@@ -235,8 +217,7 @@ class Client(BaseClient):
         base = via.pick()
         url = base + "/v1/batch"
         reader.restart(url)
-        body = json.dumps(batch_body(reader.dataset, list(reader.remaining()), fields, continue_on_error),
-                          separators=(",", ":")).encode()
+        body = batch_body(reader.dataset, list(reader.remaining()), fields, continue_on_error)
         response = pool.post(base, "/v1/batch", body, self.headers)
         try:
             if response.status >= 400:

@@ -4,6 +4,7 @@ and TLS end to end with a self-signed certificate."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import ipaddress
 import os
@@ -25,7 +26,8 @@ from cryptography.x509.oid import NameOID
 from reliability_helpers import expected_members, received_members
 from sample_data import dir_put, make_dataset, s3_put
 from shardfeed.benchmarks.s3proxy import start_proxy
-from shardfeed.client import Client, ShardfeedHTTPError
+from shardfeed.client import AsyncClient, Client, ShardfeedConnectionError, ShardfeedHTTPError
+from shardfeed.retry import Backoff
 from shardfeed.service.config import ServiceConfig
 from shardfeed.service.index import parquet_bytes
 from shardfeed.service.process import ServiceProcess, free_port, start_service
@@ -205,6 +207,11 @@ def self_signed(directory: Path) -> tuple[Path, Path]:
     return cert_path, key_path
 
 
+async def async_batch(url: str, verify: bool | str, indices: list[int]) -> list[dict]:
+    async with AsyncClient(url, verify=verify, backoff=Backoff(attempts=1)) as client:
+        return await client.get_batch("train", indices)
+
+
 def test_tls_with_a_self_signed_certificate_works_end_to_end(s3_dataset, moto, tmp_path):
     url, source = s3_dataset
     cert, key = self_signed(tmp_path)
@@ -232,6 +239,13 @@ def test_tls_with_a_self_signed_certificate_works_end_to_end(s3_dataset, moto, t
             assert https.get("/v1/datasets/train/samples/9/bin").content == source[(9, "bin")]
         with Client(svc.url, verify=str(cert)) as client:  # our client, told to trust the certificate
             assert client.get_batch("train", [9])[0]["bin"] == source[(9, "bin")]
+        for verify in (str(cert), False):  # the asyncio client's batch transport, trusting it or not checking
+            assert asyncio.run(async_batch(svc.url, verify, [9, 3]))[1]["bin"] == source[(3, "bin")]
+        with pytest.raises(ShardfeedConnectionError) as err:  # the system's CAs do not trust it
+            asyncio.run(async_batch(svc.url, True, [9]))
+        assert err.value.connect and "CERTIFICATE_VERIFY_FAILED" in str(err.value)
+        with pytest.raises(ShardfeedConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
+            Client(svc.url, backoff=Backoff(attempts=1)).get_batch("train", [9])
         with pytest.raises(httpx.ConnectError):  # not trusted without the certificate
             httpx.get(f"{svc.url}/healthz")
         with pytest.raises(httpx.TransportError):  # no plain HTTP on the TLS port
