@@ -130,11 +130,10 @@ class AsyncClient(BaseClient):
     async def aclose(self) -> None:
         """Close the connections of this process and loop (the client stays usable)."""
         owner = self._loop_owner()
-        if self._http is not None and self._owner == owner:
-            await self._http.aclose()
-        if self._pool is not None and self._pool[0] == owner:
-            self._pool[1].close()
-        self._http = self._pool = None
+        if (http := self._disown("_http", owner)) is not None:
+            await http.aclose()
+        if (pool := self._disown("_pool", owner)) is not None:
+            pool.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -147,7 +146,7 @@ class AsyncClient(BaseClient):
         return os.getpid(), asyncio.get_running_loop()
 
     def _session(self) -> httpx.AsyncClient:
-        return self._session_for(self._loop_owner(), httpx.AsyncClient)
+        return self._own("_http", self._loop_owner(), lambda: httpx.AsyncClient(**self._session_options()))
 
     def _wire(self) -> AsyncPool:
         """This process's and event loop's batch connections."""

@@ -107,8 +107,9 @@ class BaseClient:
     started by ``fork``, ``spawn`` or ``forkserver``: each opens its own connections.
     """
 
-    # This process's (and event loop's) batch connections, as (owner, pool): made on first
-    # use by each (see _own), never pickled.
+    # This process's (and event loop's) httpx session and batch connections, each as
+    # (owner, object): made on first use by each (see _own), never pickled.
+    _http: tuple[Any, Any] | None = None
     _pool: tuple[Any, Any] | None = None
 
     def __init__(
@@ -159,13 +160,11 @@ class BaseClient:
         self.verify = verify
         self.endpoints = Endpoints(self.urls, down_for)
         self.router = Router(enabled=route)
-        self._http: Any = None
-        self._owner: Any = None
         self._session_lock = threading.Lock()
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_http"] = state["_owner"] = None  # sessions hold sockets: each process opens its own
+        state.pop("_http", None)  # sessions hold sockets: each process opens its own
         state.pop("_pool", None)
         del state["_session_lock"]
         return state
@@ -194,16 +193,6 @@ class BaseClient:
         return dict(timeout=self.timeout, connect_timeout=self.connect_timeout,
                     max_connections=self.max_connections, verify=self.verify)
 
-    def _session_for(self, owner: Any, make: Any) -> Any:
-        """The session of ``owner`` (a pid, or a pid and event loop), made on first use."""
-        if self._http is None or self._owner != owner:
-            with self._session_lock:  # threads sharing a client share one session
-                if self._http is None or self._owner != owner:
-                    self._http = make(**self._session_options())
-                    self._owner = owner
-                    self.endpoints.scatter()
-        return self._http
-
     def _own(self, attr: str, owner: Any, make: Callable[[], T]) -> T:
         """The object of ``owner`` (a pid, or a pid and event loop) held in ``attr`` as
         ``(owner, object)``, made on first use, as the httpx session is (a child after
@@ -215,8 +204,15 @@ class BaseClient:
                 if held is None or held[0] != owner:
                     held = (owner, make())
                     setattr(self, attr, held)
-                    self.endpoints.scatter()
+                    self.endpoints.scatter()  # a new session starts the rotation at a random URL
         return held[1]
+
+    def _disown(self, attr: str, owner: Any) -> Any:
+        """Forget the object held in ``attr``; it, if ``owner`` made it (the caller closes it),
+        else ``None`` (another process's or loop's, not ours to close)."""
+        held = getattr(self, attr)
+        setattr(self, attr, None)
+        return held[1] if held is not None and held[0] == owner else None
 
     def _verdict(self, exc: Exception) -> bool | float | None:
         """The retry predicate: give up, back off, or wait a given time (see shardfeed.retry)."""

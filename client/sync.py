@@ -159,14 +159,12 @@ class Client(BaseClient):
 
     def close(self) -> None:
         """Close this process's connections (the client stays usable: it reconnects)."""
-        if self._http is not None and self._owner == os.getpid():
-            self._http.close()
-        self._http = None
-        if self._pool is not None and self._pool[0] == os.getpid():
-            self._pool[1].close()
-        if self._threads is not None and self._threads[0] == os.getpid():
-            self._threads[1].shutdown(wait=False)
-        self._pool = self._threads = None
+        pid = os.getpid()
+        for attr in ("_http", "_pool"):
+            if (held := self._disown(attr, pid)) is not None:
+                held.close()
+        if (threads := self._disown("_threads", pid)) is not None:
+            threads.shutdown(wait=False)
 
     def __enter__(self) -> Client:
         return self
@@ -175,7 +173,7 @@ class Client(BaseClient):
         self.close()
 
     def _session(self) -> httpx.Client:
-        return self._session_for(os.getpid(), httpx.Client)
+        return self._own("_http", os.getpid(), lambda: httpx.Client(**self._session_options()))
 
     def _wire(self) -> Pool:
         """This process's batch connections."""
