@@ -14,9 +14,10 @@ the service. On a shared machine, these move less with the load than samples/s d
 
     python -m shardfeed.benchmarks.loaders --samples 20000 --size 10KiB --rounds 5
 
-``--loaders`` picks some of the three; ``--serve-arg`` passes a knob to ``shardfeed serve``
-(``--serve-arg=--fetch-window=0 --serve-arg=--cache-writes=buffered`` measures the cold
-path as it was before fetch windows and direct cache writes).
+``--loaders`` picks some of the three; ``--serve-arg`` passes a knob to ``shardfeed serve``.
+``--baseline-serve-arg`` adds the map-style loader against a second configuration in the
+same rounds, e.g. the cold path as it was before fetch windows and direct cache writes:
+``--baseline-serve-arg=--fetch-window=0 --baseline-serve-arg=--cache-writes=buffered``.
 
 Streaming is optional (``pip install mosaicml-streaming``, then ``pip uninstall -y
 torchvision``: the PyPI torchvision wheels need CUDA torch). Without it, shardfeed alone
@@ -53,6 +54,7 @@ from shardfeed.service.sizes import parse_size
 
 BATCH, LOADER_WORKERS = 64, 4
 LOADERS = ("shardfeed-map", "shardfeed-iterable", "streaming")
+BASELINE = "shardfeed-map-baseline"  # the map-style loader against --baseline-serve-arg's service
 
 
 class _StandIn(types.ModuleType):
@@ -124,7 +126,7 @@ def _epochs(loader, sizes, key: str, service_pid: int | None = None, epochs: int
 
 
 def shardfeed_round(kind: str, url: str, sizes, seed: int, service_pid: int | None = None) -> list[Epoch]:
-    if kind == "shardfeed-map":
+    if kind in ("shardfeed-map", BASELINE):
         loader = DataLoader(ShardfeedDataset(url, "bench"), batch_size=BATCH, shuffle=True,
                             num_workers=LOADER_WORKERS, collate_fn=_collate, persistent_workers=False)
         return _epochs(loader, sizes, "__index__", service_pid)
@@ -165,6 +167,9 @@ def main(argv=None) -> int:
                              "Streaming only where installed)")
     parser.add_argument("--serve-arg", action="append", default=[],
                         help="a further argument for shardfeed serve, e.g. --serve-arg=--fetch-window=0")
+    parser.add_argument("--baseline-serve-arg", action="append", default=[],
+                        help="also run the map-style loader, as 'shardfeed-map-baseline', against a service "
+                             "with these arguments instead, in the same rounds: two configurations side by side")
     parser.add_argument("--s3", choices=S3_SERVERS, default=default_server(),
                         help="the S3 server both loaders read from (default: SeaweedFS when installed)")
     args = parser.parse_args(argv)
@@ -180,6 +185,8 @@ def main(argv=None) -> int:
     if "streaming" in kinds and streaming is None:
         print("MosaicML Streaming is not installed (pip install mosaicml-streaming): measuring shardfeed alone")
         kinds.remove("streaming")
+    if args.baseline_serve_arg:
+        kinds.insert(1, BASELINE)
     server = start_s3(args.s3)
     with tempfile.TemporaryDirectory() as tmp_name, contextlib.ExitStack() as stack:
         stack.callback(server.stop)
@@ -200,14 +207,15 @@ def main(argv=None) -> int:
                 else:
                     with start_service({"bench": "s3://bench/data"}, cache_dir=tmp / f"cache-{kind}-{r}",
                                        env=server.env(), workers=args.service_workers,
-                                       args=args.serve_arg) as svc:
+                                       args=args.baseline_serve_arg if kind == BASELINE else args.serve_arg) as svc:
                         rates = shardfeed_round(kind, svc.url, sizes, seed=r, service_pid=svc.process.pid)
                 results[kind].append(rates)
                 print(f"round {r + 1} {kind:20s} cold {rates[0].rate:8.0f}  warm {rates[1].rate:8.0f} samples/s   "
                       f"CPU us/sample cold {_parts(rates[0].cpu)}, warm {_parts(rates[1].cpu)}", flush=True)
     print(f"\n{args.samples} x {args.size} samples, DataLoader(batch_size={BATCH}, num_workers={LOADER_WORKERS}), "
           f"shuffled, medians of {args.rounds} rounds, {server.kind} S3; shardfeed serve --workers "
-          f"{' '.join([str(args.service_workers), *args.serve_arg])}; "
+          f"{' '.join([str(args.service_workers), *args.serve_arg])}"
+          f"{'; baseline: ' + ' '.join(args.baseline_serve_arg) if args.baseline_serve_arg else ''}; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     medians = {k: [statistics.median(r[e].rate for r in v) for e in range(2)] for k, v in results.items()}
     for kind, (cold, warm) in medians.items():
@@ -215,6 +223,9 @@ def main(argv=None) -> int:
         if "streaming" in medians and kind != "streaming":
             base = medians["streaming"]
             ratio = f"   {cold / base[0]:.2f}x / {warm / base[1]:.2f}x Streaming"
+        if kind == "shardfeed-map" and BASELINE in medians:
+            base = medians[BASELINE]
+            ratio += f"   {cold / base[0]:.2f}x / {warm / base[1]:.2f}x the baseline"
         print(f"{kind:20s} cold {cold:8.0f}  warm {warm:8.0f} samples/s{ratio}")
     print(f"\nCPU per sample, us ({' + '.join(PARTIES)}), medians:")
     for kind, rounds in results.items():

@@ -153,14 +153,19 @@ def test_the_replicas_benchmark_routes_with_no_hop_and_prints_every_ratio():
 
 
 @pytest.mark.timeout(180)
-def test_the_loaders_benchmark_checks_every_sample_and_takes_serve_arguments():
+def test_the_loaders_benchmark_checks_every_sample_and_compares_two_configurations():
     out = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.loaders", "--samples", "1500", "--rounds", "1",
-                          "--loaders", "shardfeed-map", "--service-workers", "1", "--serve-arg=--fetch-window=0",
-                          "--serve-arg=--cache-writes=buffered"], capture_output=True, text=True, timeout=170)
+                          "--loaders", "shardfeed-map", "--service-workers", "1", "--serve-arg=--fetch-window=4MiB",
+                          "--baseline-serve-arg=--fetch-window=0", "--baseline-serve-arg=--cache-writes=buffered"],
+                         capture_output=True, text=True, timeout=170)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "shardfeed serve --workers 1 --fetch-window=0 --cache-writes=buffered" in out.stdout
-    line = re.search(r"shardfeed-map +cold +(\d+) +warm +(\d+) samples/s", out.stdout.split("medians", 1)[1])
-    assert line and int(line[1]) > 0 and int(line[2]) > 0, out.stdout
+    assert ("shardfeed serve --workers 1 --fetch-window=4MiB; baseline: --fetch-window=0 --cache-writes=buffered"
+            in out.stdout), out.stdout
+    medians = out.stdout.split("medians", 1)[1]
+    for kind in ("shardfeed-map", "shardfeed-map-baseline"):
+        line = re.search(rf"{kind} +cold +(\d+) +warm +(\d+) samples/s", medians)
+        assert line and int(line[1]) > 0 and int(line[2]) > 0, out.stdout
+    assert re.search(r"shardfeed-map .*\d\.\d\dx / \d\.\d\dx the baseline", medians), out.stdout
     refused = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.loaders", "--loaders", "petastorm"],
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "--loaders takes some of" in refused.stderr
