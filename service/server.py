@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="processes serving this host, all on --port, each owning a share of the "
                              "shards and of --cache-size; 1 serves from one process (default: the "
                              "usable cores, %(default)s)")
+    parser.add_argument("--restart-pause", type=float, default=defaults.restart_pause, metavar="SECONDS",
+                        help="pause before a dead worker is restarted, doubling while it keeps dying, "
+                             "up to 10 s or this (default: %(default)s)")
     parser.add_argument("--dataset", action="append", default=[], metavar="NAME=URL",
                         help="serve the dataset at URL (file:// or s3://) as NAME; repeatable. "
                              "Default: the embedded digits dataset under --data-dir")
@@ -197,7 +200,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         max_batch=args.max_batch, max_inflight_batches=args.max_inflight_batches,
         max_inflight_samples=args.max_inflight_samples, tokens=frozenset(tokens),
         tls_cert=args.tls_cert, tls_key=args.tls_key, node_id=args.node_id, peers=args.peers,
-        peer_timeout=args.peer_timeout, workers=args.workers, max_plans=args.max_plans,
+        peer_timeout=args.peer_timeout, workers=args.workers, restart_pause=args.restart_pause, max_plans=args.max_plans,
         max_plan_samples=args.max_plan_samples, plan_ttl=args.plan_ttl, plan_ahead=args.plan_ahead,
         plan_memory=args.plan_memory, range_gap=args.range_gap,
     )
