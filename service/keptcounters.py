@@ -35,6 +35,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from prometheus_client import values
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
@@ -60,6 +61,21 @@ def keep_counters(directory: Path) -> None:
     values.ValueClass = value_class
 
 
+def restore_series(metrics: object, directory: Path) -> None:
+    """Make every labeled series kept in ``directory`` now, on the metrics that are attributes
+    of ``metrics``. A labeled series is made, and its kept value read, only when first used:
+    until then a successor would not show it, and the host's sum of it would drop."""
+    kept = {family.name: family for family in KeptCounters([directory]).collect()}
+    for metric in vars(metrics).values():
+        if not isinstance(metric, MetricWrapperBase):
+            continue
+        for family in metric.describe():
+            for sample in kept[family.name].samples if family.name in kept else ():
+                labels = {name: value for name, value in sample.labels.items() if name != "le"}
+                if labels:
+                    metric.labels(**labels)
+
+
 class KeptCounters:
     """The counters and histograms kept in ``directories`` (one per worker), added up, as a
     collector (``collect()``, as a registry offers it); a directory without files adds nothing."""
@@ -71,6 +87,6 @@ class KeptCounters:
         files = [str(path) for directory in self.directories for path in sorted(directory.glob("*.db"))]
         try:
             return list(MultiProcessCollector.merge(files, accumulate=True))
-        except (OSError, ValueError, struct.error) as err:  # a damaged file: left out, as a silent sibling
+        except (OSError, ValueError, TypeError, RuntimeError, struct.error) as err:  # a damaged file: left out
             log.warning("kept counters in %s left out, unreadable: %s", ", ".join(map(str, self.directories)), err)
             return []

@@ -229,6 +229,7 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
     from .api import create_app
     from .cache import BlockCache
     from .datasets import open_dataset
+    from .keptcounters import restore_series
     from .metrics import Metrics
     from .protocol import BoundedHeadProtocol
     from .stores import open_store
@@ -236,6 +237,8 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
     if not config.datasets and not config.buckets:
         config.datasets = {DEFAULT_DATASET: await ensure_default_dataset(data_dir)}
     metrics = Metrics()
+    if config.worker is not None:  # a restarted worker: its predecessor's counters count on (workers.py)
+        await asyncio.to_thread(restore_series, metrics, config.worker.counter_dirs[config.worker.index])
     cache = BlockCache(config.cache_dir, config.cache_size, config.block_size, metrics,
                        direct_writes=config.direct_writes)
     await asyncio.to_thread(cache.open)
