@@ -11,7 +11,10 @@ blocks up front (``prefetch``), so they merge across the groups it is streamed i
 With replicas or workers, members of shards owned by another replica or sibling worker
 are sent to that owner as one sub-batch, and read from the store here if the owner
 fails (``peers.py``). A sibling worker's blocks are first read from its cache directory
-(``siblings.py``): only the members of blocks it has not cached cross its socket.
+(``siblings.py``): only the members of blocks it has not cached cross its socket. While a
+sibling is down (restarting), its directory is still read first; what is not there is read
+by the live worker that stands in as the owner of its shards, and cached in that worker's
+own directory: a worker's directory has no other writer.
 
 With plans (``service/plans/``), ``fetch_policy`` says which missing blocks are worth
 fetching whole; the members in the others are read as ranges (``ranges.py``).
