@@ -15,6 +15,7 @@ import pytest
 from reliability_helpers import expected_members
 from sample_data import make_dataset, s3_put
 from service_helpers import fetch_batch, hops, metrics
+from worker_helpers import cached_blocks, healthy, worker_pids, worker_urls
 from shardfeed.client import Client
 from shardfeed.service.process import free_port, start_service
 
@@ -39,24 +40,6 @@ def expected(source, indices):
     return expected_members(source, "train", indices)
 
 
-def worker_urls(url):
-    workers = httpx.get(f"{url}/v1/cluster", timeout=10).json()["workers"]
-    assert [w["id"] for w in workers] == ["w0", "w1"]
-    return [w["url"] for w in workers]
-
-
-def healthy(url) -> bool:
-    try:
-        return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
-
-
-def worker_pids(service) -> list[int]:
-    pid = service.process.pid
-    return sorted(int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
-
-
 def test_workers_share_the_load_and_cache_no_block_twice(service, dataset):
     _, source = dataset
     order = list(range(SAMPLES))
@@ -75,7 +58,7 @@ def test_workers_share_the_load_and_cache_no_block_twice(service, dataset):
     assert all(m.get("shardfeed_peer_requests_total", 0) + m.get("shardfeed_sibling_blocks_total", 0) > 0
                for m in per_worker), "no sibling shard served"
     cache = service.log_path.parent / "cache"
-    blocks = [{p.name for p in (cache / f"worker-{i}").glob("*/*.blk")} for i in range(2)]
+    blocks = [cached_blocks(cache, i) for i in range(2)]
     assert blocks[0] and blocks[1] and not blocks[0] & blocks[1], "a block cached twice on one host"
 
 

@@ -15,8 +15,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from reliability_helpers import expected_members
-from sample_data import dir_put, make_dataset
 from service_helpers import fetch_batch, metrics
+from worker_helpers import cached_blocks, directory_dataset, healthy, owned_shards, sibling_blocks, worker_pids, worker_urls
 from shardfeed.service.process import start_service
 
 SAMPLES = 240
@@ -25,29 +25,11 @@ ARGS = ["--block-size", "64KiB", "--peer-timeout", "5"]
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("restart-data")
-    source = make_dataset(dir_put(root), samples=SAMPLES, per_shard=20)  # 12 shards
-    return root.as_uri(), source
+    return directory_dataset(tmp_path_factory.mktemp("restart-data"), SAMPLES)  # 12 shards
 
 
 def expected(source, indices):
     return expected_members(source, "train", indices)
-
-
-def worker_urls(url: str) -> list[str]:
-    return [w["url"] for w in httpx.get(f"{url}/v1/cluster", timeout=10).json()["workers"]]
-
-
-def worker_pids(service) -> list[int]:
-    pid = service.process.pid
-    return sorted(int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
-
-
-def healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def wait_for(condition, what: str, service, timeout: float = 60):
@@ -138,22 +120,8 @@ def test_the_host_counters_never_go_down_while_a_worker_restarts_and_its_counts_
         assert host["shardfeed_cache_bytes"] == sum(metrics(u)["shardfeed_cache_bytes"] for u in urls)
 
 
-def owned_shards(url: str, worker_url: str) -> list[list[int]]:
-    """The samples of each shard a worker owns (from the routing table), shard by shard."""
-    table = httpx.get(f"{url}/v1/datasets/train/routing", timeout=10).json()
-    ends = table["starts"][1:] + [SAMPLES]
-    return [list(range(start, end)) for start, end, owner in zip(table["starts"], ends, table["owner"])
-            if table["urls"][owner] == worker_url]
-
-
 def store_reads(url: str) -> float:
     return metrics(url)["shardfeed_store_requests_total"]
-
-
-def sibling_files_read(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name == "shardfeed_sibling_blocks_total" and s.labels["result"] == "read")
 
 
 def directory_state(directory: Path) -> dict[str, tuple]:
@@ -162,17 +130,13 @@ def directory_state(directory: Path) -> dict[str, tuple]:
             for p in directory.rglob("*") if p.is_file()}
 
 
-def blocks(directory: Path) -> set[str]:
-    return {p.name for p in directory.glob("*/*.blk")}
-
-
 def test_a_dead_workers_block_files_are_read_until_it_restarts_and_nothing_is_written_there(dataset, tmp_path):
     url, source = dataset
     cache = tmp_path / "cache"
     # A restart far away: the test reads while the worker is down.
     with start_service({"train": url}, cache_dir=cache, workers=2, args=[*ARGS, "--restart-pause", "600"]) as svc:
         urls = worker_urls(svc.url)
-        shards = [owned_shards(svc.url, u) for u in urls]
+        shards = [owned_shards(svc.url, u, SAMPLES) for u in urls]
         assert all(len(s) >= 2 for s in shards)
         warm = [[i for shard in s[:len(s) // 2] for i in shard] for s in shards]  # half of each worker's shards
         def settled(via: str, batch: list[int]) -> bool:
@@ -192,15 +156,15 @@ def test_a_dead_workers_block_files_are_read_until_it_restarts_and_nothing_is_wr
                  "the survivor never saw its sibling down", svc)
         files = cache / f"worker-{dead}"
         left = directory_state(files)
-        held = blocks(files)
+        held = cached_blocks(cache, dead)
         assert held
 
         # Its warm half: every block from its files, none from the store.
-        reads, read_files = store_reads(alive), sibling_files_read(alive)
+        reads, read_files = store_reads(alive), sibling_blocks(alive, "read")
         batch = random.Random(12).sample(warm[dead], len(warm[dead]))
         assert fetch_batch(alive, batch) == expected(source, batch)
         assert store_reads(alive) == reads, "blocks in the dead worker's files were read from the store"
-        assert sibling_files_read(alive) > read_files
+        assert sibling_blocks(alive, "read") > read_files
 
         # All of its shards: what its files lack comes from the store, cached by the survivor.
         everything = [i for shard in shards[dead] for i in shard]
@@ -209,6 +173,6 @@ def test_a_dead_workers_block_files_are_read_until_it_restarts_and_nothing_is_wr
         assert store_reads(alive) > reads
         wait_for(lambda: settled(alive, everything), "the survivor never cached what the files lack", svc)
         assert directory_state(files) == left, "another worker wrote into the dead worker's directory"
-        survivor = blocks(cache / f"worker-{1 - dead}")
+        survivor = cached_blocks(cache, 1 - dead)
         assert survivor - held and not survivor & held, "a block the dead worker's files hold was cached again"
         assert "restarting it in 600.0 s" in svc.log() and not healthy(urls[dead])
