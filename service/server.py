@@ -200,9 +200,9 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         max_batch=args.max_batch, max_inflight_batches=args.max_inflight_batches,
         max_inflight_samples=args.max_inflight_samples, tokens=frozenset(tokens),
         tls_cert=args.tls_cert, tls_key=args.tls_key, node_id=args.node_id, peers=args.peers,
-        peer_timeout=args.peer_timeout, workers=args.workers, restart_pause=args.restart_pause, max_plans=args.max_plans,
-        max_plan_samples=args.max_plan_samples, plan_ttl=args.plan_ttl, plan_ahead=args.plan_ahead,
-        plan_memory=args.plan_memory, range_gap=args.range_gap,
+        peer_timeout=args.peer_timeout, workers=args.workers, restart_pause=args.restart_pause,
+        max_plans=args.max_plans, max_plan_samples=args.max_plan_samples, plan_ttl=args.plan_ttl,
+        plan_ahead=args.plan_ahead, plan_memory=args.plan_memory, range_gap=args.range_gap,
     )
 
 

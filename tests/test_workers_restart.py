@@ -16,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from reliability_helpers import expected_members
 from service_helpers import fetch_batch, metrics
-from worker_helpers import cached_blocks, directory_dataset, healthy, owned_shards, sibling_blocks, worker_pids, worker_urls
+from worker_helpers import (cached_blocks, directory_dataset, healthy, owned_shards, sibling_blocks, worker_pids,
+                            worker_urls)
 from shardfeed.service.process import start_service
 
 SAMPLES = 240
