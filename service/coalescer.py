@@ -96,10 +96,12 @@ class Coalescer:
         owner[rows] = self.cluster.owners(dataset.url, shards, members.shard[rows], within_host=scope == "host")
         home[rows] = self.cluster.down_homes(dataset.url, shards, members.shard[rows], owner[rows])
         out: list = [None] * len(members)
-        pairs, which = np.unique(np.stack([owner, home], axis=1), axis=0, return_inverse=True)
-        groups = [np.flatnonzero(which.ravel() == i) for i in range(len(pairs))]
-        results = await asyncio.gather(*(self._read_at(int(node), dataset, take(members, g), home=int(down))
-                                         for (node, down), g in zip(pairs.tolist(), groups)))
+        nodes = len(self.cluster.peers) + 1
+        pair = owner * nodes + home + 1  # one number per (owner, home) pair
+        keys = np.unique(pair).tolist()
+        groups = [np.flatnonzero(pair == key) for key in keys]
+        results = await asyncio.gather(*(self._read_at(key // nodes, dataset, take(members, g), home=key % nodes - 1)
+                                         for key, g in zip(keys, groups)))
         for group, result in zip(groups, results):
             for row, payload in zip(group.tolist(), result):
                 out[row] = payload
@@ -118,7 +120,7 @@ class Coalescer:
         return await self._ask(node, dataset, members)
 
     async def _files_first(self, sibling: int, dataset: Dataset, members: Members, rest) -> list:
-        """The members from a sibling's block files where they are there, the others from ``rest(members)``."""
+        """The members from a sibling's block files where they are, the others from ``rest(members)``."""
         out = await self._read_sibling_files(sibling, dataset, members)
         rows = np.flatnonzero([payload is _ASK_OWNER for payload in out])
         if len(rows):
