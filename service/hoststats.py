@@ -83,11 +83,9 @@ class HostRecorder:
         self.started = min(part["started"] for part in parts)
         self.parts = parts
         values: dict[str, float] = {}
-        for part in parts:
-            for name, value in part["values"].items():
+        for counted in [*(part["values"] for part in parts), kept or {}]:  # kept: the silent workers' counters
+            for name, value in counted.items():
                 values[name] = values.get(name, 0.0) + value
-        for name, value in (kept or {}).items():  # the silent workers' counters (``kept_values``)
-            values[name] = values.get(name, 0.0) + value
         times = [part["time"] for part in parts if part["time"] is not None]
         self.latest = Reading(max(times), 0.0, values, {}) if times else None
         self.bounds = own.bounds  # every worker's histograms have the same buckets
