@@ -5,9 +5,9 @@ One S3 server on loopback (SeaweedFS, or moto with ``--s3 moto``) behind the cou
 (``s3proxy.py``), a seeded dataset, and ``serve --workers 2`` reading it through the proxy,
 warmed until an epoch reads nothing from the store. Then ``--threads`` clients send random
 batches through the public port while a scraper reads the public ``/metrics`` every
-``--scrape-every`` seconds; worker 1 is SIGKILLed, and the load goes on until it serves
-again (after the supervisor's ``--restart-pause``, if given; the service's default if not)
-and ``--after`` seconds more.
+``--scrape-every`` seconds; the worker that served the most is SIGKILLed, and the load goes
+on until it serves again (after the supervisor's ``--restart-pause``, if given; the
+service's default if not) and ``--after`` seconds more.
 
 Printed: the store's GETs (counted by the proxy) while the worker was down and after, the
 blocks the survivor read from the dead worker's files, the scrapes in which a counter or
@@ -162,7 +162,10 @@ def main(argv=None) -> int:
         for thread in clients:
             thread.start()
         time.sleep(0.5)
-        victim = _children(service.process.pid)[1]
+        # The worker that served the most batches dies (the clients keep their connections):
+        # workers start in order, so their pids ascend (unless pids wrap around).
+        busiest = max(range(len(urls)), key=lambda i: scrape_metrics(urls[i])["shardfeed_samples_served_total"])
+        victim = _children(service.process.pid)[busiest]
         gets, began = proxy.counts.get("GET", 0), time.monotonic()
         os.kill(victim, signal.SIGKILL)
         while all(_serving(u) for u in urls):
