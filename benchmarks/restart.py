@@ -147,11 +147,13 @@ def main(argv=None) -> int:
         urls = [w["url"] for w in httpx.get(f"{service.url}/v1/cluster", timeout=10).json()["workers"]]
         order = list(range(args.samples))
         with Client(service.url, route=False) as client:
-            for _ in range(10):  # warm: until an epoch reads nothing from the store
+            for _ in range(10):  # warm: until an epoch reads nothing from the store, and all is on disk
                 before = proxy.counts.get("GET", 0)
                 for start in range(0, args.samples, args.batch):
                     client.get_batch(DATASET, order[start:start + args.batch])
-                if proxy.counts.get("GET", 0) == before:
+                own = [scrape_metrics(u) for u in urls]
+                if proxy.counts.get("GET", 0) == before and all(
+                        m["shardfeed_cache_blocks"] == m["shardfeed_cache_misses_total"] for m in own):
                     break
         scraper = Scraper(service.url, args.scrape_every)
         scraper.start()

@@ -146,10 +146,13 @@ def test_a_dead_workers_block_files_are_read_until_it_restarts_and_nothing_is_wr
         assert all(len(s) >= 2 for s in shards)
         warm = [[i for shard in s[:len(s) // 2] for i in shard] for s in shards]  # half of each worker's shards
         def settled(via: str, batch: list[int]) -> bool:
-            """Whether a pass read nothing from the store (then every block it needs is on disk)."""
+            """Whether a pass read nothing from the store and every block ``via`` fetched is on
+            its disk (a fetched block is served from RAM while it is being written)."""
             before = store_reads(via)
             assert fetch_batch(via, batch) == expected(source, batch)
-            return store_reads(via) == before
+            figures = metrics(via)
+            return (figures["shardfeed_store_requests_total"] == before
+                    and figures["shardfeed_cache_blocks"] == figures["shardfeed_cache_misses_total"])
 
         for u, batch in zip(urls, warm):  # through its own port: each worker caches its own half
             wait_for(lambda: settled(u, batch), "the warm blocks never all reached the disk", svc)
