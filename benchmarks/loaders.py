@@ -7,7 +7,8 @@ shards for ``shardfeed serve`` and as Streaming's MDS shards. Each loader runs
 ``DataLoader(batch_size=64, num_workers=4)``, shuffled, for two epochs: the first on
 cold caches (a fresh service cache; a fresh Streaming local directory), the second warm.
 Rounds alternate the loaders; the medians are printed with the shardfeed/Streaming
-ratios. Every batch is checked: each sample's ``bin`` is compared with the bytes seeded.
+ratios, and the median and range of the ratios within each round. Every batch is
+checked: each sample's ``bin`` is compared with the bytes seeded.
 Each epoch also reports the CPU it cost per sample, in microseconds, by party: the
 training process (which checks the samples), the DataLoader workers and, for shardfeed,
 the service. On a shared machine, these move less with the load than samples/s do.
@@ -222,7 +223,8 @@ def main(argv=None) -> int:
         ratio = ""
         if "streaming" in medians and kind != "streaming":
             base = medians["streaming"]
-            ratio = f"   {cold / base[0]:.2f}x / {warm / base[1]:.2f}x Streaming"
+            ratio = (f"   {cold / base[0]:.2f}x / {warm / base[1]:.2f}x Streaming "
+                     f"(per round {paired_ratios(results[kind], results['streaming'])})")
         if kind == "shardfeed-map" and BASELINE in medians:
             base = medians[BASELINE]
             ratio += f"   {cold / base[0]:.2f}x / {warm / base[1]:.2f}x the baseline"
@@ -232,6 +234,16 @@ def main(argv=None) -> int:
         cpu = [{p: statistics.median(r[e].cpu[p] for r in rounds) for p in PARTIES} for e in range(2)]
         print(f"{kind:20s} cold {_parts(cpu[0])}   warm {_parts(cpu[1])}")
     return 0
+
+
+def paired_ratios(rounds: list[list[Epoch]], base: list[list[Epoch]]) -> str:
+    """The median and range of the ratios within each round, cold / warm: a round's loaders run
+    one after the other, so load that drifts over the whole run moves them alike."""
+    spans = []
+    for e in range(2):
+        ratios = [r[e].rate / b[e].rate for r, b in zip(rounds, base)]
+        spans.append(f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
+    return " / ".join(spans)
 
 
 def _parts(cpu: dict[str, float]) -> str:

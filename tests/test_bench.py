@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from shardfeed.benchmarks.loaders import Epoch, paired_ratios
 from shardfeed.benchmarks.report import SCENARIOS
 from shardfeed.benchmarks.serverside import SKIP_NOTE
 
@@ -169,6 +170,15 @@ def test_the_loaders_benchmark_checks_every_sample_and_compares_two_configuratio
     refused = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.loaders", "--loaders", "petastorm"],
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "--loaders takes some of" in refused.stderr
+
+
+def test_the_loaders_benchmark_pairs_each_round_with_its_own_baseline():
+    def rounds(*rates):
+        return [[Epoch(cold, {}), Epoch(warm, {})] for cold, warm in rates]
+
+    ours = rounds((300, 600), (100, 400), (250, 500))
+    theirs = rounds((100, 300), (100, 100), (100, 250))
+    assert paired_ratios(ours, theirs) == "2.50x (1.00-3.00) / 2.00x (2.00-4.00)"
 
 
 @pytest.mark.timeout(150)
