@@ -179,3 +179,17 @@ def test_the_loaders_benchmark_pairs_each_round_with_its_own_baseline():
     ours = rounds((300, 600), (100, 400), (250, 500))
     theirs = rounds((100, 300), (100, 100), (100, 250))
     assert paired_ratios(ours, theirs) == "2.50x (1.00-3.00) / 2.00x (2.00-4.00)"
+
+
+@pytest.mark.timeout(150)
+def test_the_restart_benchmark_sees_no_counter_of_the_host_go_down():
+    out = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.restart", "--samples", "600", "--shard-size",
+                          "256KiB", "--batch", "32", "--restart-pause", "1", "--memory-cache", "0", "--after", "0.5"],
+                         capture_output=True, text=True, timeout=140)
+    assert out.returncode == 0, out.stderr[-2000:]
+    down = re.search(r"worker down \d+\.\d\d s: store GETs (\d+), blocks read from its files by the survivor (\d+)",
+                     out.stdout)
+    assert down and int(down[2]) > 0, out.stdout
+    counted = re.search(r"with a counter down 0 \(largest drop of samples served 0\); samples served by the host "
+                        r"(\d+), received (\d+)", out.stdout)
+    assert counted and counted[1] == counted[2] != "0", out.stdout
