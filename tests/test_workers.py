@@ -159,13 +159,21 @@ def test_the_public_port_status_figures_sum_every_worker(service, dataset):
         assert resp.status_code == 200, resp.text
         return resp.json()
 
-    deadline = time.monotonic() + 30  # until every recorder has read its registry since (once a second)
-    while [stats(url)["totals"]["samples"] for url in urls] != [60, 40]:
-        assert time.monotonic() < deadline, "the workers' own figures never showed their batches"
+    def settled(doc):  # what block writes finishing after the answers still move
+        return doc["totals"]["samples"], doc["totals"]["store_requests"], doc["cache"]["bytes"]
+
+    # Until every recorder has read its registry since (once a second), and the figures stay
+    # put across the host's reading: cache writes may land after the answers.
+    deadline = time.monotonic() + 30
+    while True:
+        own = [stats(url) for url in urls]
+        host = stats(service.url)
+        if [doc["totals"]["samples"] for doc in own] == [60, 40] and \
+                [settled(stats(url)) for url in urls] == [settled(doc) for doc in own]:
+            break
+        assert time.monotonic() < deadline, "the workers' own figures never showed their batches and settled"
         time.sleep(0.2)
-    own = [stats(url) for url in urls]
     assert all("workers_reporting" not in doc for doc in own)  # each worker's own URL: its own figures
-    host = stats(service.url)
     assert host["workers_reporting"] == 2
     assert host["totals"]["samples"] == 100
     assert host["totals"]["store_requests"] == sum(doc["totals"]["store_requests"] for doc in own)
