@@ -176,8 +176,8 @@ def test_the_loaders_benchmark_pairs_each_round_with_its_own_baseline():
     def rounds(*rates):
         return [[Epoch(cold, {}), Epoch(warm, {})] for cold, warm in rates]
 
-    ours = rounds((300, 600), (100, 400), (250, 500))
-    theirs = rounds((100, 300), (100, 100), (100, 250))
+    ours = rounds((300, 600), (100, 400), (250, 500), (100, 100))
+    theirs = rounds((100, 300), (100, 100), (100, 250)) + [None]  # a round the other loader failed
     assert paired_ratios(ours, theirs) == "2.50x (1.00-3.00) / 2.00x (2.00-4.00)"
 
 
