@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +33,7 @@ import httpx
 import numpy as np
 
 from shardfeed.benchmarks.run import _start_proxy
-from shardfeed.benchmarks.s3server import S3_SERVERS, default_server, start_s3
+from shardfeed.benchmarks.s3server import BENCH_DATA, S3_SERVERS, default_server, seeded_s3
 from shardfeed.client.sampling import EpochSampler
 from shardfeed.client.shuffles import LOCAL, SHUFFLES, cache_window, shard_samples
 from shardfeed.seeds.synthetic import member_bytes, parse_sizes
@@ -147,12 +145,7 @@ def main(argv=None) -> int:
     sizes = parse_sizes(args.size)
     n = args.samples
     with ExitStack() as stack:
-        server = start_s3(args.s3)
-        stack.callback(server.stop)
-        server.create_bucket("bench")
-        env = {**os.environ, **server.env()}
-        subprocess.run([sys.executable, "-m", "shardfeed", "-q", "seed", "s3://bench/data", "--samples",
-                        str(n), "--size", args.size, "--shard-size", args.shard_size], check=True, env=env)
+        server = stack.enter_context(seeded_s3(args.s3, n, args.size, args.shard_size))
         listing = server.client().list_objects_v2(Bucket="bench", Prefix="data/")["Contents"]
         shard_bytes = sum(o["Size"] for o in listing if o["Key"].endswith(".tar"))
         s3 = server.env()
@@ -182,7 +175,7 @@ def main(argv=None) -> int:
         for cache, mode, loader, plan in itertools.product(*lists.values()):
             capacity = _cache_bytes(cache, shard_bytes)
             cache_dir = tmp / f"cache-{len(rows)}"
-            with start_service({"bench": "s3://bench/data"}, cache_dir=cache_dir, cache_size=str(capacity),
+            with start_service({"bench": BENCH_DATA}, cache_dir=cache_dir, cache_size=str(capacity),
                                env=s3, args=["--block-size", args.block_size, "--no-hedge",
                                              "--plan-memory", args.plan_memory]) as svc:
                 info = httpx.get(f"{svc.url}/v1/datasets/bench").json()

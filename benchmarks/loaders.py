@@ -30,14 +30,12 @@ is measured and the script says so.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import importlib.machinery
 import importlib.util
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,7 +46,7 @@ from pathlib import Path
 
 from torch.utils.data import DataLoader
 
-from shardfeed.benchmarks.s3server import S3_SERVERS, default_server, start_s3
+from shardfeed.benchmarks.s3server import BENCH_DATA, S3_SERVERS, default_server, seeded_s3
 from shardfeed.benchmarks.serverside import tree_cpu
 from shardfeed.client.torch import ShardfeedDataset, ShardfeedIterableDataset, ShardfeedLoader
 from shardfeed.seeds.synthetic import member_bytes, parse_sizes
@@ -190,17 +188,11 @@ def main(argv=None) -> int:
         kinds.remove("streaming")
     if args.baseline_serve_arg:
         kinds.insert(1, BASELINE)
-    server = start_s3(args.s3)
-    with tempfile.TemporaryDirectory() as tmp_name, contextlib.ExitStack() as stack:
-        stack.callback(server.stop)
+    with tempfile.TemporaryDirectory() as tmp_name, \
+            seeded_s3(args.s3, args.samples, args.size, args.shard_size, fields="bin,cls") as server:
         tmp = Path(tmp_name)
-        server.create_bucket("bench")
-        env = {**os.environ, **server.env()}
         os.environ.update(server.env())
         os.environ["S3_ENDPOINT_URL"] = server.endpoint  # Streaming's name for a custom endpoint
-        subprocess.run([sys.executable, "-m", "shardfeed", "-q", "seed", "s3://bench/data", "--samples",
-                        str(args.samples), "--size", args.size, "--shard-size", args.shard_size,
-                        "--fields", "bin,cls"], check=True, env=env)
         remote = write_mds(streaming, server, args.samples, sizes, shard_size, tmp) if streaming else None
         results: dict[str, list[list[Epoch] | None]] = {k: [] for k in kinds}
         for r in range(args.rounds):
@@ -214,7 +206,7 @@ def main(argv=None) -> int:
                               f"{type(err).__name__}: {err}", flush=True)
                         continue
                 else:
-                    with start_service({"bench": "s3://bench/data"}, cache_dir=tmp / f"cache-{kind}-{r}",
+                    with start_service({"bench": BENCH_DATA}, cache_dir=tmp / f"cache-{kind}-{r}",
                                        env=server.env(), workers=args.service_workers,
                                        args=args.baseline_serve_arg if kind == BASELINE else args.serve_arg) as svc:
                         rates = shardfeed_round(kind, svc.url, sizes, seed=r, service_pid=svc.process.pid)

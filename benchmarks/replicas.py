@@ -38,8 +38,6 @@ import argparse
 import math
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -50,7 +48,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from shardfeed.benchmarks.s3server import S3_SERVERS, default_server, start_s3
+from shardfeed.benchmarks.s3server import BENCH_DATA, S3_SERVERS, default_server, seeded_s3
 from shardfeed.benchmarks.serverside import tree_cpu
 from shardfeed.client import Client
 from shardfeed.service.process import ServiceProcess, free_port, hops, scrape_metrics, start_service
@@ -253,13 +251,8 @@ def main(argv=None) -> int:
     print(f"{args.samples} samples of {args.size} in shards of {args.shard_size}, batch {args.batch}, {args.threads} in flight, "
           f"{args.warm_epochs} warm epochs; {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}")
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
-        s3 = start_s3(args.s3)
-        stack.callback(s3.stop)
-        s3.create_bucket("bench")
-        subprocess.run([sys.executable, "-m", "shardfeed", "-q", "seed", "s3://bench/data", "--samples",
-                        str(args.samples), "--size", args.size, "--shard-size", args.shard_size],
-                       check=True, env={**os.environ, **s3.env()})
-        url = "s3://bench/data"
+        s3 = stack.enter_context(seeded_s3(args.s3, args.samples, args.size, args.shard_size))
+        url = BENCH_DATA
 
         def run(label: str, services: list[ServiceProcess], route: bool, single: dict[str, Phase] | None,
                 batch: int = args.batch, phases=(("cold", [cold_order]), ("warm", warm_orders))) -> dict[str, Phase]:

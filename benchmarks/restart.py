@@ -24,8 +24,6 @@ import argparse
 import os
 import random
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -36,7 +34,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from shardfeed.benchmarks.s3proxy import start_proxy
-from shardfeed.benchmarks.s3server import S3_SERVERS, default_server, start_s3
+from shardfeed.benchmarks.s3server import BENCH_DATA, S3_SERVERS, default_server, seeded_s3
 from shardfeed.client import Client
 from shardfeed.service.process import scrape_metrics, start_service
 
@@ -132,17 +130,12 @@ def main(argv=None) -> int:
           f"{args.threads} clients, restart pause {args.restart_pause or 'default'}, memory cache "
           f"{args.memory_cache or 'default'}; load {os.getloadavg()[0]:.2f}")
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
-        s3 = start_s3(args.s3)
-        stack.callback(s3.stop)
-        s3.create_bucket("bench")
-        subprocess.run([sys.executable, "-m", "shardfeed", "-q", "seed", "s3://bench/data", "--samples",
-                        str(args.samples), "--size", args.size, "--shard-size", args.shard_size],
-                       check=True, env={**os.environ, **s3.env()})
+        s3 = stack.enter_context(seeded_s3(args.s3, args.samples, args.size, args.shard_size))
         proxy = stack.enter_context(start_proxy(s3.env()["AWS_ENDPOINT_URL"]))
         serve = [*([] if args.restart_pause is None else ["--restart-pause", str(args.restart_pause)]),
                  *([] if args.memory_cache is None else ["--memory-cache", args.memory_cache])]
         service = stack.enter_context(start_service(
-            {DATASET: "s3://bench/data"}, cache_dir=Path(tmp) / "cache", workers=2, args=serve,
+            {DATASET: BENCH_DATA}, cache_dir=Path(tmp) / "cache", workers=2, args=serve,
             env={**s3.env(), "AWS_ENDPOINT_URL": proxy.url}))
         urls = [w["url"] for w in httpx.get(f"{service.url}/v1/cluster", timeout=10).json()["workers"]]
         order = list(range(args.samples))

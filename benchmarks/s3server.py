@@ -22,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -249,3 +251,22 @@ def start_s3(kind: str, directory: str | os.PathLike | None = None) -> S3Server:
     if kind == "moto":
         return start_moto()
     raise ValueError(f"unknown S3 server {kind!r} (choose from {', '.join(S3_SERVERS)})")
+
+
+BENCH_DATA = "s3://bench/data"
+"""Where ``seeded_s3`` puts the benchmarks' dataset."""
+
+
+@contextmanager
+def seeded_s3(kind: str, samples: int, size: str, shard_size: str, fields: str | None = None) -> Iterator[S3Server]:
+    """An S3 server ``kind`` holding ``samples`` synthetic samples (``shardfeed seed``) at
+    ``BENCH_DATA``, in a bucket ``bench`` that the caller may use too; stopped on exit."""
+    server = start_s3(kind)
+    try:
+        server.create_bucket("bench")
+        subprocess.run([sys.executable, "-m", "shardfeed", "-q", "seed", BENCH_DATA, "--samples", str(samples),
+                        "--size", size, "--shard-size", shard_size, *(["--fields", fields] if fields else [])],
+                       check=True, env={**os.environ, **server.env()})
+        yield server
+    finally:
+        server.stop()
