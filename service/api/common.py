@@ -241,7 +241,8 @@ class TarStreamResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
 
     async def stream_response(self, send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers,
+                    "parts": self.gathered})  # with the first parts, in one write
         async for parts in self.body_iterator:
             if self.gathered:
                 await send({"type": "http.response.body", "parts": parts, "more_body": True})
