@@ -78,13 +78,13 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD:
                 self._reject(431, "header_too_large", f"request line and headers over {MAX_HEAD} bytes")
+            elif self._head_timer is None:  # armed only for a head that did not come whole in one read
+                self._head_timer = self.loop.call_later(HEAD_TIMEOUT, self._head_timed_out)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._head_open = True
         self._head_bytes = 0
-        if self._head_timer is None:
-            self._head_timer = self.loop.call_later(HEAD_TIMEOUT, self._head_timed_out)
 
     def on_headers_complete(self) -> None:
         self._head_open = False
