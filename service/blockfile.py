@@ -68,7 +68,7 @@ def write_file(path: str | os.PathLike, payload: bytes | memoryview, *, direct: 
     return False
 
 
-_PIECE = 1 << 20  # bytes per direct write, through one page-aligned buffer per thread
+_PIECE = (1 << 20) + (64 << 10)  # bytes per direct write (a 1 MiB block and its trailer in one), per thread
 _ALIGN = 4096  # O_DIRECT wants buffers, lengths and offsets aligned to the device's blocks
 _buffers = threading.local()
 

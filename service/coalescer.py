@@ -331,16 +331,20 @@ class Coalescer:
         end = min((last + 1) * self.block_size, int(dataset.extents[shard]))
         keys = [BlockKey(dataset.id, dataset.shard_ids[shard], b) for b in range(first, last + 1)]
         try:
-            payload = await self._store_read(dataset, shard, start, end)
+            pieces = await self._store_pieces(dataset, shard, start, end)
         except StoreError as err:
             self._settle(keys, err)
             return
         except BaseException as err:  # cancelled at shutdown, or a bug: waiters must not hang
             self._settle(keys, StoreError(f"read of {path} aborted: {err!r}"))
             raise
-        view = memoryview(payload)
-        blocks = [(key, view[(key.block - first) * self.block_size:(key.block - first + 1) * self.block_size])
-                  for key in keys]
+        held = self.memory is not None and self.cache.writable
+        if held:
+            # Into the RAM tier now, not once on disk, so the batches that come while the
+            # blocks are written take the warm path (``warm.py``).
+            for key, block in zip(keys, pieces):
+                self.memory.put(key, block)
+        blocks = [(key, memoryview(block)) for key, block in zip(keys, pieces)]
         for key, block in blocks:
             future = self._inflight.get(key)
             if future is not None and not future.done():
@@ -348,27 +352,31 @@ class Coalescer:
         try:
             # Keep the futures registered until the blocks are on disk, so a request that
             # arrives meanwhile shares these bytes instead of reading them again.
-            written = await asyncio.get_running_loop().run_in_executor(self._writer, self._write_blocks, blocks)
-            if self.memory is not None:
-                for key, block in written:
-                    if key in self.cache:  # not evicted meanwhile: the tier mirrors the disk
-                        # A block that is the whole read is kept as read; a slice of a longer
-                        # one is copied, so the tier keeps alive no more bytes than it counts.
-                        whole = isinstance(payload, bytes) and len(block) == len(payload)
-                        self.memory.put(key, payload if whole else bytes(block))
+            refused = await asyncio.get_running_loop().run_in_executor(self._writer, self._write_blocks, blocks)
+            if held:
+                for key in refused:  # the tier mirrors the disk
+                    self.memory.discard(key)
         finally:
             for key in keys:
                 self._inflight.pop(key, None)
 
     async def _store_read(self, dataset: Dataset, shard: int, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of a shard, within the store-read slots, counted."""
+        """Bytes ``[start, end)`` of a shard (``RangeReader``'s reads)."""
+        return (await self._store_pieces(dataset, shard, start, end, whole=True))[0]
+
+    async def _store_pieces(self, dataset: Dataset, shard: int, start: int, end: int, *,
+                            whole: bool = False) -> list[bytes]:
+        """Bytes ``[start, end)`` of a shard, block by block (from a block boundary; each block
+        its own object, so the RAM tier can keep any of them alone), or ``whole`` as one
+        piece; within the store-read slots, counted."""
         path = dataset.index.shards[shard]
+        piece = max(end - start, 1) if whole else self.block_size
         try:
             async with self._store_slots:
                 self.metrics.inflight_store.inc()
                 began = time.perf_counter()
                 try:
-                    payload = await dataset.store.read_range(path, start, end - start)
+                    pieces = await dataset.store.read_pieces(path, start, end - start, piece)
                 finally:
                     self.metrics.inflight_store.dec()
         except StoreError as err:
@@ -376,9 +384,9 @@ class Coalescer:
             log.warning("store read %s [%d, %d) failed: %s", path, start, end, err)
             raise
         self.metrics.store_requests.inc()
-        self.metrics.store_bytes.inc(len(payload))
+        self.metrics.store_bytes.inc(end - start)
         log.debug("store read %s [%d, %d) in %.1f ms", path, start, end, 1e3 * (time.perf_counter() - began))
-        return payload
+        return pieces
 
     def _settle(self, keys: list[BlockKey], error: StoreError) -> None:
         for key in keys:
@@ -386,9 +394,9 @@ class Coalescer:
             if future is not None and not future.done():
                 future.set_result(error)
 
-    def _write_blocks(self, blocks: list[tuple[BlockKey, memoryview]]) -> list[tuple[BlockKey, memoryview]]:
-        """Cache the blocks not cached yet; the ones written."""
-        return [(key, block) for key, block in blocks if key not in self.cache and self.cache.write(key, block)]
+    def _write_blocks(self, blocks: list[tuple[BlockKey, memoryview]]) -> list[BlockKey]:
+        """Cache the blocks not cached yet; the keys of those the disk refused."""
+        return [key for key, block in blocks if key not in self.cache and not self.cache.write(key, block)]
 
     async def close(self) -> None:
         for task in list(self._tasks):

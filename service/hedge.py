@@ -10,9 +10,10 @@ hit twice as hard). "The Tail at Scale" (Dean and Barroso, 2013) reports that he
 at the 95th percentile cuts the 99.9th-percentile latency several-fold for a few
 percent more requests.
 
-``Hedger.wrap(store)`` returns a ``Store`` whose ``read_range`` is hedged; every other
-call goes straight through. Only completed reads feed the latency window: a read that
-lost a race is cancelled and says nothing about the store.
+``Hedger.wrap(store)`` returns a ``Store`` whose ranged reads (``read_range``,
+``read_pieces``) are hedged; every other call goes straight through. Only completed reads
+feed the latency window: a read that lost a race is cancelled and says nothing about the
+store.
 """
 
 from __future__ import annotations
@@ -20,13 +21,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter
 
 from .stores import ObjectInfo, Store
 
 log = logging.getLogger("shardfeed.hedge")
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -121,7 +126,7 @@ class _Latencies:
 
 
 class HedgedStore(Store):
-    """A store whose ``read_range`` is hedged by a ``Hedger``; everything else is passed through."""
+    """A store whose ranged reads are hedged by a ``Hedger``; everything else is passed through."""
 
     def __init__(self, store: Store, hedger: Hedger):
         self.store = store
@@ -129,16 +134,24 @@ class HedgedStore(Store):
         self.hedger = hedger
         self.latencies = _Latencies(hedger.policy)
 
-    async def _timed(self, path: str, offset: int, size: int) -> bytes:
+    async def read_range(self, path: str, offset: int, size: int) -> bytes:
+        return await self._hedged(lambda: self.store.read_range(path, offset, size), path, offset, size)
+
+    async def read_pieces(self, path: str, offset: int, size: int, piece: int) -> list[bytes]:
+        return await self._hedged(lambda: self.store.read_pieces(path, offset, size, piece), path, offset, size)
+
+    async def _timed(self, read: Callable[[], Awaitable[T]]) -> T:
         loop = asyncio.get_running_loop()
         began = loop.time()
-        data = await self.store.read_range(path, offset, size)
+        data = await read()
         self.latencies.record(loop.time() - began)
         return data
 
-    async def read_range(self, path: str, offset: int, size: int) -> bytes:
+    async def _hedged(self, read: Callable[[], Awaitable[T]], path: str, offset: int, size: int) -> T:
+        """``read()``, and the same again if it is still running at the deadline; the first
+        to succeed."""
         self.hedger._earn()
-        primary = asyncio.ensure_future(self._timed(path, offset, size))
+        primary = asyncio.ensure_future(self._timed(read))
         racers = [primary]
         try:
             done, _ = await asyncio.wait(racers, timeout=self.latencies.deadline)
@@ -147,7 +160,7 @@ class HedgedStore(Store):
             self.hedger.hedges.inc()
             log.debug("hedging read of %s [%d, +%d) after %.0f ms", path, offset, size,
                       1e3 * self.latencies.deadline)
-            racers.append(asyncio.ensure_future(self._timed(path, offset, size)))
+            racers.append(asyncio.ensure_future(self._timed(read)))
             pending = set(racers)
             failures: dict[asyncio.Future, BaseException] = {}
             while pending:

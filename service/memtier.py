@@ -5,9 +5,11 @@ again pays that, a ``pread`` and a thread hop each time. Here a block is verifie
 when it is read whole from disk or arrives from the store, and then served from memory as
 ``memoryview`` slices, on the event loop, with no copy and no thread.
 
-The tier holds only blocks the disk cache holds: the cache tells it (``BlockCache.on_forget``)
-when a block is evicted, replaced or found corrupt, and the tier drops its copy, so a RAM
-hit never outlives the disk block it mirrors. With ``--workers``, it also holds blocks read
+The tier holds only blocks the disk cache holds, or is writing: the cache tells it
+(``BlockCache.on_forget``) when a block is evicted, replaced or found corrupt, and the tier
+drops its copy, so a RAM hit never outlives the disk block it mirrors. A block fetched from
+the store enters the tier at once, while it is written, and leaves again if the disk
+refuses it (``Coalescer._fetch``). With ``--workers``, it also holds blocks read
 from a sibling worker's cache (``siblings.py``), verified the same way; the sibling's
 evictions are not heard here, and need not be: a verified block's bytes never change. It
 is an LRU bounded by ``capacity`` bytes (``--memory-cache``); a block larger than that is

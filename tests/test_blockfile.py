@@ -13,8 +13,10 @@ from shardfeed.service.cache import BlockCache, BlockKey
 from shardfeed.service.metrics import Metrics
 
 # Around every alignment the direct writer cares about: the 4 KiB page, the 16 KiB checksum
-# chunk, its own 1 MiB pieces.
-SIZES = [1, 4095, 4096, 4097, CHUNK + 1, (1 << 20) - 1, 1 << 20, (1 << 20) + 5, 3 * (1 << 20) + 123]
+# chunk, its own pieces of 1 MiB + 64 KiB (a 1 MiB block and its trailer in one write).
+PIECE = (1 << 20) + (64 << 10)
+SIZES = [1, 4095, 4096, 4097, CHUNK + 1, (1 << 20) - 1, 1 << 20, (1 << 20) + 5, PIECE - 1, PIECE, PIECE + 1,
+         3 * (1 << 20) + 123]
 
 
 def payload(n: int) -> bytes:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from reliability_helpers import damage_block_file, expected_members, received_members
 from sample_data import dir_put, make_dataset
 from service_helpers import metrics
-from shardfeed.service.cache import BlockCache, BlockKey
+from shardfeed.service.cache import BlockCache, BlockKey, dataset_id
 from shardfeed.service.config import machine_memory
 from shardfeed.service.memtier import MemoryTier
 from shardfeed.service.metrics import Metrics
@@ -114,6 +115,23 @@ def test_ram_hits_serve_exact_bytes_and_a_damaged_disk_block_is_refetched_once_r
             for i in (0, 41, 119):
                 assert httpx.get(f"{svc.url}/v1/datasets/train/samples/{i}/bin").content == source[(i, "bin")]
         assert metrics(svc.url)["shardfeed_cache_corrupt_total"] > 0  # found when RAM did not hold them
+
+
+def test_fetched_blocks_that_the_disk_refuses_leave_the_tier(dataset, tmp_path):
+    """Fetched blocks enter the tier before they are written; a block the disk cache refuses
+    leaves it again, so the tier still holds only what the disk holds."""
+    url, source = dataset
+    args = ["--block-size", "64KiB", "--merge-gap", "0", "--memory-cache", "1MiB"]
+    with start_service({"train": url}, cache_dir=tmp_path / "cache", args=args) as svc:
+        (tmp_path / "cache" / dataset_id(url)).write_bytes(b"in the way")  # where its block files would go
+        read_all(svc.url, source, 0)
+        read_all(svc.url, source, 1)
+        deadline = time.monotonic() + 30  # the answers may go out before the writes fail
+        while (m := metrics(svc.url))["shardfeed_memory_cache_bytes"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert m["shardfeed_memory_cache_bytes"] == 0
+        assert m["shardfeed_cache_write_errors_total"] > 0
+        assert m["shardfeed_cache_blocks"] == 0
 
 
 def test_a_memory_cache_larger_than_the_ram_is_refused_with_one_line(tmp_path):

@@ -69,6 +69,10 @@ def test_write_read_list_head_round_trip(bucket):
             await store.write("a one+.bin", DATA)
             assert await store.read("a one+.bin") == DATA
             assert await store.read_range("a one+.bin", 1000, 65536) == DATA[1000:1000 + 65536]
+            pieces = await store.read_pieces("a one+.bin", 1000, 65536 + 7, 16384)
+            assert [len(p) for p in pieces] == [16384] * 4 + [7]
+            assert b"".join(pieces) == DATA[1000:1000 + 65536 + 7]
+            assert await store.read_pieces("a one+.bin", 5, 100, 4096) == [DATA[5:105]]
             head = await store.head("b/two.bin")
             assert (head.path, head.size, head.etag) == ("b/two.bin", 6, hashlib.md5(b"second").hexdigest())
             listed = [(o.path, o.size) for o in await store.list()]
@@ -78,8 +82,8 @@ def test_write_read_list_head_round_trip(bucket):
             return store.requests, store.bytes_read
 
     requests, bytes_read = run(go())
-    assert requests == 7  # 2 PUT, GET, ranged GET, HEAD, 2 list pages
-    assert bytes_read > len(DATA) + 65536  # the two reads plus the two listing pages
+    assert requests == 9  # 2 PUT, GET, 3 ranged GETs, HEAD, 2 list pages
+    assert bytes_read > len(DATA) + 2 * 65536  # the reads plus the two listing pages
 
 
 @pytest.mark.both_s3
@@ -190,8 +194,10 @@ def test_cut_bodies_are_retried_and_never_returned(via_proxy, proxy, kind):
         assert await store.read_range("shard.bin", 100, 100_000) == DATA[100:100_100]
         proxy.inject(kind, count=1, match="^GET ")
         assert await store.read("shard.bin") == DATA
-        assert store.retries == 3
-        assert proxy.counts[f"fault:{kind}"] >= 3
+        proxy.inject(kind, count=1, match="^GET ")
+        assert b"".join(await store.read_pieces("shard.bin", 100, 100_000, 8192)) == DATA[100:100_100]
+        assert store.retries == 4
+        assert proxy.counts[f"fault:{kind}"] >= 4
 
     via_proxy(body)
 
@@ -201,6 +207,8 @@ def test_a_body_cut_on_every_try_is_a_short_read(via_proxy, proxy):
         proxy.inject("truncate", count=None, match="^GET ")
         with pytest.raises(ShortRead, match="shard.bin: body cut short.*after 4 attempts"):
             await store.read_range("shard.bin", 0, 100_000)
+        with pytest.raises(ShortRead, match="shard.bin: body cut short.*after 4 attempts"):
+            await store.read_pieces("shard.bin", 0, 100_000, 8192)
 
     via_proxy(body)
 

@@ -62,6 +62,17 @@ class Store(ABC):
     async def read_range(self, path: str, offset: int, size: int) -> bytes:
         """Exactly ``size`` bytes of ``path`` from ``offset``; ``ShortRead`` otherwise."""
 
+    async def read_pieces(self, path: str, offset: int, size: int, piece: int) -> list[bytes]:
+        """``read_range`` as consecutive pieces of ``piece`` bytes (the last may be shorter),
+        each an object of its own: a cache can keep any piece without the others' bytes.
+        This default splits one read with a copy; backends that can fill the pieces as the
+        bytes arrive do so."""
+        data = await self.read_range(path, offset, size)
+        if size <= piece:
+            return [data]
+        view = memoryview(data)
+        return [bytes(view[at:at + piece]) for at in range(0, size, piece)]
+
     @abstractmethod
     async def read(self, path: str) -> bytes:
         """The whole object."""

@@ -22,21 +22,22 @@ class FileStore(Store):
             raise InvalidPath(f"object path {path!r} escapes the dataset root {self.url}")
         return full
 
-    def _read_range(self, path: str, offset: int, size: int) -> bytes:
+    def _read_pieces(self, path: str, offset: int, size: int, piece: int) -> list[bytes]:
         full = self._resolve(path)
         try:
             with open(full, "rb") as f:
                 f.seek(offset)
-                data = f.read(size)
+                pieces = [f.read(min(piece, size - at)) for at in range(0, size, piece)] if size else [b""]
         except FileNotFoundError:
             raise ObjectNotFound(f"{self.url}/{path}: no such object") from None
         except IsADirectoryError:
             raise ObjectNotFound(f"{self.url}/{path}: is a directory") from None
         except OSError as err:
             raise StoreError(f"{self.url}/{path}: {err.strerror}") from None
-        if len(data) != size:
-            raise ShortRead(f"{self.url}/{path}: wanted {size} bytes at {offset}, got {len(data)}")
-        return data
+        got = sum(map(len, pieces))
+        if got != size:
+            raise ShortRead(f"{self.url}/{path}: wanted {size} bytes at {offset}, got {got}")
+        return pieces
 
     def _read(self, path: str) -> bytes:
         full = self._resolve(path)
@@ -89,7 +90,10 @@ class FileStore(Store):
         return ObjectInfo(clean_path(path), st.st_size)
 
     async def read_range(self, path: str, offset: int, size: int) -> bytes:
-        return await asyncio.to_thread(self._read_range, path, offset, size)
+        return (await asyncio.to_thread(self._read_pieces, path, offset, size, max(size, 1)))[0]
+
+    async def read_pieces(self, path: str, offset: int, size: int, piece: int) -> list[bytes]:
+        return await asyncio.to_thread(self._read_pieces, path, offset, size, piece)
 
     async def read(self, path: str) -> bytes:
         return await asyncio.to_thread(self._read, path)

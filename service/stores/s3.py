@@ -326,18 +326,42 @@ class S3Store(Store):
         self.bytes_read += len(data)
         return data
 
+    async def _pieces(self, resp: aiohttp.ClientResponse, name: str, size: int, piece: int) -> list[bytes]:
+        """The body of a ranged read as pieces of ``piece`` bytes, each filled as its bytes
+        arrive: no copy of the whole body to split afterwards."""
+        if resp.content_length != size:  # unknown length: bounded by ``_body``, then split
+            data = await self._body(resp, name, size)
+            return [data[at:at + piece] for at in range(0, size, piece)]
+        try:
+            pieces = [await resp.content.readexactly(min(piece, size - at)) for at in range(0, size, piece)]
+        except (aiohttp.ClientPayloadError, asyncio.IncompleteReadError) as err:
+            reason = getattr(err.__cause__, "message", None) or str(err)
+            raise _Truncated(f"{name}: body cut short ({' '.join(reason.split())})") from None
+        self.bytes_read += size
+        return pieces
+
     # -- the Store interface ----------------------------------------------------------
 
     async def read_range(self, path: str, offset: int, size: int) -> bytes:
+        if size == 0 and offset >= 0:
+            return b""
+        return await self._ranged(path, offset, size, lambda resp, name: self._body(resp, name, size))
+
+    async def read_pieces(self, path: str, offset: int, size: int, piece: int) -> list[bytes]:
+        if size <= piece:
+            return [await self.read_range(path, offset, size)]
+        return await self._ranged(path, offset, size, lambda resp, name: self._pieces(resp, name, size, piece))
+
+    async def _ranged(self, path: str, offset: int, size: int,
+                      body: Callable[[aiohttp.ClientResponse, str], Awaitable[T]]) -> T:
+        """A ranged GET of ``size`` bytes from ``offset``, its body read by ``body``."""
         if offset < 0 or size < 0:
             raise ValueError(f"read_range({path!r}, {offset}, {size}): negative offset or size")
         key = self._key(path)
-        if size == 0:
-            return b""
         last = offset + size - 1
         object_url = self._object_url(key)
 
-        async def check(resp: aiohttp.ClientResponse) -> bytes:
+        async def check(resp: aiohttp.ClientResponse) -> T:
             if resp.status == 200:  # Range ignored: fine only if the object is exactly the range
                 if offset != 0 or resp.content_length != size:
                     raise _Truncated(f"{object_url}: server ignored Range bytes={offset}-{last}")
@@ -353,7 +377,7 @@ class S3Store(Store):
                 if (int(start), int(end)) != (offset, last):
                     raise _Truncated(f"{object_url}: asked bytes {offset}-{last}, "
                                      f"got Content-Range {start}-{end}")
-            data = await self._body(resp, object_url, size)
+            data = await body(resp, object_url)
             etag = resp.headers.get("ETag")
             if etag:  # every range of an object must come from the version first read
                 pinned = self._etags.setdefault(key, etag)
