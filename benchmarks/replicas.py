@@ -219,15 +219,15 @@ def _alternating(single: ServiceProcess, replicas: list[ServiceProcess], orders:
     efficiency, and its efficiency against the single service at batches of ``part``; and the
     single service's cost of a request, fitted from its two batch sizes."""
     batches = _batches(orders, batch)
-    parts = _batches(orders, part)
+    small_batches = _batches(orders, part)
     owned = _owned_parts(replicas, batches)
     ratios: list[list[tuple[float, float, float]]] = [[] for _ in replicas]
     per_request: list[tuple[float, float]] = []
     with Client(single.url) as client:
         for r in range(rounds):
             whole = Phase(sum(map(len, batches)), *_epochs(client, [single], batches, threads))
-            small = Phase(whole.samples, *_epochs(client, [single], parts, threads))
-            per_request.append((1e6 * small.nodes[0].cpu / len(parts), 1e6 * whole.nodes[0].cpu / len(batches)))
+            small = Phase(whole.samples, *_epochs(client, [single], small_batches, threads))
+            per_request.append((1e6 * small.nodes[0].cpu / len(small_batches), 1e6 * whole.nodes[0].cpu / len(batches)))
             _report(f"round {r}: 1 service, warm", whole, None)
             _report(f"round {r}: 1 service, warm, batch {part} (a routed part's size)", small, None)
             for i, (replica, parts) in enumerate(zip(replicas, owned)):
