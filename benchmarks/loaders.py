@@ -7,7 +7,10 @@ shards for ``shardfeed serve`` and as Streaming's MDS shards. Each loader runs
 ``DataLoader(batch_size=64, num_workers=4)``, shuffled, for two epochs: the first on
 cold caches (a fresh service cache; a fresh Streaming local directory), the second warm.
 Rounds alternate the loaders; the medians are printed with the shardfeed/Streaming
-ratios. Every batch is checked: each sample's ``bin`` is compared with the bytes seeded.
+ratios, and the median and range of the ratios within each round. Every batch is
+checked: each sample's ``bin`` is compared with the bytes seeded. A Streaming round that
+raises (its reader once failed here with "Relative sample index ... is not present" on a
+cold local directory) is printed and left out of the medians; the run goes on.
 Each epoch also reports the CPU it cost per sample, in microseconds, by party: the
 training process (which checks the samples), the DataLoader workers and, for shardfeed,
 the service. On a shared machine, these move less with the load than samples/s do.
@@ -199,11 +202,17 @@ def main(argv=None) -> int:
                         str(args.samples), "--size", args.size, "--shard-size", args.shard_size,
                         "--fields", "bin,cls"], check=True, env=env)
         remote = write_mds(streaming, server, args.samples, sizes, shard_size, tmp) if streaming else None
-        results: dict[str, list[list[Epoch]]] = {k: [] for k in kinds}
+        results: dict[str, list[list[Epoch] | None]] = {k: [] for k in kinds}
         for r in range(args.rounds):
             for kind in (kinds if r % 2 == 0 else kinds[::-1]):
                 if kind == "streaming":
-                    rates = streaming_round(streaming, remote, tmp / f"local-{r}", sizes, seed=r)
+                    try:
+                        rates = streaming_round(streaming, remote, tmp / f"local-{r}", sizes, seed=r)
+                    except Exception as err:  # noqa: BLE001 - the other loader's fault ends its round, not the run
+                        results[kind].append(None)
+                        print(f"round {r + 1} {kind:20s} failed, left out of the medians: "
+                              f"{type(err).__name__}: {err}", flush=True)
+                        continue
                 else:
                     with start_service({"bench": "s3://bench/data"}, cache_dir=tmp / f"cache-{kind}-{r}",
                                        env=server.env(), workers=args.service_workers,
@@ -217,21 +226,36 @@ def main(argv=None) -> int:
           f"{' '.join([str(args.service_workers), *args.serve_arg])}"
           f"{'; baseline: ' + ' '.join(args.baseline_serve_arg) if args.baseline_serve_arg else ''}; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    medians = {k: [statistics.median(r[e].rate for r in v) for e in range(2)] for k, v in results.items()}
+    done = {k: [r for r in v if r is not None] for k, v in results.items()}
+    done = {k: v for k, v in done.items() if v}  # a loader with no round left has no median
+    medians = {k: [statistics.median(r[e].rate for r in v) for e in range(2)] for k, v in done.items()}
     for kind, (cold, warm) in medians.items():
         ratio = ""
         if "streaming" in medians and kind != "streaming":
             base = medians["streaming"]
-            ratio = f"   {cold / base[0]:.2f}x / {warm / base[1]:.2f}x Streaming"
+            ratio = (f"   {cold / base[0]:.2f}x / {warm / base[1]:.2f}x Streaming "
+                     f"(per round {paired_ratios(results[kind], results['streaming'])})")
         if kind == "shardfeed-map" and BASELINE in medians:
             base = medians[BASELINE]
             ratio += f"   {cold / base[0]:.2f}x / {warm / base[1]:.2f}x the baseline"
         print(f"{kind:20s} cold {cold:8.0f}  warm {warm:8.0f} samples/s{ratio}")
     print(f"\nCPU per sample, us ({' + '.join(PARTIES)}), medians:")
-    for kind, rounds in results.items():
+    for kind, rounds in done.items():
         cpu = [{p: statistics.median(r[e].cpu[p] for r in rounds) for p in PARTIES} for e in range(2)]
         print(f"{kind:20s} cold {_parts(cpu[0])}   warm {_parts(cpu[1])}")
     return 0
+
+
+def paired_ratios(rounds: list[list[Epoch] | None], base: list[list[Epoch] | None]) -> str:
+    """The median and range of the ratios within each round, cold / warm: a round's loaders run
+    one after the other, so load that drifts over the whole run moves them alike. A round
+    that failed (``None``) has no ratio."""
+    pairs = [(r, b) for r, b in zip(rounds, base) if r is not None and b is not None]
+    spans = []
+    for e in range(2):
+        ratios = [r[e].rate / b[e].rate for r, b in pairs]
+        spans.append(f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
+    return " / ".join(spans)
 
 
 def _parts(cpu: dict[str, float]) -> str:

@@ -11,7 +11,10 @@ blocks up front (``prefetch``), so they merge across the groups it is streamed i
 With replicas or workers, members of shards owned by another replica or sibling worker
 are sent to that owner as one sub-batch, and read from the store here if the owner
 fails (``peers.py``). A sibling worker's blocks are first read from its cache directory
-(``siblings.py``): only the members of blocks it has not cached cross its socket.
+(``siblings.py``): only the members of blocks it has not cached cross its socket. While a
+sibling is down (restarting), its directory is still read first; what is not there is read
+by the live worker that stands in as the owner of its shards, and cached in that worker's
+own directory: a worker's directory has no other writer.
 
 With plans (``service/plans/``), ``fetch_policy`` says which missing blocks are worth
 fetching whole; the members in the others are read as ranges (``ranges.py``).
@@ -88,37 +91,51 @@ class Coalescer:
             return await self._read_local(dataset, members)
         rows = np.flatnonzero(members.found)
         owner = np.full(len(members), self.cluster.me)
-        owner[rows] = self.cluster.owners(dataset.url, dataset.index.shards, members.shard[rows],
-                                          within_host=scope == "host")
+        home = np.full(len(members), -1)
+        shards = dataset.index.shards
+        owner[rows] = self.cluster.owners(dataset.url, shards, members.shard[rows], within_host=scope == "host")
+        home[rows] = self.cluster.down_homes(dataset.url, shards, members.shard[rows], owner[rows])
         out: list = [None] * len(members)
-        groups = [np.flatnonzero(owner == node) for node in np.unique(owner).tolist()]
-        results = await asyncio.gather(*(self._read_at(int(owner[g[0]]), dataset, take(members, g))
-                                         for g in groups))
+        nodes = len(self.cluster.peers) + 1
+        pair = owner * nodes + home + 1  # one number per (owner, home) pair
+        keys = np.unique(pair).tolist()
+        groups = [np.flatnonzero(pair == key) for key in keys]
+        results = await asyncio.gather(*(self._read_at(key // nodes, dataset, take(members, g), home=key % nodes - 1)
+                                         for key, g in zip(keys, groups)))
         for group, result in zip(groups, results):
             for row, payload in zip(group.tolist(), result):
                 out[row] = payload
         return out
 
-    async def _read_at(self, node: int, dataset: Dataset, members: Members) -> list:
+    async def _read_at(self, node: int, dataset: Dataset, members: Members, *, home: int = -1) -> list:
+        """The members from their owner ``node``; those of shards whose ``home`` worker is down
+        first from its block files, which stay there while it restarts (nothing is written
+        there but by it: what they lack is read and cached by ``node``)."""
+        if home in self.siblings:
+            return await self._files_first(home, dataset, members, lambda rest: self._read_at(node, dataset, rest))
         if node == self.cluster.me:
             return await self._read_local(dataset, members)
-        out: list = [None] * len(members)
-        rows = np.arange(len(members))
         if node in self.siblings:
-            out = await self._read_sibling_files(node, dataset, members)
-            rows = np.flatnonzero([payload is _ASK_OWNER for payload in out])
-            if not len(rows):
-                return out
-            members = take(members, rows)
+            return await self._files_first(node, dataset, members, lambda rest: self._ask(node, dataset, rest))
+        return await self._ask(node, dataset, members)
+
+    async def _files_first(self, sibling: int, dataset: Dataset, members: Members, rest) -> list:
+        """The members from a sibling's block files where they are, the others from ``rest(members)``."""
+        out = await self._read_sibling_files(sibling, dataset, members)
+        rows = np.flatnonzero([payload is _ASK_OWNER for payload in out])
+        if len(rows):
+            for row, payload in zip(rows.tolist(), await rest(take(members, rows))):
+                out[row] = payload
+        return out
+
+    async def _ask(self, node: int, dataset: Dataset, members: Members) -> list:
+        """The members from another node; from the store here if it fails."""
         try:
-            payloads = await self.cluster.reader(node).read(dataset.name, members)
+            return await self.cluster.reader(node).read(dataset.name, members)
         except PeerError as err:
             log.warning("reading %d members from the store instead: %s", len(members), err)
             self.metrics.peer_fallbacks.inc(len(members))
-            payloads = await self._read_local(dataset, members)
-        for row, payload in zip(rows.tolist(), payloads):
-            out[row] = payload
-        return out
+            return await self._read_local(dataset, members)
 
     async def _read_sibling_files(self, node: int, dataset: Dataset, members: Members) -> list:
         """The members of a sibling's shards, from RAM or its cache directory (``siblings.py``);
@@ -259,12 +276,20 @@ class Coalescer:
         if not self.cache.writable:
             return
         if self.cluster is not None and dataset.owned:
-            rows = np.flatnonzero(members.found)
-            owners = self.cluster.owners(dataset.url, dataset.index.shards, members.shard[rows])
-            members = take(members, rows[owners == self.cluster.me])
+            members = take(members, self.own_rows(dataset, members))
         pairs = self.whole_blocks_wanted(dataset, plan_pieces(members, self.block_size))
         if len(pairs) * self.block_size <= self.cache.capacity // 4:
             self._start_fetches(dataset, pairs, skip_cached=True)
+
+    def own_rows(self, dataset: Dataset, members: Members) -> np.ndarray:
+        """The found rows of ``members`` that this node owns and reads from the store: not
+        those of a down sibling's shards, which its block files may still hold."""
+        rows = np.flatnonzero(members.found)
+        codes = members.shard[rows]
+        owners = self.cluster.owners(dataset.url, dataset.index.shards, codes)
+        mine = (owners == self.cluster.me) & (self.cluster.down_homes(dataset.url, dataset.index.shards, codes,
+                                                                      owners) < 0)
+        return rows[mine]
 
     def held_blocks(self, keys, *, all_or_none: bool = False) -> dict[BlockKey, memoryview]:
         """The blocks among ``keys`` that the RAM tier holds, as views (no copy, no thread), in

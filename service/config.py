@@ -49,6 +49,8 @@ class WorkerPlace:
     """Per worker, its Unix socket for sub-batches from siblings."""
     cache_dirs: tuple[Path, ...]
     """Per worker, its block cache directory, which its siblings read (``siblings.py``)."""
+    counter_dirs: tuple[Path, ...]
+    """Per worker, where its counters are kept across its restarts (``keptcounters.py``)."""
 
 
 @dataclass
@@ -76,6 +78,11 @@ class ServiceConfig:
 
     worker: WorkerPlace | None = None
     """This process's place among the workers; ``None`` outside ``--workers`` (N > 1)."""
+
+    restart_pause: float = 0.1
+    """Seconds before a dead worker is restarted, doubling while it keeps dying (up to 10 s, or
+    this if longer; at least 0.01, so that the pause can grow). Meanwhile its siblings serve its
+    shards: from its block files where they are, else from the store."""
 
     cache_dir: Path = Path(".shardfeed/cache")
     """Block cache directory, ideally on local NVMe. One service process per directory."""
@@ -200,7 +207,8 @@ class ServiceConfig:
             raise ValueError(f"--memory-cache {format_size(self.memory_cache)} is more than this machine's "
                              f"RAM ({format_size(ram)})")
         limits = [("max_plans", 0, 1 << 16), ("max_plan_samples", 1, 1 << 31), ("plan_ttl", 1, 86400 * 7),
-                  ("plan_ahead", 0, 1 << 40), ("plan_memory", 0, 1 << 40), ("range_gap", 0, 1 << 30)]
+                  ("plan_ahead", 0, 1 << 40), ("plan_memory", 0, 1 << 40), ("range_gap", 0, 1 << 30),
+                  ("restart_pause", 0.01, 3600)]
         for name, low, high in limits:
             value = getattr(self, name)
             if not low <= value <= high:

@@ -9,23 +9,25 @@ sample; gauges are added too, except those in ``GAUGE_MODES`` (the replicas a wo
 up is a host's view, not a quantity: the lowest is reported), and the coalescing factor is
 recomputed from the summed counters.
 
-A sibling that is down, restarting or slow is left out rather than waited for:
-``shardfeed_workers_reporting`` says how many workers the sums hold, next to
-``shardfeed_workers``. Leaving one out makes the sums dip, which Prometheus reads as a
-counter reset, as it does when a lone service restarts; a scraper that wants exact
-series per process scrapes each worker's own URL instead.
+A sibling that is down, restarting or slow is not waited for: its counters and histograms
+are read from the files it keeps them in (``keptcounters.py``), its gauges are left out.
+So no counter of the host goes down while a worker restarts (Prometheus would read that as
+a reset), and the gauges describe the live workers. ``shardfeed_workers_reporting`` says
+how many workers answered (their gauges are in the sums), next to ``shardfeed_workers``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 import aiohttp
 from prometheus_client import generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from .keptcounters import KeptCounters
 from .metrics import Metrics
 from .peers import Cluster
 
@@ -46,8 +48,17 @@ async def from_siblings(cluster: Cluster, path: str, params: list[tuple[str, str
     """Each sibling worker's answer to ``GET path`` over its Unix socket, all asked at once;
     ``None`` for one that did not answer 200 with at most ``SIBLING_LIMIT`` bytes within
     ``SIBLING_TIMEOUT``."""
-    siblings = [node for node in range(len(cluster.workers)) if node != cluster.me]
-    return list(await asyncio.gather(*(_from_sibling(cluster, node, path, params) for node in siblings)))
+    return list(await asyncio.gather(*(_from_sibling(cluster, node, path, params) for node in _siblings(cluster))))
+
+
+def _siblings(cluster: Cluster) -> list[int]:
+    return [node for node in range(len(cluster.workers)) if node != cluster.me]
+
+
+def sibling_counters(cluster: Cluster) -> list[Path | None]:
+    """Each sibling worker's kept-counter directory (``keptcounters.py``), in the order of
+    ``from_siblings``: where its counters are read when it does not answer."""
+    return [cluster.workers[node].counters for node in _siblings(cluster)]
 
 
 async def _from_sibling(cluster: Cluster, node: int, path: str, params: list[tuple[str, str]] | None) -> bytes | None:
@@ -69,17 +80,24 @@ async def sibling_texts(cluster: Cluster) -> list[str | None]:
     return [None if body is None else body.decode(errors="replace") for body in await from_siblings(cluster, "/metrics")]
 
 
-def summed(metrics: Metrics, texts: list[str | None]) -> bytes:
+def summed(metrics: Metrics, texts: list[str | None], kept: list[Path | None] | None = None) -> bytes:
     """This worker's metrics and its siblings' (``texts``, as ``sibling_texts`` returns them)
-    summed into one Prometheus text exposition."""
+    summed into one Prometheus text exposition; a sibling whose text is missing or unreadable
+    adds the counters kept in its directory in ``kept`` (``sibling_counters``). Reads those
+    files: call it in a thread."""
     families: dict[str, Metric] = {}
     values: dict[str, dict[tuple, float]] = {}
     sources = [metrics.registry.collect()]
-    for text in filter(None, texts):
-        try:
-            sources.append(list(text_string_to_metric_families(text)))
-        except ValueError as err:  # not Prometheus text: that sibling is left out like a silent one
-            log.warning("metrics of a sibling worker left out, unreadable: %s", err)
+    silent = []
+    for text, directory in zip(texts, kept or [None] * len(texts)):
+        parsed = _parsed(text)
+        if parsed is not None:
+            sources.append(parsed)
+        elif directory is not None:
+            silent.append(directory)
+    reporting = len(sources)
+    if silent:
+        sources.append(KeptCounters(silent).collect())
     for source in sources:
         for family in source:
             merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
@@ -101,9 +119,21 @@ def summed(metrics: Metrics, texts: list[str | None]) -> bytes:
                                                            samples / reads if reads else 0.0)
     workers = Metric("shardfeed_workers", "Worker processes of this host", "gauge")
     workers.add_sample("shardfeed_workers", {}, 1 + len(texts))
-    reporting = Metric("shardfeed_workers_reporting", "Workers whose figures these sums hold", "gauge")
-    reporting.add_sample("shardfeed_workers_reporting", {}, len(sources))
-    return generate_latest(_Families([*families.values(), workers, reporting]))
+    answered = Metric("shardfeed_workers_reporting", "Workers that answered: their gauges are in these sums "
+                      "(the others' counters come from their kept files)", "gauge")
+    answered.add_sample("shardfeed_workers_reporting", {}, reporting)
+    return generate_latest(_Families([*families.values(), workers, answered]))
+
+
+def _parsed(text: str | None) -> list[Metric] | None:
+    """A sibling's metric families; ``None`` when it sent none, or no Prometheus text."""
+    if text is None:
+        return None
+    try:
+        return list(text_string_to_metric_families(text))
+    except ValueError as err:
+        log.warning("metrics of a sibling worker left out, unreadable: %s", err)
+        return None
 
 
 class _Families:

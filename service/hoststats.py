@@ -11,8 +11,10 @@ their percentiles), and the per-second series are added point by point (the work
 recorders tick on the same boundaries of the host's monotonic clock). Requests in flight
 and their limits, the cache's capacity and the plans are the workers' together; the
 datasets, replicas and workers are the answering worker's view, the same on every worker.
-A sibling that does not answer in time is left out; ``workers_reporting`` says how many
-are in the sums.
+A sibling that does not answer in time is not waited for: its counter totals are read
+from the files it keeps them in (``keptcounters.py``), so no total goes down while a worker
+restarts; its rates, levels and series are left out; ``workers_reporting`` says how many
+answered.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from .hostmetrics import from_siblings
+from .hostmetrics import from_siblings, sibling_counters
+from .keptcounters import KeptCounters
 from .peers import Cluster
-from .stats import COLUMNS, Reading, StatsRecorder, latency_summary
+from .stats import COLUMNS, Reading, StatsRecorder, latency_summary, read_registry
 
 if TYPE_CHECKING:
     from .api.common import State
@@ -62,18 +65,26 @@ async def sibling_figures(cluster: Cluster, spans: tuple[float, ...], since: flo
     return out
 
 
+def kept_values(cluster: Cluster, figures: list[dict | None]) -> dict[str, float]:
+    """The counters kept by the siblings whose ``figures`` (``sibling_figures``) are missing,
+    summed over labels and workers as ``Reading.values`` are. Reads files: call it in a thread."""
+    silent = [directory for part, directory in zip(figures, sibling_counters(cluster))
+              if part is None and directory is not None]
+    return read_registry(KeptCounters(silent))[0] if silent else {}
+
+
 class HostRecorder:
     """Workers' figures (``worker_figures``, this worker's first) summed, read through the
     methods of ``StatsRecorder`` that the status document uses."""
 
-    def __init__(self, own: StatsRecorder, parts: list[dict]):
+    def __init__(self, own: StatsRecorder, parts: list[dict], kept: dict[str, float] | None = None):
         self.interval = own.interval
         self.window = own.window
         self.started = min(part["started"] for part in parts)
         self.parts = parts
         values: dict[str, float] = {}
-        for part in parts:
-            for name, value in part["values"].items():
+        for counted in [*(part["values"] for part in parts), kept or {}]:  # kept: the silent workers' counters
+            for name, value in counted.items():
                 values[name] = values.get(name, 0.0) + value
         times = [part["time"] for part in parts if part["time"] is not None]
         self.latest = Reading(max(times), 0.0, values, {}) if times else None

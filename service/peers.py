@@ -11,7 +11,9 @@ The coalescer sends the members of shards owned elsewhere to their owner in one
 ``POST /v1/internal/read`` per owner: over TCP to another replica, over a Unix socket to
 a sibling worker (``PeerReader``), for the blocks that sibling has not cached (those it
 has are read from its directory, ``siblings.py``). If the owner is down or misses the deadline, the
-members are read from the store here instead, so no sample is lost.
+members are read from the store here instead, so no sample is lost. While a sibling worker
+is down, its shards have a stand-in owner (the next live worker by the same hashing), but
+its directory is still read first (``down_homes``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class Peer:
     """A sibling worker's Unix socket: its sub-batches go there rather than to ``url``."""
     cache_dir: Path | None = None
     """A sibling worker's block cache directory, read directly (``siblings.py``)."""
+    counters: Path | None = None
+    """A sibling worker's kept counters, read while it does not answer (``keptcounters.py``)."""
 
 
 def parse_peers(spec: str, node_id: str) -> tuple[list[Peer], int]:
@@ -113,7 +117,7 @@ def build_cluster(config: ServiceConfig, metrics: Metrics) -> Cluster | None:
     if config.worker is not None:
         place = config.worker
         workers = [Peer(f"w{i}", f"{scheme}://{host}:{port}", socket=path,
-                        cache_dir=place.cache_dirs[i])
+                        cache_dir=place.cache_dirs[i], counters=place.counter_dirs[i])
                    for i, (port, path) in enumerate(zip(place.ports, place.sockets))]
         worker = place.index
     return Cluster(hosts, me, metrics, workers=workers, worker=worker, token=min(config.tokens, default=None),
@@ -227,6 +231,18 @@ class Cluster:
             owner[mine] = _first_live(ranks, self.workers, self.me)
         self._owners[dataset_url, within_host] = owner
         return owner
+
+    def down_homes(self, dataset_url: str, shards: list[str], shard_codes: np.ndarray,
+                   owner: np.ndarray) -> np.ndarray:
+        """Per shard code, the sibling worker that owns it while every worker is up, where that
+        worker is down now and ``owner`` (its owner from ``owners``) stands in for it; -1
+        elsewhere. A down worker's block files stay in its directory while it restarts."""
+        home = np.full(len(shard_codes), -1, dtype=np.int64)
+        here = owner < len(self.workers)  # the others are replicas': their hosts sort them out
+        if len(self.workers) > 1 and here.any():
+            first = self.rank(dataset_url, shards, "workers")[shard_codes[here], 0]
+            home[here] = np.where(first != owner[here], first, -1)
+        return home
 
     def host_of(self, nodes: np.ndarray) -> np.ndarray:
         """The replica (position in ``hosts``) of each node."""

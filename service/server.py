@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="processes serving this host, all on --port, each owning a share of the "
                              "shards and of --cache-size; 1 serves from one process (default: the "
                              "usable cores, %(default)s)")
+    parser.add_argument("--restart-pause", type=float, default=defaults.restart_pause, metavar="SECONDS",
+                        help="pause before a dead worker is restarted, doubling while it keeps dying, "
+                             "up to 10 s or this (default: %(default)s)")
     parser.add_argument("--dataset", action="append", default=[], metavar="NAME=URL",
                         help="serve the dataset at URL (file:// or s3://) as NAME; repeatable. "
                              "Default: the embedded digits dataset under --data-dir")
@@ -197,9 +200,9 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         max_batch=args.max_batch, max_inflight_batches=args.max_inflight_batches,
         max_inflight_samples=args.max_inflight_samples, tokens=frozenset(tokens),
         tls_cert=args.tls_cert, tls_key=args.tls_key, node_id=args.node_id, peers=args.peers,
-        peer_timeout=args.peer_timeout, workers=args.workers, max_plans=args.max_plans,
-        max_plan_samples=args.max_plan_samples, plan_ttl=args.plan_ttl, plan_ahead=args.plan_ahead,
-        plan_memory=args.plan_memory, range_gap=args.range_gap,
+        peer_timeout=args.peer_timeout, workers=args.workers, restart_pause=args.restart_pause,
+        max_plans=args.max_plans, max_plan_samples=args.max_plan_samples, plan_ttl=args.plan_ttl,
+        plan_ahead=args.plan_ahead, plan_memory=args.plan_memory, range_gap=args.range_gap,
     )
 
 
@@ -226,6 +229,7 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
     from .api import create_app
     from .cache import BlockCache
     from .datasets import open_dataset
+    from .keptcounters import restore_series
     from .metrics import Metrics
     from .protocol import BoundedHeadProtocol
     from .stores import open_store
@@ -233,6 +237,8 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
     if not config.datasets and not config.buckets:
         config.datasets = {DEFAULT_DATASET: await ensure_default_dataset(data_dir)}
     metrics = Metrics()
+    if config.worker is not None:  # a restarted worker: its predecessor's counters count on (workers.py)
+        await asyncio.to_thread(restore_series, metrics, config.worker.counter_dirs[config.worker.index])
     cache = BlockCache(config.cache_dir, config.cache_size, config.block_size, metrics,
                        direct_writes=config.direct_writes)
     await asyncio.to_thread(cache.open)

@@ -199,15 +199,21 @@ class StatsRecorder:
         seconds (``window_s``: the exact span); None where nothing was observed."""
         return latency_summary(self.window_buckets(), self.bounds)
 
+    def _tick(self) -> None:
+        try:
+            self.record()
+        except Exception:  # a bad reading must not end the history for good
+            log.exception("stats: reading the metrics failed")
+
     async def _loop(self) -> None:
         while True:
-            try:
-                self.record()
-            except Exception:  # a bad reading must not end the history for good
-                log.exception("stats: reading the metrics failed")
             await asyncio.sleep(self.interval - (time.monotonic() % self.interval))
+            self._tick()
 
     def start(self) -> None:
+        # The first reading before any request: figures asked for at once hold the counters
+        # (a restarted worker's carry on from its predecessor's, ``keptcounters.py``).
+        self._tick()
         self._task = asyncio.create_task(self._loop())
 
     async def close(self) -> None:

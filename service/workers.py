@@ -15,9 +15,13 @@ The supervisor (this module, the process ``serve`` started as) holds every port 
 service's lifetime, bound but not listening: no other program takes a port while its
 worker restarts, and a connection to a dead worker's own port is refused at once
 instead of waiting in a queue nobody reads. It restarts a worker that dies, after a
-pause that grows while the worker keeps dying; meanwhile the siblings find it down and
-read its shards from the store. SIGTERM or SIGINT is passed on to every worker, which
-drains its connections; the supervisor exits 0 once all are gone.
+pause (``--restart-pause``) that grows while the worker keeps dying; meanwhile the
+siblings find it down and serve its shards: from its block files while they are there
+(read-only: a dead worker's directory is written by nobody, and its successor reopens
+it), else from the store (``coalescer.py``). Each worker's counters are kept in files in
+the supervisor's run directory, so the host's sums never go down while a worker restarts
+(``keptcounters.py``). SIGTERM or SIGINT is passed on to every worker, which drains its
+connections; the supervisor exits 0 once all are gone.
 """
 
 from __future__ import annotations
@@ -37,13 +41,16 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from .config import ServiceConfig, WorkerPlace
+from .keptcounters import keep_counters
 
 log = logging.getLogger("shardfeed.workers")
 
-FIRST_PAUSE, LONGEST_PAUSE = 0.1, 10.0
-"""Seconds before a dead worker is restarted: doubling while it keeps dying, up to the longest."""
+LONGEST_PAUSE = 10.0
+"""Seconds a dead worker waits for its restart at most, unless ``--restart-pause`` is longer:
+the pause starts there and doubles while the worker keeps dying."""
 
 STABLE_AFTER = 30.0
 """A worker that served this long before dying is restarted after the first pause again."""
@@ -102,7 +109,7 @@ class _Worker:
     config: ServiceConfig
     process: multiprocessing.process.BaseProcess | None = None
     started: float = 0.0
-    pause: float = FIRST_PAUSE
+    pause: float = 0.0
     restart_at: float | None = None
     served: bool = False
     """Whether any run of this worker listened on its own port: a death before that is a
@@ -122,9 +129,12 @@ def supervise(config: ServiceConfig, serve_worker: Callable[[ServiceConfig], Non
     rundir = tempfile.mkdtemp(prefix="shardfeed-")  # short: a Unix socket path has 107 bytes at most
     sockets = tuple(os.path.join(rundir, f"w{i}.sock") for i in range(count))
     cache_dirs = tuple(config.cache_dir / f"worker-{i}" for i in range(count))
+    # In the run directory: counters live as long as this supervisor, as a lone service's do.
+    counter_dirs = tuple(Path(rundir) / f"w{i}.counters" for i in range(count))
     workers = [_Worker(replace(config, port=port, cache_dir=cache_dirs[i], cache_size=config.cache_size // count,
                                memory_cache=config.memory_cache // count,
-                               worker=WorkerPlace(i, ports, sockets, cache_dirs)))
+                               worker=WorkerPlace(i, ports, sockets, cache_dirs, counter_dirs)),
+                       pause=config.restart_pause)
                for i in range(count)]
     stop: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, frame: stop.append(signum))
@@ -161,11 +171,12 @@ def _watch(workers: list[_Worker], serve_worker: Callable[[ServiceConfig], None]
             index = worker.config.worker.index
             if not worker.served:
                 return index
-            worker.pause = FIRST_PAUSE if now - worker.started >= STABLE_AFTER else worker.pause
+            first = worker.config.restart_pause
+            worker.pause = first if now - worker.started >= STABLE_AFTER else worker.pause
             log.warning("worker %d (pid %d) exited with %s; restarting it in %.1f s", index, worker.process.pid,
                         _status(worker.process.exitcode), worker.pause)
             worker.process, worker.restart_at = None, now + worker.pause
-            worker.pause = min(2 * worker.pause, LONGEST_PAUSE)
+            worker.pause = min(2 * worker.pause, max(LONGEST_PAUSE, first))
         for worker in workers:
             if worker.process is None and worker.restart_at is not None and worker.restart_at <= now:
                 _start(worker, serve_worker)
@@ -188,6 +199,7 @@ def _worker_main(serve_worker: Callable[[ServiceConfig], None], config: ServiceC
     with contextlib.suppress(OSError, AttributeError):  # a worker never outlives its supervisor
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     try:
+        keep_counters(config.worker.counter_dirs[config.worker.index])  # before the service makes its metrics
         serve_worker(config)
     except Exception as err:  # noqa: BLE001 - one line, as the CLI prints its own errors
         message = " ".join(str(err).split()) or type(err).__name__

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from shardfeed.benchmarks.loaders import Epoch, paired_ratios
 from shardfeed.benchmarks.report import SCENARIOS
 from shardfeed.benchmarks.serverside import SKIP_NOTE
 
@@ -173,3 +174,26 @@ def test_the_loaders_benchmark_checks_every_sample_and_compares_two_configuratio
     refused = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.loaders", "--loaders", "petastorm"],
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "--loaders takes some of" in refused.stderr
+
+
+def test_the_loaders_benchmark_pairs_each_round_with_its_own_baseline():
+    def rounds(*rates):
+        return [[Epoch(cold, {}), Epoch(warm, {})] for cold, warm in rates]
+
+    ours = rounds((300, 600), (100, 400), (250, 500), (100, 100))
+    theirs = rounds((100, 300), (100, 100), (100, 250)) + [None]  # a round the other loader failed
+    assert paired_ratios(ours, theirs) == "2.50x (1.00-3.00) / 2.00x (2.00-4.00)"
+
+
+@pytest.mark.timeout(150)
+def test_the_restart_benchmark_sees_no_counter_of_the_host_go_down():
+    out = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.restart", "--samples", "600", "--shard-size",
+                          "256KiB", "--batch", "32", "--restart-pause", "1", "--memory-cache", "0", "--after", "0.5"],
+                         capture_output=True, text=True, timeout=140)
+    assert out.returncode == 0, out.stderr[-2000:]
+    down = re.search(r"worker down \d+\.\d\d s: store GETs (\d+), blocks read from its files by the survivor (\d+)",
+                     out.stdout)
+    assert down and int(down[2]) > 0, out.stdout
+    counted = re.search(r"with a counter down 0 \(largest drop of samples served 0\); samples served by the host "
+                        r"(\d+), received (\d+)", out.stdout)
+    assert counted and counted[1] == counted[2] != "0", out.stdout

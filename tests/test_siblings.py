@@ -5,16 +5,13 @@ instead, so every block is still cached once on the host."""
 from __future__ import annotations
 
 import random
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-import httpx
 import pytest
 
 from reliability_helpers import damage_block_file, expected_members
-from sample_data import dir_put, make_dataset
 from service_helpers import fetch_batch, hops, metrics
+from worker_helpers import cached_blocks, directory_dataset, owned_shards, sibling_blocks, worker_urls
 from shardfeed.service.blockfile import BlockFile
 from shardfeed.service.cache import BlockCache, BlockKey
 from shardfeed.service.metrics import Metrics
@@ -27,32 +24,7 @@ ARGS = ["--block-size", "64KiB", "--peer-timeout", "5"]
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("siblings-data")
-    source = make_dataset(dir_put(root), samples=SAMPLES, per_shard=20)  # 12 shards
-    return root.as_uri(), source
-
-
-def worker_urls(url: str) -> list[str]:
-    return [w["url"] for w in httpx.get(f"{url}/v1/cluster", timeout=10).json()["workers"]]
-
-
-def sibling_blocks(url: str, result: str) -> float:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-        lines = resp.read().decode().splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
-               if line.startswith("shardfeed_sibling_blocks_total{") and f'result="{result}"' in line)
-
-
-def cached_blocks(cache: Path, worker: int) -> set[str]:
-    return {p.name for p in (cache / f"worker-{worker}").glob("*/*.blk")}
-
-
-def owned_by(url: str, worker_url: str) -> list[int]:
-    """The samples whose shard a worker owns (from the routing table)."""
-    table = httpx.get(f"{url}/v1/datasets/train/routing", timeout=10).json()
-    ends = table["starts"][1:] + [SAMPLES]
-    return [i for start, end, owner in zip(table["starts"], ends, table["owner"]) if table["urls"][owner] == worker_url
-            for i in range(start, end)]
+    return directory_dataset(tmp_path_factory.mktemp("siblings-data"), SAMPLES)  # 12 shards
 
 
 # -- the reader, on real block files -----------------------------------------------------------
@@ -130,7 +102,7 @@ def test_a_bad_or_evicted_sibling_block_is_not_served_and_its_owner_is_asked(dat
     # No RAM tier: the owner reads its disk again, so it also finds the damage and refetches.
     with start_service({"train": url}, cache_dir=cache, workers=2, args=[*ARGS, "--memory-cache", "0"]) as svc:
         urls = worker_urls(svc.url)
-        theirs = owned_by(svc.url, urls[1])
+        theirs = [i for shard in owned_shards(svc.url, urls[1], SAMPLES) for i in shard]
         assert theirs and len(theirs) < SAMPLES
         assert fetch_batch(urls[1], theirs) == expected_members(source, "train", theirs)  # worker 1 caches them
         rng = random.Random(5)

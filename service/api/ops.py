@@ -7,7 +7,7 @@ import asyncio
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from ..hostmetrics import sibling_texts, summed
+from ..hostmetrics import sibling_counters, sibling_texts, summed
 from .common import AppState, on_public_port
 
 router = APIRouter(tags=["ops"])
@@ -25,7 +25,8 @@ async def prometheus(request: Request, state: AppState) -> Response:
     if not on_public_port(request, state):
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
     texts = await sibling_texts(state.cluster)
-    return Response(await asyncio.to_thread(summed, state.metrics, texts), media_type="text/plain; version=0.0.4")
+    body = await asyncio.to_thread(summed, state.metrics, texts, sibling_counters(state.cluster))
+    return Response(body, media_type="text/plain; version=0.0.4")
 
 
 @router.get("/v1/cluster")

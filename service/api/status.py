@@ -16,6 +16,7 @@ after its first call the page asks only for points newer than the last it has
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
@@ -27,7 +28,7 @@ import numpy as np
 from fastapi import APIRouter, Query, Request
 from starlette.responses import HTMLResponse, Response
 
-from ..hoststats import HostRecorder, sibling_figures, worker_figures
+from ..hoststats import HostRecorder, kept_values, sibling_figures, worker_figures
 from ..stats import RATES
 from .common import Admission, AppState, State, on_public_port
 
@@ -64,7 +65,7 @@ async def stats(request: Request, state: AppState, since: float | None = Query(
         spans = (RATE_SPAN, state.stats.window)
         siblings = await sibling_figures(state.cluster, spans, since)
         parts = [worker_figures(state, spans, since), *filter(None, siblings)]
-        state = host_state(state, parts)
+        state = host_state(state, parts, await asyncio.to_thread(kept_values, state.cluster, siblings))
         figures = {**document(state), "plans": [plan for part in parts for plan in part["plans"]] or None,
                    "workers_reporting": len(parts)}
     else:
@@ -75,16 +76,17 @@ async def stats(request: Request, state: AppState, since: float | None = Query(
     return Response(body, media_type="application/json", headers={"Cache-Control": "no-store"})
 
 
-def host_state(state: State, parts: list[dict]) -> State:
+def host_state(state: State, parts: list[dict], kept: dict[str, float]) -> State:
     """``state`` as ``document`` should read it for the whole host, from every worker's
-    figures (``hoststats.worker_figures``): the summed recorder, every worker's requests in
-    flight and limits, the whole cache's capacity and store read limit."""
+    figures (``hoststats.worker_figures``) and the silent workers' ``kept`` counters: the
+    summed recorder, every worker's requests in flight and limits, the whole cache's
+    capacity and store read limit."""
     admission = Admission({kind: sum(p["limits"][kind] for p in parts) for kind in state.admission.limits},
                           state.metrics)
     admission.inflight = {kind: sum(p["inflight"].get(kind, 0) for p in parts) for kind in admission.limits}
     config = replace(state.config, cache_size=sum(p["capacity"] for p in parts),
                      max_store_requests=sum(p["store_limit"] for p in parts))
-    return replace(state, stats=HostRecorder(state.stats, parts), admission=admission, config=config)
+    return replace(state, stats=HostRecorder(state.stats, parts, kept), admission=admission, config=config)
 
 
 def document(state: State) -> dict:

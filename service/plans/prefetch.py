@@ -114,9 +114,6 @@ class Prefetcher:
     def _pieces(self, plan: Plan, start: int, stop: int):
         """The block pieces of plan positions ``[start, stop)`` this replica reads."""
         members = plan.dataset.index.lookup(plan.order[start:stop], plan.fields)
-        cluster = self.coalescer.cluster
-        if cluster is not None:
-            rows = np.flatnonzero(members.found)
-            owners = cluster.owners(plan.dataset.url, plan.dataset.index.shards, members.shard[rows])
-            members = take(members, rows[owners == cluster.me])
+        if self.coalescer.cluster is not None:
+            members = take(members, self.coalescer.own_rows(plan.dataset, members))
         return plan_pieces(members, self.config.block_size)
