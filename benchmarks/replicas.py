@@ -26,7 +26,10 @@ the machine to itself; per replica, the median ratio of its samples/s to the sin
 service's, and its efficiency: the single service's CPU per sample over the replica's
 (1.0: a replica spends on each sample what the lone service does), also against the
 single service sent batches of a routed part's size (``--batch`` / 3), which tells the
-cost of smaller requests from the cost of being a replica. Last, the latency of a warm
+cost of smaller requests from the cost of being a replica; and the single service's CPU per
+request fitted from those two batch sizes as a fixed cost plus a cost per sample, with the
+most fixed cost at which a part would cost 0.9x per sample of a whole batch (the target
+seen from the cost of a request). Last, the latency of a warm
 per-sample GET to one replica for a sample it owns versus one a peer owns: one hop.
 
     python -m shardfeed.benchmarks.replicas --samples 8000 --size 10KiB
@@ -183,20 +186,46 @@ def _owned_parts(services: list[ServiceProcess], batches: list[list[int]]) -> li
     return out
 
 
+@dataclass
+class RequestCost:
+    """The single service's CPU per warm request, fitted as ``fixed + per_sample * samples``
+    from the medians at two batch sizes."""
+
+    sizes: tuple[int, int]
+    fixed_us: float
+    per_sample_us: float
+
+    @classmethod
+    def fit(cls, sizes: tuple[int, int], us_per_request: tuple[float, float]) -> RequestCost:
+        (small, large), (at_small, at_large) = sizes, us_per_request
+        per_sample = (at_large - at_small) / (large - small)
+        return cls(sizes, at_small - per_sample * small, per_sample)
+
+    def fixed_for(self, ratio: float) -> float:
+        """The most fixed cost at which requests of the smaller size get ``ratio`` times the
+        samples per CPU-second of the larger, at this per-sample cost."""
+        small, large = self.sizes
+        return self.per_sample_us * (1 - ratio) / (ratio / small - 1 / large)
+
+
 def _alternating(single: ServiceProcess, replicas: list[ServiceProcess], orders: list[np.ndarray], batch: int,
-                 part: int, threads: int, rounds: int) -> tuple[list[float], list[float], list[float]]:
+                 part: int, threads: int, rounds: int) -> tuple[list[float], list[float], list[float], RequestCost]:
     """Warm, in alternating rounds: the single service (batches of ``batch``, then of ``part``),
     then each replica in turn, alone, with the parts of the same batches it owns while the
     others idle: a replica with the machine's cores to itself, as the single service has them.
     Per replica, the medians over the rounds of: its samples/s over the single service's, its
-    efficiency, and its efficiency against the single service at batches of ``part``."""
+    efficiency, and its efficiency against the single service at batches of ``part``; and the
+    single service's cost of a request, fitted from its two batch sizes."""
     batches = _batches(orders, batch)
+    small_batches = _batches(orders, part)
     owned = _owned_parts(replicas, batches)
     ratios: list[list[tuple[float, float, float]]] = [[] for _ in replicas]
+    per_request: list[tuple[float, float]] = []
     with Client(single.url) as client:
         for r in range(rounds):
             whole = Phase(sum(map(len, batches)), *_epochs(client, [single], batches, threads))
-            small = Phase(whole.samples, *_epochs(client, [single], _batches(orders, part), threads))
+            small = Phase(whole.samples, *_epochs(client, [single], small_batches, threads))
+            per_request.append((1e6 * small.nodes[0].cpu / len(small_batches), 1e6 * whole.nodes[0].cpu / len(batches)))
             _report(f"round {r}: 1 service, warm", whole, None)
             _report(f"round {r}: 1 service, warm, batch {part} (a routed part's size)", small, None)
             for i, (replica, parts) in enumerate(zip(replicas, owned)):
@@ -206,7 +235,8 @@ def _alternating(single: ServiceProcess, replicas: list[ServiceProcess], orders:
                 ratios[i].append((alone.per_node_rates(whole)[0], *alone.efficiencies(whole),
                                   *alone.efficiencies(small)))
     medians = [tuple(statistics.median(column) for column in zip(*node)) for node in ratios]
-    return [m[0] for m in medians], [m[1] for m in medians], [m[2] for m in medians]
+    cost = RequestCost.fit((part, batch), tuple(statistics.median(column) for column in zip(*per_request)))
+    return [m[0] for m in medians], [m[1] for m in medians], [m[2] for m in medians], cost
 
 
 def _hop_latency(urls: list[str], repeat: int = 3) -> tuple[float, float]:
@@ -293,6 +323,12 @@ def main(argv=None) -> int:
                     print(f"  routed   warm, each replica alone (median of {args.rounds} rounds): samples/s "
                           f"{_span(alone[0])}, efficiency {_span(alone[1])} ({_span(alone[2])} against the "
                           f"single service at batch {part})")
+                    cost = alone[3]
+                    if part < args.batch:
+                        print(f"  1 service, warm, CPU per request (fit over batches of {part} and {args.batch}): "
+                              f"{cost.fixed_us:.0f} us + {cost.per_sample_us:.2f} us per sample; parts get 0.9x "
+                              f"a whole batch's samples per CPU-second with a fixed cost under "
+                              f"{cost.fixed_for(0.9):.0f} us")
     print(f"load after: {os.getloadavg()[0]:.2f}")
     return 0
 

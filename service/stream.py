@@ -246,8 +246,8 @@ async def stream_batch(coalescer: Coalescer, dataset: Dataset, members: Members,
 
     if held is not None:  # all in RAM: each group is framed as it is sent, nothing to read ahead
         for number, (lo, hi) in enumerate(groups, 1):
-            parts, served = await render_group(coalescer, dataset, take(members, slice(lo, hi)), indices,
-                                               continue_on_error, names, held, lo)
+            group = members if hi - lo == len(members) else take(members, slice(lo, hi))  # one group: no copy
+            parts, served = await render_group(coalescer, dataset, group, indices, continue_on_error, names, held, lo)
             yield sent(parts, served, number == len(groups))
         return
     if len(groups) > 1:

@@ -87,9 +87,8 @@ class _Layout:
     def __init__(self, members: Members, block_size: int):
         self.members = members
         self.block_size = block_size
-        first = members.offset // block_size
+        first, self.local = np.divmod(members.offset, block_size)  # the data's offset in its first block
         self.first = _code(members.shard, first)  # its first block
-        self.local = members.offset - first * block_size  # its data's offset in that block
         self.end = self.local + members.size  # its data's end, counted from there
 
     def blocks(self, held: np.ndarray) -> np.ndarray:
@@ -100,7 +99,17 @@ class _Layout:
             more = ((self.end[over] - 1) // self.block_size).tolist()
             code = np.concatenate([code, [first + k for first, n in zip(self.first[over].tolist(), more)
                                           for k in range(1, n + 1)]])
-        return np.unique(code)
+        return _distinct(code)
+
+
+def _distinct(codes: np.ndarray) -> np.ndarray:
+    """``np.unique(codes)``, several times faster on a batch's few hundred codes (numpy 2's
+    ``unique`` hashes them before it sorts)."""
+    codes = np.sort(codes)
+    keep = np.empty(len(codes), bool)
+    keep[:1] = True
+    np.not_equal(codes[1:], codes[:-1], out=keep[1:])
+    return codes[keep]
 
 
 class HeldGroup:

@@ -20,12 +20,15 @@ EXPECTED = b"".join(PARTS_SENT)
 
 
 async def app(scope, receive, send):
-    """``/length``: a Content-Length body in two messages of parts; ``/chunked``: no length."""
+    """``/length``: a Content-Length body in two messages of parts; ``/chunked``: no length;
+    under ``/held``, the same with the head held for the first parts' write."""
     offered = PARTS in scope.get("extensions", {})
     headers = [(b"x-parts-offered", b"%d" % offered)]
-    if scope["path"] == "/length":
+    path = scope["path"].removeprefix("/held")
+    if path == "/length":
         headers.append((b"content-length", b"%d" % len(EXPECTED)))
-    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.start", "status": 200, "headers": headers,
+                "parts": scope["path"].startswith("/held")})
     await send({"type": "http.response.body", "parts": PARTS_SENT[:2], "more_body": True})
     await send({"type": "http.response.body", "parts": PARTS_SENT[2:], "more_body": False})
 
@@ -56,7 +59,23 @@ def test_parts_go_out_exactly_with_content_length_and_keep_the_connection(server
             assert resp.content == EXPECTED
 
 
-def test_parts_without_content_length_fall_back_to_uvicorns_chunked_body(server_url):
-    resp = httpx.get(f"{server_url}/chunked", timeout=10)
+@pytest.mark.parametrize("prefix", ["", "/held"])
+def test_parts_without_content_length_fall_back_to_uvicorns_chunked_body(server_url, prefix):
+    resp = httpx.get(f"{server_url}{prefix}/chunked", timeout=10)
     assert resp.headers["transfer-encoding"] == "chunked"
     assert resp.content == EXPECTED
+
+
+def test_a_held_head_goes_out_once_before_the_parts_on_a_kept_connection(server_url):
+    with httpx.Client(base_url=server_url, timeout=10) as http:
+        for path in ("/held/length", "/length", "/held/length"):  # held heads and plain ones, one connection
+            resp = http.get(path)
+            assert resp.status_code == 200 and resp.headers["content-length"] == str(len(EXPECTED))
+            assert resp.headers["x-parts-offered"] == "1"
+            assert resp.content == EXPECTED
+
+
+def test_a_held_head_is_written_for_a_head_request_without_its_body(server_url):
+    resp = httpx.head(f"{server_url}/held/length", timeout=10)
+    assert resp.status_code == 200 and resp.headers["content-length"] == str(len(EXPECTED))
+    assert resp.content == b""
