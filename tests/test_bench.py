@@ -196,4 +196,7 @@ def test_the_restart_benchmark_sees_no_counter_of_the_host_go_down():
     assert down and int(down[2]) > 0, out.stdout
     counted = re.search(r"with a counter down 0 \(largest drop of samples served 0\); samples served by the host "
                         r"(\d+), received (\d+)", out.stdout)
-    assert counted and counted[1] == counted[2] != "0", out.stdout
+    assert counted and int(counted[2]) > 0, out.stdout
+    # What the killed worker was sending when it died was counted there, then sent again by
+    # the other: at most the batches in flight, one per client thread (2) of 32 samples.
+    assert 0 <= int(counted[1]) - int(counted[2]) <= 2 * 32, out.stdout
