@@ -36,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from shardfeed.benchmarks.s3proxy import start_proxy
 from shardfeed.benchmarks.s3server import BENCH_DATA, S3_SERVERS, default_server, seeded_s3
 from shardfeed.client import Client
-from shardfeed.service.process import scrape_metrics, start_service
+from shardfeed.service.process import child_pids, healthy, scrape_metrics, start_service
 
 DATASET = "bench"
 
@@ -86,17 +86,6 @@ def _load(url: str, samples: int, batch: int, stop: threading.Event, received: l
                 received.append(-1)  # flagged: main() refuses the run
                 return
             received.append(len(got))
-
-
-def _children(pid: int) -> list[int]:
-    return sorted(int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
-
-
-def _serving(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def _sibling_reads(url: str) -> float:
@@ -160,15 +149,15 @@ def main(argv=None) -> int:
         # The worker that served the most batches dies (the clients keep their connections):
         # workers start in order, so their pids ascend (unless pids wrap around).
         busiest = max(range(len(urls)), key=lambda i: scrape_metrics(urls[i])["shardfeed_samples_served_total"])
-        victim = _children(service.process.pid)[busiest]
+        victim = child_pids(service.process.pid)[busiest]
         gets, began = proxy.counts.get("GET", 0), time.monotonic()
         os.kill(victim, signal.SIGKILL)
-        while all(_serving(u) for u in urls):
+        while all(healthy(u) for u in urls):
             time.sleep(0.01)
-        dead = next(u for u in urls if not _serving(u))
+        dead = next(u for u in urls if not healthy(u))
         survivor = next(u for u in urls if u != dead)
         files = _sibling_reads(survivor)
-        while not _serving(dead):
+        while not healthy(dead):
             time.sleep(0.01)
         down_seconds, down_gets = time.monotonic() - began, proxy.counts.get("GET", 0) - gets
         down_files = _sibling_reads(survivor) - files

@@ -150,15 +150,26 @@ def ready_or_stopped(started: T, wait: Callable[[], None], stop: Callable[[], ob
     return started
 
 
+def healthy(url: str, timeout: float = 2) -> bool:
+    """Whether the service at ``url`` answers ``/healthz`` with a 2xx now."""
+    try:
+        with urllib.request.urlopen(f"{url}/healthz", timeout=timeout):
+            return True
+    except (urllib.error.URLError, OSError):  # refused, timed out, or an error status
+        return False
+
+
+def child_pids(pid: int) -> list[int]:
+    """The pids of process ``pid``'s children: for ``serve --workers N``, its workers (a
+    restarted worker has a new pid)."""
+    return sorted(int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+
+
 def _wait_healthy(service: ServiceProcess, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while True:
+    while not healthy(service.url, timeout=1):
         if service.process.poll() is not None:
             raise RuntimeError(f"shardfeed serve exited with {service.process.returncode}:\n{service.log()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{service.url}/healthz", timeout=1):
-                return
-        except (urllib.error.URLError, OSError):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"shardfeed serve did not become healthy:\n{service.log()[-3000:]}") from None
-            time.sleep(0.05)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"shardfeed serve did not become healthy:\n{service.log()[-3000:]}")
+        time.sleep(0.05)

@@ -15,9 +15,9 @@ import pytest
 from reliability_helpers import expected_members
 from sample_data import make_dataset, s3_put
 from service_helpers import fetch_batch, hops, metrics
-from worker_helpers import cached_blocks, healthy, worker_pids, worker_urls
+from worker_helpers import cached_blocks, worker_pids, worker_urls
 from shardfeed.client import Client
-from shardfeed.service.process import free_port, start_service
+from shardfeed.service.process import free_port, healthy, start_service
 
 SAMPLES = 240
 

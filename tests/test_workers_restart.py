@@ -16,9 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from reliability_helpers import expected_members
 from service_helpers import fetch_batch, metrics
-from worker_helpers import (cached_blocks, directory_dataset, healthy, owned_shards, sibling_blocks, worker_pids,
+from worker_helpers import (cached_blocks, directory_dataset, owned_shards, sibling_blocks, worker_pids,
                             worker_urls)
-from shardfeed.service.process import start_service
+from shardfeed.service.process import healthy, start_service
 
 SAMPLES = 240
 ARGS = ["--block-size", "64KiB", "--peer-timeout", "5"]

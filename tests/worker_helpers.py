@@ -8,6 +8,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from sample_data import dir_put, make_dataset
+from shardfeed.service.process import child_pids
 
 
 def directory_dataset(root: Path, samples: int) -> tuple[str, dict]:
@@ -24,15 +25,7 @@ def worker_urls(url: str) -> list[str]:
 
 def worker_pids(service) -> list[int]:
     """The pids of the supervisor's children, the workers (a restarted one has a new pid)."""
-    pid = service.process.pid
-    return sorted(int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
-
-
-def healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
+    return child_pids(service.process.pid)
 
 
 def sibling_blocks(url: str, result: str) -> float:
