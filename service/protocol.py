@@ -22,14 +22,27 @@ It also sends what a batch framed from RAM is made of without copying it:
 - a connection buffers up to ``WRITE_BUFFER`` bytes of response before the sender waits:
   with asyncio's default 64 KiB mark every large member would wait for the socket to
   drain before the next is queued.
+
+And it answers the hottest requests without the ASGI app when it can (``instant``): a
+route's instant answerer gets the request's scope and whole body, and returns the 200's
+headers and body parts, or None to let the app answer it as any request. A request whose
+body arrives with its head (one read, the usual small JSON body) is offered to it; the
+app's task then starts only if it declines. A warm batch of RAM-held blocks is answered
+that way in about 60 us less than through the ASGI layers (a task, the request and response
+objects, the body's receive, the messages): the fixed cost of a request, which decides what
+a replica serving a third of each batch gets done per CPU-second.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+from collections.abc import Callable
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+log = logging.getLogger("shardfeed.protocol")
 
 HEAD_TIMEOUT = 10.0
 """Seconds a client has to send a complete request line and headers."""
@@ -50,11 +63,29 @@ as parts): its status line and headers are then held and go out in the first par
 write. On loopback each write runs the receiver's side of TCP too, so a second write of a
 few hundred bytes cost about 40 us of a small warm batch's ~400."""
 
+InstantAnswerer = Callable[[dict, bytes], "tuple[list[tuple[bytes, bytes]], list] | None"]
+"""``(scope, body) -> (headers, parts) | None``: a route's 200 answered by the protocol itself
+(headers without the server's defaults; parts as for ``PARTS``), or None (the app answers).
+It must have no effect before it decides to answer: a declined request is answered again
+by the app."""
+
+INSTANT_BYTES = WRITE_BUFFER
+"""Most body bytes of an instant answer: it is written at once, without waiting for the
+socket, so the connection's buffer stays within about ``WRITE_BUFFER``."""
+
 _REASONS = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large"}
 
 
 class BoundedHeadProtocol(HttpToolsProtocol):
-    """``HttpToolsProtocol`` that times out slow request heads and refuses oversized ones."""
+    """``HttpToolsProtocol`` that times out slow request heads and refuses oversized ones, and
+    answers the routes of ``instant`` (``{(method, path): InstantAnswerer}``) without the app
+    when it can. uvicorn takes it as ``http=partial(BoundedHeadProtocol, instant=...)``."""
+
+    def __init__(self, *args, instant: dict[tuple[str, str], InstantAnswerer] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.instant = instant or {}
+        self._in_head = False  # uvicorn is starting the app of a request whose head just ended
+        self._waiting = None  # (cycle, app, answerer): a request held until its body is here
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -65,13 +96,22 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
+        self._waiting = None
         super().connection_lost(exc)
 
     def _start_asgi_task(self, cycle, app) -> None:  # uvicorn starts every request's app here
+        answerer = self.instant.get((cycle.scope["method"], cycle.scope["path"])) if self._in_head else None
+        if answerer is not None and app is self.app and not cycle.waiting_for_100_continue:
+            self._waiting = (cycle, app, answerer)  # until on_message_complete, in this read
+            return
         super()._start_asgi_task(cycle, _GatheredWrites(app, cycle))
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
+        if self._waiting is not None:  # its body did not come whole with its head: the app reads it
+            cycle, app, _ = self._waiting
+            self._waiting = None
+            super()._start_asgi_task(cycle, _GatheredWrites(app, cycle))
         if self._head_open and not self.transport.is_closing():
             # The head is still incomplete, so all of this chunk was head. (httptools hands
             # over a header only once it is complete, so counting here is the only bound.)
@@ -89,7 +129,46 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._head_open = False
         self._cancel_head_timer()
-        super().on_headers_complete()
+        self._in_head = True
+        try:
+            super().on_headers_complete()
+        finally:
+            self._in_head = False
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        if self._waiting is not None:
+            cycle, app, answerer = self._waiting
+            self._waiting = None
+            if not self._answer_at_once(cycle, answerer):
+                super()._start_asgi_task(cycle, _GatheredWrites(app, cycle))
+
+    def _answer_at_once(self, cycle, answerer: InstantAnswerer) -> bool:
+        """Write ``answerer``'s 200 for ``cycle``'s request and complete it as uvicorn would;
+        False (nothing written) where it declines or the connection cannot take it now."""
+        if cycle.disconnected or self.flow.write_paused or self.transport.is_closing():
+            return False
+        try:
+            answer = answerer(cycle.scope, bytes(cycle.body))
+        except Exception:  # the app answers it, and reports its own failure the usual way
+            log.exception("instant answer to %s %s failed", cycle.scope["method"], cycle.scope["path"])
+            return False
+        if answer is None:
+            return False
+        headers, parts = answer
+        head = [STATUS_LINE[200]]
+        for name, value in (*cycle.default_headers, *headers):
+            head += (name, b": ", value, b"\r\n")
+        if not cycle.keep_alive:
+            head.append(b"connection: close\r\n")
+        head.append(b"\r\n")
+        cycle.body = bytearray()
+        cycle.response_started = cycle.response_complete = True
+        self.transport.writelines([b"".join(head), *parts])
+        if not cycle.keep_alive:
+            self.transport.close()
+        cycle.on_response()
+        return True
 
     def send_400_response(self, msg: str) -> None:
         self._reject(400, "bad_http_request", msg)

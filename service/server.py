@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import sys
+from functools import partial
 from pathlib import Path
 
 from shardfeed.retry import Backoff
@@ -262,7 +263,7 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
         server = uvicorn.Server(uvicorn.Config(
             app, host=config.host, port=config.port, log_level=log_level, access_log=False,
             timeout_graceful_shutdown=30, timeout_keep_alive=30, limit_concurrency=None,
-            h11_max_incomplete_event_size=64 * 1024, http=BoundedHeadProtocol,
+            h11_max_incomplete_event_size=64 * 1024, http=partial(BoundedHeadProtocol, instant=app.instant),
             ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key,
         ))
         await server.serve(sockets=await worker_sockets(config) if config.worker else None)

@@ -170,6 +170,12 @@ def _held_parts(held: HeldGroup, base: int, dataset: Dataset, members: Members, 
     return out
 
 
+def held_stream(dataset: Dataset, members: Members, indices: np.ndarray, held: HeldGroup) -> list:
+    """The whole tar stream of a batch whose members were all found and are all held in RAM
+    (``held``, from ``held_group``), as parts: what ``stream_batch`` yields for it, in one list."""
+    return [*_held_parts(held, 0, dataset, members, indices, SampleNames), END_OF_ARCHIVE]
+
+
 def chunks_of(parts: list, large: int = LARGE_PART) -> list:
     """``parts`` as few chunks to send: runs of small parts joined, a part of ``large`` bytes
     or more passed as it is (a join would copy it only to send it)."""

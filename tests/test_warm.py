@@ -7,8 +7,11 @@ not lowercase, empty members, members split across blocks, repeats, field subset
 from __future__ import annotations
 
 import asyncio
+import http.client
 import io
+import json
 import random
+import socket
 import tarfile
 
 import httpx
@@ -150,3 +153,54 @@ def test_per_sample_gets_from_ram_are_exact_and_keep_auth_errors_and_metrics(dat
         assert http.get("/v1/datasets/train/samples/x1/bin").json()["error"]["code"] == "invalid_index"
         assert http.get("/v1/datasets/train/samples/1/nope").json()["error"]["code"] == "unknown_field"
 
+
+
+def post_batch(url: str, body: dict, token: str | None = None) -> tuple[int, dict[str, str], bytes]:
+    """``POST /v1/batch`` with head and body in one write, as the shardfeed clients and ``wrk``
+    send it (one read on the service's side, so the protocol may answer it itself)."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    auth = f"authorization: Bearer {token}\r\n".encode() if token else b""
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(b"POST /v1/batch HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n%s"
+                     b"content-length: %d\r\n\r\n%s" % (auth, len(payload), payload))
+        resp = http.client.HTTPResponse(sock)
+        resp.begin()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+
+
+def test_warm_batches_are_answered_by_the_protocol_exact_counted_and_guarded(dataset, tmp_path):
+    url, source = dataset
+    args = ["--block-size", "64KiB", "--memory-cache", "64MiB", "--log-level", "debug"]
+    with start_service({"train": url}, cache_dir=tmp_path / "cache", args=args,
+                       env={"SHARDFEED_TOKENS": "sesame"}) as svc:
+        def through_the_app() -> int:  # the app logs each batch it answers; the protocol does not
+            return svc.log().count("shardfeed.api batch dataset=train")
+
+        status, _, _ = post_batch(svc.url, {"dataset": "train", "indices": list(range(SAMPLES))}, "sesame")
+        assert status == 200 and through_the_app() == 1  # cold: read through the app
+        before = metrics(svc.url, token="sesame")
+        rng = random.Random(3)
+        batches = [rng.choices(range(SAMPLES), k=40) + [7, 7] for _ in range(5)]
+        for indices in batches:
+            status, headers, body = post_batch(svc.url, {"dataset": "train", "indices": indices}, "sesame")
+            assert status == 200 and headers["content-type"] == "application/x-tar"
+            assert headers["content-length"] == str(len(body)) and headers["x-shardfeed-samples"] == "42"
+            assert tar_members(body) == [m for i in indices for m in (source[(i, f)] for f in stored_order(source, i))]
+        assert through_the_app() == 1  # every warm batch was answered by the protocol
+        after = metrics(svc.url, token="sesame")
+        assert after["shardfeed_samples_served_total"] - before["shardfeed_samples_served_total"] == 5 * 42
+        assert after["shardfeed_requests_total"] - before["shardfeed_requests_total"] >= 5
+        assert after["shardfeed_batch_seconds_count"] - before["shardfeed_batch_seconds_count"] == 5
+
+        # What the protocol declines, the app answers as always: errors, a missing token, placeholders.
+        status, _, body = post_batch(svc.url, {"dataset": "train", "indices": [1]})
+        assert status == 401 and json.loads(body)["error"]["code"] == "unauthorized"
+        status, _, body = post_batch(svc.url, {"dataset": "train", "indices": [SAMPLES]}, "sesame")
+        assert status == 404 and json.loads(body)["error"]["code"] == "sample_out_of_range"
+        status, _, body = post_batch(svc.url, {"dataset": "train", "indices": [1], "format": "zip"}, "sesame")
+        assert status == 400 and json.loads(body)["error"]["code"] == "unsupported_format"
+        status, _, body = post_batch(svc.url, {"dataset": "train", "indices": [0, 1], "fields": ["seg.png"],
+                                               "continue_on_error": True}, "sesame")
+        assert status == 200 and tar_members(body) == expected(source, [0, 1], ["seg.png"])
+        assert through_the_app() == 2

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,7 +41,7 @@ from ..stats import StatsRecorder
 from ..stores import Store
 from . import (batch, datasets as dataset_routes, getbatch, internal, ops, plans as plan_routes, routing, samples,
                status)
-from .auth import TokenAuth
+from .auth import TokenAuth, guarded
 from .common import ERRORS, Admission, HeldRoutes, State, describe
 
 ROUTERS = (ops.router, dataset_routes.router, routing.router, samples.router, batch.router, getbatch.router,
@@ -51,11 +52,15 @@ class ShardfeedAPI(FastAPI):
     """FastAPI behind ``front``: ASGI middleware that sees every request before FastAPI's own
     stack (``TokenAuth`` when tokens are set, then ``HeldRoutes``), so that the hottest
     requests skip that stack's error, telemetry and body-limit layers too (about 15 us a
-    request); an unexpected exception there is still a 500, from uvicorn."""
+    request); an unexpected exception there is still a 500, from uvicorn.
 
-    def __init__(self, front: Callable[[ASGIApp], ASGIApp], **kwargs):
+    ``instant``: the routes the HTTP protocol may answer without the app at all
+    (``protocol.BoundedHeadProtocol``), ``{(method, path): InstantAnswerer}``."""
+
+    def __init__(self, front: Callable[[ASGIApp], ASGIApp], instant: dict, **kwargs):
         super().__init__(**kwargs)
         self.front = front(super().__call__)
+        self.instant = instant
 
     async def __call__(self, scope, receive, send) -> None:
         await self.front(scope, receive, send)
@@ -95,7 +100,10 @@ def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: Block
         held = HeldRoutes(routed, state, direct={("POST", "/v1/batch"): batch.batch}, handlers=(samples.held_member,))
         return TokenAuth(held, tokens=config.tokens) if config.tokens else held
 
-    app = ShardfeedAPI(front, title="shardfeed", version="1", lifespan=lifespan, responses=ERRORS,
+    instant = {("POST", "/v1/batch"): partial(batch.instant_batch, state)}
+    if config.tokens:
+        instant = {route: guarded(answer, config.tokens) for route, answer in instant.items()}
+    app = ShardfeedAPI(front, instant, title="shardfeed", version="1", lifespan=lifespan, responses=ERRORS,
                        description="Batched, ordered sample loading from S3-compatible storage.")
     app.state.shardfeed = state
     app.add_exception_handler(ApiError, _api_error)

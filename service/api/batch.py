@@ -2,20 +2,28 @@
 
 Validation happens before the first byte, so a 4xx is a real 4xx; the first group of a
 batch is read before the status line too, so a store outage is a 503 and not a
-truncated 200."""
+truncated 200. A warm batch (every block in RAM) is answered by the protocol itself
+(``instant_batch``), without the ASGI layers."""
 
 from __future__ import annotations
+
+import time
+from dataclasses import dataclass
 
 import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.responses import Response, StreamingResponse
 
+from shardfeed.tar import END_OF_ARCHIVE
+
+from ..datasets import Dataset
 from ..errors import ApiError
-from ..index import SampleOutOfRange, UnknownField
-from ..stream import stream_batch, stream_length
+from ..index import Members, SampleOutOfRange, UnknownField
+from ..protocol import INSTANT_BYTES
+from ..stream import held_stream, stream_batch, stream_length
 from ..warm import held_group
-from .common import TAR, AppState, json_body, read_json, served_metrics, tar_stream_response
+from .common import TAR, AppState, State, json_body, parse_json, read_body, served_metrics, tar_stream_response
 from .routing import ROUTING_HEADER
 
 router = APIRouter(tags=["samples"])
@@ -35,11 +43,20 @@ class BatchRequest(BaseModel):
                                                        "__404__/<dataset>/<i> member instead of failing.")
 
 
-@router.post("/v1/batch", response_class=StreamingResponse, openapi_extra=json_body(BatchRequest),
-             responses={200: {"content": {TAR: {}}, "description": "The samples, as an ordered tar stream."}})
-async def batch(request: Request, state: AppState) -> Response:
+@dataclass
+class WantedBatch:
+    """A valid ``POST /v1/batch``: what to serve, looked up in the dataset's index."""
+
+    dataset: Dataset
+    indices: np.ndarray
+    members: Members
+    continue_on_error: bool
+
+
+def wanted_batch(state: State, body: bytes) -> WantedBatch:
+    """``body`` checked and looked up; an ``ApiError`` for anything the batch cannot serve."""
     config = state.config
-    req = await read_json(request, BatchRequest, config.max_body)
+    req = parse_json(body, BatchRequest)
     if req.format != "tar":
         raise ApiError(400, "unsupported_format", f"format {req.format!r} is not supported (supported: tar)")
     if len(req.indices) > config.max_batch:
@@ -65,18 +82,66 @@ async def batch(request: Request, state: AppState) -> Response:
         row = int(np.flatnonzero(~members.found)[0])
         raise ApiError(404, "unknown_field", f"sample {int(members.sample[row])} has no field "
                                              f"{dataset.index.fields[int(members.field[row])]!r}")
+    return WantedBatch(dataset, indices, members, req.continue_on_error)
 
-    state.plans.observe(dataset, indices)  # a plan learns its position from the batches it serves
-    state.prefetcher.wake()
+
+@router.post("/v1/batch", response_class=StreamingResponse, openapi_extra=json_body(BatchRequest),
+             responses={200: {"content": {TAR: {}}, "description": "The samples, as an ordered tar stream."}})
+async def batch(request: Request, state: AppState) -> Response:
+    config = state.config
+    wanted = wanted_batch(state, await read_body(request, config.max_body))
+    dataset, members, indices = wanted.dataset, wanted.members, wanted.indices
+    served = _served(state, dataset, indices)
     held = held_group(state.coalescer, dataset, members)
-    chunks = stream_batch(state.coalescer, dataset, members, indices, continue_on_error=req.continue_on_error,
-                          group_bytes=config.group_bytes, prefetch=config.prefetch_groups,
-                          on_served=served_metrics(state), held=held)
-    headers = {"X-Shardfeed-Samples": str(len(indices))}
-    if state.cluster is not None:
-        headers[ROUTING_HEADER] = state.cluster.version()
+    chunks = stream_batch(state.coalescer, dataset, members, indices, continue_on_error=wanted.continue_on_error,
+                          group_bytes=config.group_bytes, prefetch=config.prefetch_groups, on_served=served,
+                          held=held)
+    headers = _headers(state, indices)
     if held is not None:  # every byte is in RAM: the length is known, no chunked framing
         headers["Content-Length"] = str(stream_length(dataset, members, indices, held))
     return await tar_stream_response(state, "batch", chunks, media_type=TAR, headers=headers,
                                      what=f"batch dataset={dataset.name} samples={len(indices)}",
                                      in_memory=held is not None)
+
+
+def instant_batch(state: State, scope, body: bytes) -> tuple[list[tuple[bytes, bytes]], list] | None:
+    """``POST /v1/batch`` answered by the protocol (``protocol.InstantAnswerer``) when every
+    member is found and held in RAM and the stream is small enough to write at once; None
+    (nothing done) for any other request, which ``batch`` answers, errors included."""
+    if len(body) > state.config.max_body or state.admission.full("batch"):
+        return None
+    began = time.perf_counter()
+    try:
+        wanted = wanted_batch(state, body)
+    except ApiError:
+        return None
+    dataset, members, indices = wanted.dataset, wanted.members, wanted.indices
+    held = held_group(state.coalescer, dataset, members) if members.found.all() else None
+    if held is None:
+        return None
+    length = stream_length(dataset, members, indices, held)
+    if length > INSTANT_BYTES:
+        return None
+    parts = held_stream(dataset, members, indices, held)
+    _served(state, dataset, indices)(len(indices), length - len(END_OF_ARCHIVE))
+    metrics = state.metrics
+    metrics.requests.labels("batch", "200").inc()
+    metrics.batch_latency.observe(time.perf_counter() - began)
+    headers = [(b"content-type", TAR.encode()), (b"content-length", b"%d" % length)]
+    headers += [(name.lower().encode(), value.encode()) for name, value in _headers(state, indices).items()]
+    return headers, parts
+
+
+def _served(state: State, dataset: Dataset, indices: np.ndarray):
+    """The batch is being served: plans learn their position from it (and the prefetcher may
+    act on that); its samples and bytes are counted by the returned ``on_served``."""
+    state.plans.observe(dataset, indices)
+    state.prefetcher.wake()
+    return served_metrics(state)
+
+
+def _headers(state: State, indices: np.ndarray) -> dict[str, str]:
+    headers = {"X-Shardfeed-Samples": str(len(indices))}
+    if state.cluster is not None:
+        headers[ROUTING_HEADER] = state.cluster.version()
+    return headers
