@@ -7,7 +7,10 @@ shards for ``shardfeed serve`` and as Streaming's MDS shards. Each loader runs
 ``DataLoader(batch_size=64, num_workers=4)``, shuffled, for two epochs: the first on
 cold caches (a fresh service cache; a fresh Streaming local directory), the second warm.
 Rounds alternate the loaders; the medians are printed with the shardfeed/Streaming
-ratios, and the median and range of the ratios within each round. Every batch is
+ratios, and the median and range of the ratios within each round. Each loader's round runs
+in a fresh Python process, as a training job would start: Streaming, run round after round
+in one process, got slower from round to round (a cold epoch from 15.5k down to 4.8k
+samples/s, and once a 60 s stall). Every batch is
 checked: each sample's ``bin`` is compared with the bytes seeded. A Streaming round that
 raises (its reader once failed here with "Relative sample index ... is not present" on a
 cold local directory) is printed and left out of the medians; the run goes on.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import multiprocessing
 import importlib.machinery
 import importlib.util
 import os
@@ -41,6 +45,7 @@ import tempfile
 import time
 import types
 import warnings
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,12 +140,33 @@ def shardfeed_round(kind: str, url: str, sizes, seed: int, service_pid: int | No
     return _epochs(ShardfeedLoader(dataset, num_workers=LOADER_WORKERS), sizes, "__index__", service_pid)
 
 
-def streaming_round(streaming, remote: str, local: Path, sizes, seed: int) -> list[Epoch]:
+def streaming_round(remote: str, local: Path, sizes, seed: int) -> list[Epoch]:
+    streaming = import_streaming()
     streaming.base.util.clean_stale_shared_memory()
     dataset = streaming.StreamingDataset(remote=remote, local=str(local), shuffle=True, shuffle_seed=seed,
                                          batch_size=BATCH)
     loader = DataLoader(dataset, batch_size=BATCH, num_workers=LOADER_WORKERS, collate_fn=_collate)
     return _epochs(loader, sizes, "index")
+
+
+def in_fresh_process(round_, *args) -> list[Epoch]:
+    """``round_(*args)`` in a new Python process (spawned: nothing inherited but the
+    environment), which it has to itself; its exception, if any, is raised here."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_platform_start_method) as process:
+        return process.submit(round_, *args).result()
+
+
+def _platform_start_method() -> None:
+    """A spawned process would spawn its own children too (the DataLoader workers, each then
+    importing torch anew): give it the platform's default, as a training script has."""
+    multiprocessing.set_start_method(None, force=True)
+    _quiet()
+
+
+def _quiet() -> None:
+    # 4 DataLoader workers on fewer cores is the setting compared, not a mistake to warn about.
+    warnings.filterwarnings("ignore", message="This DataLoader will create")
 
 
 def write_mds(streaming, server, samples: int, sizes, shard_size: int, tmp: Path) -> str:
@@ -177,8 +203,7 @@ def main(argv=None) -> int:
     kinds = [kind.strip() for kind in args.loaders.split(",") if kind.strip()]
     if not kinds or set(kinds) - set(LOADERS):
         parser.error(f"--loaders takes some of {', '.join(LOADERS)}, not {args.loaders!r}")
-    # 4 DataLoader workers on fewer cores is the setting compared, not a mistake to warn about.
-    warnings.filterwarnings("ignore", message="This DataLoader will create")
+    _quiet()
     sizes = parse_sizes(args.size)
     shard_size = parse_size(args.shard_size)
 
@@ -199,7 +224,7 @@ def main(argv=None) -> int:
             for kind in (kinds if r % 2 == 0 else kinds[::-1]):
                 if kind == "streaming":
                     try:
-                        rates = streaming_round(streaming, remote, tmp / f"local-{r}", sizes, seed=r)
+                        rates = in_fresh_process(streaming_round, remote, tmp / f"local-{r}", sizes, r)
                     except Exception as err:  # noqa: BLE001 - the other loader's fault ends its round, not the run
                         results[kind].append(None)
                         print(f"round {r + 1} {kind:20s} failed, left out of the medians: "
@@ -209,7 +234,7 @@ def main(argv=None) -> int:
                     with start_service({"bench": BENCH_DATA}, cache_dir=tmp / f"cache-{kind}-{r}",
                                        env=server.env(), workers=args.service_workers,
                                        args=args.baseline_serve_arg if kind == BASELINE else args.serve_arg) as svc:
-                        rates = shardfeed_round(kind, svc.url, sizes, seed=r, service_pid=svc.process.pid)
+                        rates = in_fresh_process(shardfeed_round, kind, svc.url, sizes, r, svc.process.pid)
                 results[kind].append(rates)
                 print(f"round {r + 1} {kind:20s} cold {rates[0].rate:8.0f}  warm {rates[1].rate:8.0f} samples/s   "
                       f"CPU us/sample cold {_parts(rates[0].cpu)}, warm {_parts(rates[1].cpu)}", flush=True)
