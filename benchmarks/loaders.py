@@ -39,6 +39,7 @@ import importlib.machinery
 import importlib.util
 import os
 import resource
+import shutil
 import statistics
 import sys
 import tempfile
@@ -222,19 +223,24 @@ def main(argv=None) -> int:
         results: dict[str, list[list[Epoch] | None]] = {k: [] for k in kinds}
         for r in range(args.rounds):
             for kind in (kinds if r % 2 == 0 else kinds[::-1]):
-                if kind == "streaming":
-                    try:
-                        rates = in_fresh_process(streaming_round, remote, tmp / f"local-{r}", sizes, r)
-                    except Exception as err:  # noqa: BLE001 - the other loader's fault ends its round, not the run
-                        results[kind].append(None)
-                        print(f"round {r + 1} {kind:20s} failed, left out of the medians: "
-                              f"{type(err).__name__}: {err}", flush=True)
-                        continue
-                else:
-                    with start_service({"bench": BENCH_DATA}, cache_dir=tmp / f"cache-{kind}-{r}",
-                                       env=server.env(), workers=args.service_workers,
-                                       args=args.baseline_serve_arg if kind == BASELINE else args.serve_arg) as svc:
-                        rates = in_fresh_process(shardfeed_round, kind, svc.url, sizes, r, svc.process.pid)
+                scratch = tmp / f"{kind}-{r}"  # Streaming's local directory, or the service's cache
+                try:
+                    if kind == "streaming":
+                        rates = in_fresh_process(streaming_round, remote, scratch, sizes, r)
+                    else:
+                        with start_service({"bench": BENCH_DATA}, cache_dir=scratch, env=server.env(),
+                                           workers=args.service_workers,
+                                           args=args.baseline_serve_arg if kind == BASELINE else args.serve_arg) as svc:
+                            rates = in_fresh_process(shardfeed_round, kind, svc.url, sizes, r, svc.process.pid)
+                except Exception as err:  # noqa: BLE001 - Streaming's fault ends its round, not the run
+                    if kind != "streaming":
+                        raise
+                    results[kind].append(None)
+                    print(f"round {r + 1} {kind:20s} failed, left out of the medians: "
+                          f"{type(err).__name__}: {err}", flush=True)
+                    continue
+                finally:  # the next rounds start with as much free memory as this one did
+                    shutil.rmtree(scratch, ignore_errors=True)
                 results[kind].append(rates)
                 print(f"round {r + 1} {kind:20s} cold {rates[0].rate:8.0f}  warm {rates[1].rate:8.0f} samples/s   "
                       f"CPU us/sample cold {_parts(rates[0].cpu)}, warm {_parts(rates[1].cpu)}", flush=True)
