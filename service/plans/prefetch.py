@@ -68,7 +68,8 @@ class Prefetcher:
         self.plans.expire()
         if not self.plans.live():
             return
-        await asyncio.to_thread(self.plans.refresh_horizon)
+        if self.plans.horizon_due():
+            await asyncio.to_thread(self.plans.refresh_horizon)
         for plan in self.plans.live():
             self._ahead(plan)
 

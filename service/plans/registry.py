@@ -255,12 +255,16 @@ class Plans:
             best.touch()
 
     # -- what the cache and the coalescer ask -------------------------------------------------------
+    def horizon_due(self) -> bool:
+        """Whether ``refresh_horizon`` would recompute (at most every ``HORIZON_EVERY`` seconds):
+        asked first, so a pass with nothing to recompute costs no thread hop."""
+        return time.monotonic() - self._horizon_at >= HORIZON_EVERY
+
     def refresh_horizon(self) -> None:
         """How far ahead the cache reaches: the next-use distance of the block that just fits."""
-        now = time.monotonic()
-        if now - self._horizon_at < HORIZON_EVERY:
+        if not self.horizon_due():
             return
-        self._horizon_at = now
+        self._horizon_at = time.monotonic()
         distances = [np.zeros(0)]
         for dataset_plans in self._by_dataset().values():
             best = np.full(dataset_plans[0].geometry.blocks, np.inf)
