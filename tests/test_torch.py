@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 
@@ -168,6 +169,22 @@ def test_prefetch_fetches_a_bounded_number_of_batches_ahead(service):
     ahead = batch_requests(service) - before
     assert 3 <= ahead <= 4  # the batch taken, 2 queued, at most 1 more in hand
     stream.close()
+
+
+def _fetching_thread(sample: dict) -> dict:
+    return {**sample, "thread": threading.current_thread().name}
+
+
+@pytest.mark.parametrize("workers, prefetch, thread", [(0, None, "shardfeed-prefetch"), (2, None, "MainThread"),
+                                                       (2, 1, "shardfeed-prefetch"), (0, 0, "MainThread")])
+def test_batches_are_prefetched_on_a_thread_by_default_only_without_dataloader_workers(service, workers, prefetch,
+                                                                                      thread):
+    # In a DataLoader worker the DataLoader already fetches ahead; a thread beside it only
+    # contends for the GIL. An explicit prefetch is honoured.
+    ds = iterable(service, transform=_fetching_thread, collate_fn=None, prefetch=prefetch)
+    batches = list(ShardfeedLoader(ds, num_workers=workers))
+    assert {s["thread"] for batch in batches for s in batch} == {thread}
+    assert sorted(s["__index__"] for batch in batches for s in batch) == list(range(SAMPLES))
 
 
 def test_shard_locality_mode_keeps_a_stretch_of_batches_within_a_few_shards(service):
