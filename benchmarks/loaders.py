@@ -10,7 +10,8 @@ Rounds alternate the loaders; the medians are printed with the shardfeed/Streami
 ratios, and the median and range of the ratios within each round. Each loader's round runs
 in a fresh Python process, as a training job would start: Streaming, run round after round
 in one process, got slower from round to round (a cold epoch from 15.5k down to 4.8k
-samples/s, and once a 60 s stall). Every batch is
+samples/s). Its cold epoch still stalls for about 60 s in some rounds; the medians and
+per-round ratios show how often. Every batch is
 checked: each sample's ``bin`` is compared with the bytes seeded. A Streaming round that
 raises (its reader once failed here with "Relative sample index ... is not present" on a
 cold local directory) is printed and left out of the medians; the run goes on.
@@ -34,9 +35,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import multiprocessing
 import importlib.machinery
 import importlib.util
+import multiprocessing
 import os
 import resource
 import shutil

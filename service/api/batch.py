@@ -23,7 +23,8 @@ from ..index import Members, SampleOutOfRange, UnknownField
 from ..protocol import INSTANT_BYTES
 from ..stream import held_stream, stream_batch, stream_length
 from ..warm import held_group
-from .common import TAR, AppState, State, json_body, parse_json, read_body, served_metrics, tar_stream_response
+from .common import (TAR, AppState, State, count_batch, json_body, parse_json, read_body, served_metrics,
+                     tar_stream_response)
 from .routing import ROUTING_HEADER
 
 router = APIRouter(tags=["samples"])
@@ -124,9 +125,7 @@ def instant_batch(state: State, scope, body: bytes) -> tuple[list[tuple[bytes, b
         return None
     parts = held_stream(dataset, members, indices, held)
     _served(state, dataset, indices)(len(indices), length - len(END_OF_ARCHIVE))
-    metrics = state.metrics
-    metrics.requests.labels("batch", "200").inc()
-    metrics.batch_latency.observe(time.perf_counter() - began)
+    count_batch(state, "batch", "200", began)
     headers = [(b"content-type", TAR.encode()), (b"content-length", b"%d" % length)]
     headers += [(name.lower().encode(), value.encode()) for name, value in _headers(state, indices).items()]
     return headers, parts

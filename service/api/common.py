@@ -253,6 +253,12 @@ class TarStreamResponse(StreamingResponse):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
+def count_batch(state: State, route: str, status: str, began: float) -> None:
+    """A batch request answered with ``status``, ``began`` at that ``perf_counter``."""
+    state.metrics.requests.labels(route, status).inc()
+    state.metrics.batch_latency.observe(time.perf_counter() - began)
+
+
 async def tar_stream_response(state: State, route: str, chunks: AsyncIterator[list], *, media_type: str,
                               headers: dict[str, str], what: str,
                               failed: Callable[[SampleFailed], ApiError] = lambda err: StoreUnavailable(str(err)),
@@ -265,14 +271,12 @@ async def tar_stream_response(state: State, route: str, chunks: AsyncIterator[li
     ``chunks`` yields lists of parts (``stream_batch``); ``in_memory``: every part is framed
     from RAM, nothing is read (``held_group``).
     """
-    metrics = state.metrics
     state.admission.acquire("batch")
     began = time.perf_counter()
 
     def finish(status: str) -> None:
         state.admission.release("batch")
-        metrics.requests.labels(route, status).inc()
-        metrics.batch_latency.observe(time.perf_counter() - began)
+        count_batch(state, route, status, began)
 
     try:
         first = await anext(chunks)

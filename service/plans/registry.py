@@ -256,14 +256,12 @@ class Plans:
 
     # -- what the cache and the coalescer ask -------------------------------------------------------
     def horizon_due(self) -> bool:
-        """Whether ``refresh_horizon`` would recompute (at most every ``HORIZON_EVERY`` seconds):
-        asked first, so a pass with nothing to recompute costs no thread hop."""
+        """Whether the horizon is ``HORIZON_EVERY`` seconds old: asked before ``refresh_horizon``
+        (which runs in a thread), so a pass with nothing to recompute costs no thread hop."""
         return time.monotonic() - self._horizon_at >= HORIZON_EVERY
 
     def refresh_horizon(self) -> None:
         """How far ahead the cache reaches: the next-use distance of the block that just fits."""
-        if not self.horizon_due():
-            return
         self._horizon_at = time.monotonic()
         distances = [np.zeros(0)]
         for dataset_plans in self._by_dataset().values():
