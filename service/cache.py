@@ -73,6 +73,19 @@ def shard_id(path: str) -> str:
     return hashlib.sha1(path.encode()).hexdigest()[:20]
 
 
+class HeldBlocks:
+    """The blocks of one dataset that the cache holds (of its block size): in all, per
+    shard id, and a count of the changes, so that an answer drawn from them can be kept
+    until they change."""
+
+    __slots__ = ("total", "per_shard", "changes")
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.per_shard: dict[str, int] = {}
+        self.changes = 0
+
+
 class _Entry:
     __slots__ = ("file_size", "file")
 
@@ -105,6 +118,7 @@ class BlockCache:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._open_files: OrderedDict[str, None] = OrderedDict()
         self._bytes = 0
+        self._held: dict[str, HeldBlocks] = {}
         self._lock = threading.Lock()
         self._lock_file = None
         self._last_warning = -1e9
@@ -135,6 +149,7 @@ class BlockCache:
         with self._lock:
             for _, name, size in sorted(found):
                 self._entries[name] = _Entry(size)
+                self._count(name, 1)
                 self._bytes += size
             evicted = self._evict_locked()
         for victim in evicted:  # the capacity may have shrunk since the last run
@@ -169,6 +184,10 @@ class BlockCache:
     # -- reads -----------------------------------------------------------------------------
     def __contains__(self, key: BlockKey) -> bool:
         return key.filename(self.block_size) in self._entries
+
+    def held(self, dataset: str) -> HeldBlocks:
+        """What the cache holds of dataset id ``dataset`` (read without the lock: a moment's view)."""
+        return self._held.get(dataset) or HeldBlocks()
 
     def read(self, key: BlockKey, ranges: list[tuple[int, int]] | None) -> list[bytes] | None:
         """Bytes ``[start, end)`` of the block for each range (``None``: the whole block), verified;
@@ -213,6 +232,7 @@ class BlockCache:
             entry = self._entries.pop(name, None)
             self._open_files.pop(name, None)
             if entry is not None:
+                self._count(name, -1)
                 self._bytes -= entry.file_size
         (self.directory / name).unlink(missing_ok=True)
         self._update_gauges()
@@ -232,6 +252,8 @@ class BlockCache:
         with self._lock:
             old = self._entries.pop(name, None)
             self._open_files.pop(name, None)
+            if old is not None:
+                self._count(name, -1)
             self._bytes += size - (old.file_size if old is not None else 0)
             evicted = self._evict_locked()
         if old is not None:
@@ -270,6 +292,7 @@ class BlockCache:
             return False
         with self._lock:
             self._entries[name] = _Entry(size)
+            self._count(name, 1)
         self._update_gauges()
         return True
 
@@ -283,11 +306,26 @@ class BlockCache:
                 break
             entry = self._entries.pop(name)
             self._open_files.pop(name, None)
+            self._count(name, -1)
             self._bytes -= entry.file_size
             evicted.append(name)
         if evicted:
             self.metrics.cache_evictions.inc(len(evicted))
         return evicted
+
+    def _count(self, name: str, step: int) -> None:
+        """Count block file ``name`` in (``step`` 1) or out (-1) of its dataset's ``HeldBlocks``;
+        called with the lock held. Files of another block size (a previous run's) are not counted."""
+        dataset, _, rest = name.partition("/")
+        shard, size, _ = rest.split("-", 2)
+        if int(size, 16) != self.block_size:
+            return
+        held = self._held.get(dataset)
+        if held is None:
+            held = self._held[dataset] = HeldBlocks()
+        held.total += step
+        held.per_shard[shard] = held.per_shard.get(shard, 0) + step
+        held.changes += 1
 
     def _update_gauges(self) -> None:
         self.metrics.cache_bytes.set(self._bytes)

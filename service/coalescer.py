@@ -64,6 +64,7 @@ class Coalescer:
         self._store_slots = asyncio.Semaphore(config.max_store_requests)
         self._inflight: dict[BlockKey, asyncio.Future] = {}
         self._sibling_reads: dict[BlockKey, asyncio.Future] = {}  # whole sibling blocks being read
+        self._holds_all: dict[str, tuple[tuple, bool]] = {}  # dataset id -> (what it was drawn from, answer)
         self._tasks: set[asyncio.Task] = set()
         # Cache writes wait on the disk (``O_DIRECT``, ``blockfile.py``): on threads of their
         # own, so a slow disk never queues the cache reads on the default executor behind them.
@@ -285,11 +286,32 @@ class Coalescer:
         """The found rows of ``members`` that this node owns and reads from the store: not
         those of a down sibling's shards, which its block files may still hold."""
         rows = np.flatnonzero(members.found)
-        codes = members.shard[rows]
+        return rows[self._own(dataset, members.shard[rows])]
+
+    def _own(self, dataset: Dataset, codes: np.ndarray) -> np.ndarray:
+        """Per shard code, whether this node owns that shard and reads it from the store."""
         owners = self.cluster.owners(dataset.url, dataset.index.shards, codes)
-        mine = (owners == self.cluster.me) & (self.cluster.down_homes(dataset.url, dataset.index.shards, codes,
+        return (owners == self.cluster.me) & (self.cluster.down_homes(dataset.url, dataset.index.shards, codes,
                                                                       owners) < 0)
-        return rows[mine]
+
+    def holds_all(self, dataset: Dataset) -> bool:
+        """Whether the cache holds every block of ``dataset`` that this node reads from the
+        store: then reading ahead has nothing to do. Kept until the cache's blocks of the
+        dataset or the cluster's ownership change."""
+        held = self.cache.held(dataset.id)
+        version = (held.changes, self.cluster.version() if self.cluster is not None else None)
+        known = self._holds_all.get(dataset.id)
+        if known is not None and known[0] == version:
+            return known[1]
+        blocks = -(-dataset.extents.astype(np.int64) // self.block_size)  # per shard code
+        codes = np.arange(len(blocks))
+        if self.cluster is not None:
+            codes = codes[self._own(dataset, codes)]
+        answer = held.total >= int(blocks[codes].sum()) and all(
+            held.per_shard.get(dataset.shard_ids[code], 0) >= need for code, need in zip(codes.tolist(),
+                                                                                         blocks[codes].tolist()))
+        self._holds_all[dataset.id] = (version, answer)
+        return answer
 
     def held_blocks(self, keys, *, all_or_none: bool = False) -> dict[BlockKey, memoryview]:
         """The blocks among ``keys`` that the RAM tier holds, as views (no copy, no thread), in
