@@ -14,6 +14,9 @@ has are read from its directory, ``siblings.py``). If the owner is down or misse
 members are read from the store here instead, so no sample is lost. While a sibling worker
 is down, its shards have a stand-in owner (the next live worker by the same hashing), but
 its directory is still read first (``down_homes``).
+
+What a client tells one node about its future reads (plans) is relayed to the others
+(``Cluster.relay``): each node reads ahead of the plan for the shards it owns.
 """
 
 from __future__ import annotations
@@ -34,6 +37,14 @@ from .index import Members
 from .metrics import Metrics
 
 log = logging.getLogger("shardfeed.peers")
+
+
+COPY_HEADER = "X-Shardfeed-Copy"
+"""Marks a request one node relays to others (``Cluster.relay``): ``host`` when another
+replica sent it (relay it on to this host's workers), ``node`` when a sibling worker did
+(keep it here)."""
+
+COPIES = ("host", "node")
 
 
 class PeerError(Exception):
@@ -258,6 +269,39 @@ class Cluster:
         if reader is None:
             reader = self._readers[node] = PeerReader(self, node)
         return reader
+
+    # -- relays ------------------------------------------------------------------------
+    def relay_targets(self, copy: str | None) -> list[tuple[int, str]]:
+        """The nodes a request that came as ``copy`` (``None``: from a client) goes on to,
+        each with the copy it is sent as: a client's request to every other node (this
+        host's workers, one worker of each other replica, which relays it to its siblings)."""
+        targets = [(node, "node") for node in range(len(self.workers)) if node != self.me] if copy != "node" else []
+        if copy is None:
+            targets += [(node, "host") for node in range(len(self.workers), len(self.peers))]
+        return targets
+
+    async def relay(self, method: str, path: str, body: bytes, copy: str | None,
+                    headers: dict[str, str] | None = None) -> None:
+        """Send a request this node has carried out on to ``relay_targets(copy)``, at once and
+        within ``timeout`` seconds. Best effort: a node that is down, refuses or is late is
+        logged and left out (it goes on without what the request said)."""
+        async def one(node: int, copy_as: str) -> None:
+            reader = self.reader(node)
+            try:
+                async with reader.session().request(
+                        method, f"{reader.base}{path}", data=body, ssl=reader.ssl,
+                        headers={**self.headers, **(headers or {}), COPY_HEADER: copy_as,
+                                 "Content-Type": "application/json"},
+                        timeout=aiohttp.ClientTimeout(total=self.timeout)) as resp:
+                    if resp.status >= 300:
+                        log.warning("%s %s refused %s %s: %d %s", reader.kind, self.peers[node].id, method, path,
+                                    resp.status, (await resp.text())[:200])
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
+                log.warning("%s %s did not take %s %s: %s", reader.kind, self.peers[node].id, method, path,
+                            type(err).__name__)
+
+        await asyncio.gather(*(one(node, copy_as) for node, copy_as in self.relay_targets(copy)
+                               if self.peers[node].up))
 
     # -- health ------------------------------------------------------------------------
     def mark(self, node: int, *, up: bool, why: str = "") -> None:

@@ -81,3 +81,20 @@ def test_next_use_eviction_alone_beats_lru_on_a_random_order(dataset, tmp_path, 
     monkeypatch.setattr(Plans, "whole_blocks", lambda self, dataset, shards, blocks: np.ones(len(blocks), bool))
     belady, _ = replay(dataset, tmp_path, order, 0.5, plan=True)
     assert belady < 0.75 * lru
+
+
+@pytest.mark.parametrize("parts", [1, 8])
+def test_one_owners_part_of_a_batch_moves_the_plan_when_batches_come_in_parts(dataset, tmp_path, parts):
+    """Routed clients send each of ``parts`` nodes its own samples of a batch: one part is
+    then a sparse pick of the batch's positions, which must still tell where the reader is."""
+    order = EpochSampler(SAMPLES, 1, seed=9).rank_order()
+    cache = BlockCache(tmp_path / "cache", SAMPLES * 1100, BLOCK, Metrics())
+    cache.open()
+    plans = Plans(ServiceConfig(block_size=BLOCK), cache, Metrics(), parts=parts)
+    plan = plans.build(dataset, "indices", order, None, True, None)
+    plans.insert(plan)
+    plans.observe(dataset, order[640:704][::8])  # one of 8 owners' samples of the batch at 640
+    if parts == 1:  # a batch's 8 samples spread over 57 positions: taken for another reader's
+        assert plan.position == 0
+    else:
+        assert (plan.position, plan.batch) == (640, 57)

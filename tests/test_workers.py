@@ -217,3 +217,12 @@ def test_replicas_compose_with_workers(dataset, moto, tmp_path):
                     (f"sample{i:06d}", source[(i, "bin")]) for i in batch]
         after = hops(b.url, "replica") + sum(hops(u, "replica") for u in worker_urls(a.url))
         assert after == before, "a routed part went to a replica that does not own it"
+        # A plan told to one process reaches every process of both replicas, and so does its end.
+        plan = httpx.post(f"{b.url}/v1/datasets/train/plans", json={"kind": "indices", "indices": order},
+                          timeout=10).json()
+        everyone = [b.url, *worker_urls(a.url)]
+        for url in everyone:
+            assert httpx.get(f"{url}/v1/datasets/train/plans/{plan['id']}", timeout=10).status_code == 200, url
+        assert httpx.delete(f"{worker_urls(a.url)[1]}/v1/datasets/train/plans/{plan['id']}").status_code == 204
+        for url in everyone:
+            assert httpx.get(f"{url}/v1/datasets/train/plans/{plan['id']}", timeout=10).status_code == 404, url

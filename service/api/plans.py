@@ -5,6 +5,10 @@
     GET    .../plans/{id}   one plan: its length, position and time left
     POST   .../plans/{id}   the next chunk of an ``indices`` plan
     DELETE .../plans/{id}   drop it (204)
+
+With workers or replicas, every node holds every plan: what one node is told it relays to
+the others (``Cluster.relay``, the same id), so each reads ahead for the shards it owns
+and evicts by next use, and any node answers for the plan.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -20,16 +25,24 @@ from starlette.responses import Response
 from ..datasets import Dataset
 from ..errors import ApiError, InvalidRequest
 from ..index import UnknownField
+from ..peers import COPIES, COPY_HEADER
 from ..plans import KINDS
 from ..plans.request import Chunk, PlanRequest
-from .common import AppState, json_body, parse_json, read_body
+from .common import AppState, State, json_body, parse_json, read_body
 
 router = APIRouter(tags=["plans"])
+
+PLAN_ID_HEADER = "X-Shardfeed-Plan-Id"
+"""On a relayed registration: the id the first node gave the plan."""
 
 
 @router.post("/v1/datasets/{name}/plans", status_code=201, openapi_extra=json_body(PlanRequest))
 async def create_plan(name: str, request: Request, state: AppState) -> dict:
     dataset = state.dataset(name)
+    copy = _copy(request)
+    plan_id = request.headers.get(PLAN_ID_HEADER) if copy else None
+    if plan_id is not None and not re.fullmatch(r"[0-9a-f]{16}", plan_id):
+        raise InvalidRequest(f"invalid {PLAN_ID_HEADER} {plan_id[:40]!r}: 16 hexadecimal digits expected")
     body = await read_body(request, state.config.max_body)
     try:
         kind = json.loads(body).get("kind")
@@ -48,9 +61,10 @@ async def create_plan(name: str, request: Request, state: AppState) -> dict:
     _check_order(dataset, order)
     state.plans.check_room(len(order))
     plan = await asyncio.to_thread(state.plans.build, dataset, kind, order, req.ttl,
-                                   getattr(req, "complete", True), fields)
+                                   getattr(req, "complete", True), fields, plan_id)
     state.plans.insert(plan)
     state.prefetcher.wake()
+    await _relay(state, request, copy, body, {PLAN_ID_HEADER: plan.id})
     return plan.describe()
 
 
@@ -69,8 +83,10 @@ async def get_plan(name: str, plan_id: str, state: AppState) -> dict:
 @router.post("/v1/datasets/{name}/plans/{plan_id}", openapi_extra=json_body(Chunk))
 async def extend_plan(name: str, plan_id: str, request: Request, state: AppState) -> dict:
     dataset = state.dataset(name)
+    copy = _copy(request)
     plan = state.plans.get(dataset, plan_id)
-    chunk = parse_json(await read_body(request, state.config.max_body), Chunk)
+    body = await read_body(request, state.config.max_body)
+    chunk = parse_json(body, Chunk)
     if plan.complete:
         raise ApiError(409, "plan_complete", f"plan {plan_id!r} is complete; register a new one")
     order = np.asarray(chunk.indices, dtype=np.int64)
@@ -81,13 +97,30 @@ async def extend_plan(name: str, plan_id: str, request: Request, state: AppState
     longer.touch()
     state.plans.replace(longer)
     state.prefetcher.wake()
+    await _relay(state, request, copy, body)
     return longer.describe()
 
 
 @router.delete("/v1/datasets/{name}/plans/{plan_id}", status_code=204)
-async def delete_plan(name: str, plan_id: str, state: AppState) -> Response:
+async def delete_plan(name: str, plan_id: str, request: Request, state: AppState) -> Response:
+    copy = _copy(request)
     state.plans.remove(state.plans.get(state.dataset(name), plan_id))
+    await _relay(state, request, copy, b"")
     return Response(status_code=204)
+
+
+def _copy(request: Request) -> str | None:
+    """Which relayed copy this request is (``peers.COPY_HEADER``); ``None`` from a client."""
+    copy = request.headers.get(COPY_HEADER)
+    if copy is not None and copy not in COPIES:
+        raise InvalidRequest(f"invalid {COPY_HEADER} {copy[:40]!r}: one of {', '.join(COPIES)} expected")
+    return copy
+
+
+async def _relay(state: State, request: Request, copy: str | None, body: bytes, headers: dict | None = None) -> None:
+    """Carry this request, already done here, to the cluster's other nodes."""
+    if state.cluster is not None:
+        await state.cluster.relay(request.method, request.url.path, body, copy, headers)
 
 
 def _fields(dataset: Dataset, fields: list[str] | None) -> list[str] | None:

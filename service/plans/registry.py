@@ -153,8 +153,11 @@ class Plan:
 class Plans:
     """Every plan held, bounded; the cache's eviction policy and the coalescer's fetch policy."""
 
-    def __init__(self, config: ServiceConfig, cache: BlockCache, metrics: Metrics):
+    def __init__(self, config: ServiceConfig, cache: BlockCache, metrics: Metrics, parts: int = 1):
         self.config = config
+        self.parts = parts
+        """Parts a batch may come in, one per node of the cluster (routed clients send each
+        owner its own): a part of ``n`` samples spans up to ``n * parts`` plan positions."""
         self.cache = cache
         self.metrics = metrics
         self.block_size = config.block_size
@@ -186,10 +189,12 @@ class Plans:
                              "plans or retry when one expires")
 
     def build(self, dataset: Dataset, kind: str, order: np.ndarray, ttl: float | None, complete: bool,
-              fields: list[str] | None) -> Plan:
-        """A new plan, not yet held (blocking: call in a thread, then ``insert``)."""
+              fields: list[str] | None, plan_id: str | None = None) -> Plan:
+        """A new plan, not yet held (blocking: call in a thread, then ``insert``); ``plan_id``:
+        the id another node gave it (a relayed copy), else a new one."""
         ttl = min(ttl or self.config.plan_ttl, self.config.plan_ttl)
-        plan = Plan(secrets.token_hex(8), dataset, kind, ttl, order, complete, self.geometry(dataset), fields)
+        plan = Plan(plan_id or secrets.token_hex(8), dataset, kind, ttl, order, complete, self.geometry(dataset),
+                    fields)
         plan.touch()
         return plan
 
@@ -233,25 +238,29 @@ class Plans:
 
         A batch belongs to the plan where most of its samples sit next to each other (a
         batch is a run of consecutive plan positions) not too far from where the plan's
-        reader was last seen; in another reader's random order they are scattered.
+        reader was last seen; in another reader's random order they are scattered. With
+        ``parts``, ``indices`` may be one node's part of a batch: its samples lie among
+        the batch's positions, up to ``parts`` times as many.
         """
         n = len(indices)
         if not n:
             return
-        best, best_score, best_start = None, n / 2, 0
+        span = n * self.parts  # the batch this may be one owner's part of
+        best, best_score, best_start, best_end = None, n / 2, 0, 0
         for plan in reversed(self.live(dataset)):  # the newest wins a tie (the same order registered again)
             length = plan.length
-            reach = 64 * n + 1024  # readers' workers run ahead of each other
+            reach = 64 * span + 1024  # readers' workers run ahead of each other
             at = np.searchsorted(plan.by_sample, indices * length + max(0, plan.position - reach))
             keys = plan.by_sample[np.minimum(at, len(plan.by_sample) - 1)]
-            where = np.where((at < len(plan.by_sample)) & (keys // length == indices), keys % length, -10 * n)
+            where = np.where((at < len(plan.by_sample)) & (keys // length == indices), keys % length, -10 * span)
             middle = int(np.median(where))
-            close = np.abs(where - middle) <= n
+            close = np.abs(where - middle) <= span
             if close.sum() > best_score and middle < plan.position + reach:
-                best, best_score, best_start = plan, int(close.sum()), int(where[close].min())
+                best, best_score = plan, int(close.sum())
+                best_start, best_end = int(where[close].min()), int(where[close].max())
         if best is not None:
             best.position = max(best.position, best_start)
-            best.batch = n
+            best.batch = max(n, best_end - best_start + 1)
             best.touch()
 
     # -- what the cache and the coalescer ask -------------------------------------------------------
