@@ -121,6 +121,9 @@ def main(argv=None) -> int:
     parser.add_argument("--shard-size", default="4MiB")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--workers", type=int, default=4, help="concurrent batch requests")
+    parser.add_argument("--service-workers", type=int, default=1,
+                        help="shardfeed serve --workers: each worker owns its share of the shards and of the "
+                             "cache, and holds every plan (default: %(default)s)")
     parser.add_argument("--block-size", default="1MiB")
     parser.add_argument("--cache-size", default="1",
                         help="comma-separated: shares of the dataset (1, 0.25) or sizes (20GiB)")
@@ -165,6 +168,7 @@ def main(argv=None) -> int:
         print(f"dataset: {n} samples x {args.size} in {args.shard_size} shards on {server.kind} S3 "
               f"({shard_bytes / 2**20:.1f} MiB of shards), +{args.latency_ms:g} ms per S3 request; "
               f"batches of {args.batch}, {args.workers} concurrent; block {args.block_size}; "
+              f"serve --workers {args.service_workers}; "
               f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
         header = (f"{'cache':>6} {'shuffle':>8} {'loader':>8} {'plan':>4} {'epoch':>5} {'samples/s':>9} "
                   f"{'x warm':>6} {'S3 B/B':>7} {'req/1k':>7} {'shards/batch':>12} {'rho':>6}")
@@ -176,7 +180,7 @@ def main(argv=None) -> int:
             capacity = _cache_bytes(cache, shard_bytes)
             cache_dir = tmp / f"cache-{len(rows)}"
             with start_service({"bench": BENCH_DATA}, cache_dir=cache_dir, cache_size=str(capacity),
-                               env=s3, args=["--block-size", args.block_size, "--no-hedge",
+                               env=s3, workers=args.service_workers, args=["--block-size", args.block_size, "--no-hedge",
                                              "--plan-memory", args.plan_memory]) as svc:
                 info = httpx.get(f"{svc.url}/v1/datasets/bench").json()
                 per_shard = shard_samples(info)
