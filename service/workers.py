@@ -112,8 +112,9 @@ class _Worker:
     pause: float = 0.0
     restart_at: float | None = None
     served: bool = False
-    """Whether any run of this worker listened on its own port: a death before that is a
-    startup failure (a bad dataset, an unreadable cache), not a crash to restart from."""
+    """Whether any run of this worker listened on its own port: an exit with an error before
+    that is a startup failure (a bad dataset, an unreadable cache), not a crash to restart
+    from. A death by a signal (the OOM killer during a long index build) is a crash."""
 
 
 def supervise(config: ServiceConfig, serve_worker: Callable[[ServiceConfig], None]) -> int:
@@ -169,7 +170,7 @@ def _watch(workers: list[_Worker], serve_worker: Callable[[ServiceConfig], None]
             worker = alive[sentinel]
             worker.process.join()
             index = worker.config.worker.index
-            if not worker.served:
+            if not worker.served and worker.process.exitcode >= 0:
                 return index
             first = worker.config.restart_pause
             worker.pause = first if now - worker.started >= STABLE_AFTER else worker.pause

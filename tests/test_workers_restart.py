@@ -7,6 +7,9 @@ from __future__ import annotations
 import os
 import random
 import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,7 +21,7 @@ from reliability_helpers import expected_members
 from service_helpers import fetch_batch, metrics
 from worker_helpers import (cached_blocks, directory_dataset, owned_shards, sibling_blocks, worker_pids,
                             worker_urls)
-from shardfeed.service.process import healthy, start_service
+from shardfeed.service.process import child_pids, free_port, healthy, start_service, stop_process
 
 SAMPLES = 240
 ARGS = ["--block-size", "64KiB", "--peer-timeout", "5"]
@@ -185,3 +188,39 @@ def test_a_dead_workers_block_files_are_read_until_it_restarts_and_nothing_is_wr
         survivor = cached_blocks(cache, 1 - dead)
         assert survivor - held and not survivor & held, "a block the dead worker's files hold was cached again"
         assert "restarting it in 600.0 s" in svc.log() and not healthy(urls[dead])
+
+
+def test_a_worker_killed_before_it_serves_is_restarted_and_one_that_fails_stops_the_service(tmp_path):
+    """Only an exit with an error before serving (a bad dataset, an unreadable cache) is a
+    failed start; a worker killed by a signal while it starts (the OOM killer during a long
+    index build) is restarted like any crash."""
+    silent = socket.create_server(("127.0.0.1", 0))  # an S3 endpoint that never answers: opening hangs
+    env = {**os.environ, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{silent.getsockname()[1]}",
+           "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
+    command = [sys.executable, "-m", "shardfeed", "serve", "--workers", "2", "--port", str(free_port()),
+               "--cache-dir", str(tmp_path / "cache"), "--restart-pause", "0.1", "--dataset", "train=s3://b/d"]
+    with open(tmp_path / "serve.log", "wb") as log:
+        serve = subprocess.Popen(command, env=env, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 30
+        while len(child_pids(serve.pid)) < 2:
+            assert time.monotonic() < deadline and serve.poll() is None, (tmp_path / "serve.log").read_text()
+            time.sleep(0.1)
+        first = child_pids(serve.pid)
+        os.kill(first[0], signal.SIGKILL)
+        while "restarting it" not in (tmp_path / "serve.log").read_text():
+            assert time.monotonic() < deadline and serve.poll() is None, (tmp_path / "serve.log").read_text()
+            time.sleep(0.1)
+        while len(child_pids(serve.pid)) < 2:  # its successor is starting
+            assert time.monotonic() < deadline and serve.poll() is None, (tmp_path / "serve.log").read_text()
+            time.sleep(0.1)
+        assert first[0] not in child_pids(serve.pid) and serve.poll() is None
+    finally:
+        stop_process(serve)
+        silent.close()
+    bad = subprocess.run([sys.executable, "-m", "shardfeed", "serve", "--workers", "2", "--port", str(free_port()),
+                          "--cache-dir", str(tmp_path / "cache2"), "--dataset", f"train={(tmp_path / 'none').as_uri()}"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1
+    assert "exited before serving" in bad.stderr and "no such object" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr
