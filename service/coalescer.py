@@ -65,6 +65,7 @@ class Coalescer:
         self._inflight: dict[BlockKey, asyncio.Future] = {}
         self._sibling_reads: dict[BlockKey, asyncio.Future] = {}  # whole sibling blocks being read
         self._holds_all: dict[str, tuple[tuple, bool]] = {}  # dataset id -> (what it was drawn from, answer)
+        self._own_blocks: dict[str, tuple] = {}  # dataset id -> (ownership, blocks in all, shard ids, blocks of each)
         self._tasks: set[asyncio.Task] = set()
         # Cache writes wait on the disk (``O_DIRECT``, ``blockfile.py``): on threads of their
         # own, so a slow disk never queues the cache reads on the default executor behind them.
@@ -297,20 +298,25 @@ class Coalescer:
     def holds_all(self, dataset: Dataset) -> bool:
         """Whether the cache holds every block of ``dataset`` that this node reads from the
         store: then reading ahead has nothing to do. Kept until the cache's blocks of the
-        dataset or the cluster's ownership change."""
+        dataset or the cluster's ownership change; while the cache holds fewer blocks of the
+        dataset than this node reads, one comparison."""
         held = self.cache.held(dataset.id)
-        version = (held.changes, self.cluster.version() if self.cluster is not None else None)
+        ownership = self.cluster.version() if self.cluster is not None else None
         known = self._holds_all.get(dataset.id)
-        if known is not None and known[0] == version:
+        if known is not None and known[0] == (held.changes, ownership):
             return known[1]
-        blocks = -(-dataset.extents.astype(np.int64) // self.block_size)  # per shard code
-        codes = np.arange(len(blocks))
-        if self.cluster is not None:
-            codes = codes[self._own(dataset, codes)]
-        answer = held.total >= int(blocks[codes].sum()) and all(
-            held.per_shard.get(dataset.shard_ids[code], 0) >= need for code, need in zip(codes.tolist(),
-                                                                                         blocks[codes].tolist()))
-        self._holds_all[dataset.id] = (version, answer)
+        own = self._own_blocks.get(dataset.id)
+        if own is None or own[0] != ownership:
+            blocks = -(-dataset.extents.astype(np.int64) // self.block_size)  # per shard code
+            codes = np.arange(len(blocks))
+            if self.cluster is not None:
+                codes = codes[self._own(dataset, codes)]
+            need = blocks[codes]
+            own = self._own_blocks[dataset.id] = (ownership, int(need.sum()),
+                                                  [dataset.shard_ids[c] for c in codes.tolist()], need.tolist())
+        _, total, shard_ids, need = own
+        answer = held.total >= total and all(held.per_shard.get(shard, 0) >= n for shard, n in zip(shard_ids, need))
+        self._holds_all[dataset.id] = ((held.changes, ownership), answer)
         return answer
 
     def held_blocks(self, keys, *, all_or_none: bool = False) -> dict[BlockKey, memoryview]:
