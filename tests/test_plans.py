@@ -12,6 +12,7 @@ import signal
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 from sample_data import make_dataset, s3_put
@@ -195,6 +196,34 @@ def test_a_plan_is_registered_while_a_sibling_worker_is_down(dataset, moto, tmp_
         assert [a.status_code for a in answers.values()] == [201], [a.text for a in answers.values()]
         (worker, answer), = answers.items()
         assert httpx.get(f"{worker}/v1/datasets/train/plans/{answer.json()['id']}").status_code == 200
+
+
+def test_a_restarted_worker_takes_its_siblings_plans(dataset, moto, tmp_path):
+    sampler = EpochSampler(SAMPLES, BATCH, seed=7)
+    with start_service({"train": dataset[0]}, cache_dir=tmp_path / "cache", env=moto.env(), workers=2,
+                       args=["--block-size", BLOCK]) as svc:
+        workers = worker_urls(svc.url)
+        plans = [httpx.post(f"{svc.url}/v1/datasets/train/plans", json=body).json()
+                 for body in (_sampler_plan(sampler), {"kind": "indices", "indices": [5, 3, 1], "fields": ["cls"]})]
+        time.sleep(0.5)  # the supervisor has seen both serve
+        first = worker_pids(svc)
+        os.kill(first[1], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while first[1] in worker_pids(svc) or len(worker_pids(svc)) < 2 or not all(map(healthy, workers)):
+            assert time.monotonic() < deadline, svc.log()[-3000:]
+            time.sleep(0.1)
+        for worker in workers:
+            while not httpx.get(f"{worker}/v1/datasets/train/plans", timeout=10).json():
+                assert time.monotonic() < deadline, svc.log()[-3000:]
+                time.sleep(0.1)
+            held = {p["id"]: p for p in httpx.get(f"{worker}/v1/datasets/train/plans", timeout=10).json()}
+            assert sorted(held) == sorted(p["id"] for p in plans), worker
+            assert [held[p["id"]]["samples"] for p in plans] == [SAMPLES, 3]
+            order = httpx.get(f"{worker}/v1/internal/plans/train/{plans[1]['id']}/order", timeout=10).content
+            assert np.frombuffer(order, dtype="<i8").tolist() == [5, 3, 1]
+            inside = {p["id"]: p for p in httpx.get(f"{worker}/v1/internal/plans", timeout=10).json()}
+            assert inside[plans[1]["id"]]["fields"] == ["cls"] and inside[plans[0]["id"]]["fields"] is None
+        assert "took 2 plans from worker" in svc.log()
 
 
 def test_an_expired_plan_is_registered_again_and_nothing_is_lost(dataset, moto, tmp_path):

@@ -16,6 +16,7 @@ raises ``ApiError`` (``service/errors.py``) for every error answer.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -35,6 +36,7 @@ from ..metrics import Metrics
 from ..peers import Cluster
 from ..samples import SampleBatcher
 from ..objects import BucketStores, Catalog
+from ..plans.adopt import adopt
 from ..plans.prefetch import Prefetcher
 from ..plans.registry import Plans
 from ..stats import StatsRecorder
@@ -87,7 +89,13 @@ def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: Block
         if cluster is not None:
             cluster.start()
         prefetcher.start()
+        # A restarted worker takes its siblings' plans; a new host's workers find none.
+        adoption = asyncio.create_task(adopt(cluster, plans, datasets, config)) \
+            if cluster is not None and len(cluster.workers) > 1 else None
         yield
+        if adoption is not None:
+            adoption.cancel()
+            await asyncio.gather(adoption, return_exceptions=True)
         await prefetcher.close()
         await state.stats.close()
         if cluster is not None:

@@ -1,4 +1,5 @@
-"""Replica to replica and worker to worker: the bytes of members of shards this node owns."""
+"""Replica to replica and worker to worker: the bytes of members of shards this node owns,
+a worker's status figures, and the plans it holds (for a restarted sibling, ``plans/adopt.py``)."""
 
 from __future__ import annotations
 
@@ -66,3 +67,17 @@ async def internal_stats(state: AppState,
     counter growth over each ``span`` seconds, series points newer than ``since``."""
     figures = worker_figures(state, tuple(span), since)
     return Response(json.dumps(figures, separators=(",", ":"), allow_nan=False), media_type="application/json")
+
+
+@router.get("/v1/internal/plans")
+async def internal_plans(state: AppState) -> list[dict]:
+    """Every plan this node holds, with its fields."""
+    state.plans.expire()
+    return [{**plan.describe(), "fields": plan.fields} for plan in state.plans.live()]
+
+
+@router.get("/v1/internal/plans/{name}/{plan_id}/order", response_class=Response)
+async def internal_plan_order(name: str, plan_id: str, state: AppState) -> Response:
+    """A plan's order: its sample indices as little-endian int64s."""
+    plan = state.plans.get(state.dataset(name), plan_id)
+    return Response(plan.order.astype("<i8").tobytes(), media_type="application/octet-stream")

@@ -22,6 +22,10 @@ What the service does with the plans it holds (``registry.Plans``):
 Without a plan the service behaves as before. Plans live in memory only, are bounded in
 number (``max_plans``) and size (``max_plan_samples``), and expire ``plan_ttl`` seconds
 after their last use: a client whose plan is gone registers it again.
+
+With workers or replicas every process holds every plan: the one told relays it
+(``api/plans.py``, ``peers.Cluster.relay``), and a restarted worker takes its siblings'
+(``adopt.py``).
 """
 
 from __future__ import annotations
