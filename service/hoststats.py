@@ -9,8 +9,10 @@ rates are added (each is a worker's counter growth over its own span), the laten
 percentiles come from the workers' histogram buckets added over the window (not from
 their percentiles), and the per-second series are added point by point (the workers'
 recorders tick on the same boundaries of the host's monotonic clock). Requests in flight
-and their limits, the cache's capacity and the plans are the workers' together; the
-datasets, replicas and workers are the answering worker's view, the same on every worker.
+and their limits and the cache's capacity are the workers' together. Every worker holds
+every plan (``api/plans.py``): each is listed once, at the farthest position any worker has
+seen its reader at (``host_plans``). The datasets, replicas and workers are the answering
+worker's view, the same on every worker.
 A sibling that does not answer in time is not waited for: its counter totals are read
 from the files it keeps them in (``keptcounters.py``), so no total goes down while a worker
 restarts; its rates, levels and series are left out; ``workers_reporting`` says how many
@@ -51,6 +53,21 @@ def worker_figures(state: State, spans: tuple[float, ...], since: float | None) 
         "store_limit": state.config.max_store_requests,
         "plans": [plan.describe() for plan in state.plans.live()],
     }
+
+
+def host_plans(parts: list[dict]) -> list[dict]:
+    """The plans of the workers' figures, one entry per plan id: the farthest position and
+    the latest expiry any worker holds it with."""
+    plans: dict[str, dict] = {}
+    for part in parts:
+        for plan in part["plans"]:
+            held = plans.get(plan["id"])
+            if held is None:
+                plans[plan["id"]] = dict(plan)
+            else:
+                held["position"] = max(held["position"], plan["position"])
+                held["expires_in"] = max(held["expires_in"], plan["expires_in"])
+    return list(plans.values())
 
 
 async def sibling_figures(cluster: Cluster, spans: tuple[float, ...], since: float | None) -> list[dict | None]:

@@ -151,6 +151,8 @@ def test_the_public_port_metrics_sum_every_worker_and_each_own_port_keeps_its_ow
 def test_the_public_port_status_figures_sum_every_worker(service, dataset):
     _, source = dataset
     urls = worker_urls(service.url)
+    plan = httpx.post(f"{service.url}/v1/datasets/train/plans", json={"kind": "indices", "indices": list(range(60))},
+                      timeout=10).json()
     for url, batch in zip(urls, [list(range(0, 60)), list(range(100, 140))]):
         assert fetch_batch(url, batch) == expected(source, batch)
 
@@ -184,6 +186,10 @@ def test_the_public_port_status_figures_sum_every_worker(service, dataset):
     samples = host["series"]["columns"].index("samples")
     assert sum(point[samples] for point in host["series"]["points"]) > 0
     assert host["datasets"] == own[0]["datasets"] and len(host["workers"]) == 2
+    # Every worker holds the plan: the host lists it once, where its reader was last seen.
+    assert [len(doc["plans"]) for doc in own] == [1, 1]
+    assert [(p["id"], p["samples"]) for p in host["plans"]] == [(plan["id"], 60)]
+    assert host["plans"][0]["position"] == max(doc["plans"][0]["position"] for doc in own)
     for bad in ("span=0", "span=nan", "span=10&span=20&span=30&span=40&span=50", ""):
         resp = httpx.get(f"{urls[0]}/v1/internal/stats?{bad}", timeout=10)
         assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_request", (bad, resp.text)

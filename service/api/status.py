@@ -28,7 +28,7 @@ import numpy as np
 from fastapi import APIRouter, Query, Request
 from starlette.responses import HTMLResponse, Response
 
-from ..hoststats import HostRecorder, kept_values, sibling_figures, worker_figures
+from ..hoststats import HostRecorder, host_plans, kept_values, sibling_figures, worker_figures
 from ..stats import RATES
 from .common import Admission, AppState, State, on_public_port
 
@@ -66,7 +66,7 @@ async def stats(request: Request, state: AppState, since: float | None = Query(
         siblings = await sibling_figures(state.cluster, spans, since)
         parts = [worker_figures(state, spans, since), *filter(None, siblings)]
         state = host_state(state, parts, await asyncio.to_thread(kept_values, state.cluster, siblings))
-        figures = {**document(state), "plans": [plan for part in parts for plan in part["plans"]] or None,
+        figures = {**document(state), "plans": host_plans(parts) or None,
                    "workers_reporting": len(parts)}
     else:
         figures = document(state)
