@@ -27,6 +27,7 @@ from ..errors import ApiError, InvalidRequest
 from ..index import UnknownField
 from ..peers import COPIES, COPY_HEADER
 from ..plans import KINDS
+from ..plans.registry import check_order
 from ..plans.request import Chunk, PlanRequest
 from .common import AppState, State, json_body, parse_json, read_body
 
@@ -58,7 +59,7 @@ async def create_plan(name: str, request: Request, state: AppState) -> dict:
         order = await asyncio.to_thread(module.order, req, len(dataset.index))
     except ValueError as err:
         raise InvalidRequest(f"invalid plan: {err}") from None
-    _check_order(dataset, order)
+    check_order(dataset, order)
     state.plans.check_room(len(order))
     plan = await asyncio.to_thread(state.plans.build, dataset, kind, order, req.ttl,
                                    getattr(req, "complete", True), fields, plan_id)
@@ -90,7 +91,7 @@ async def extend_plan(name: str, plan_id: str, request: Request, state: AppState
     if plan.complete:
         raise ApiError(409, "plan_complete", f"plan {plan_id!r} is complete; register a new one")
     order = np.asarray(chunk.indices, dtype=np.int64)
-    _check_order(dataset, order)
+    check_order(dataset, order)
     state.plans.check_room(len(plan.order) + len(order), new=False)
     longer = await asyncio.to_thread(dataclasses.replace, plan, order=np.concatenate([plan.order, order]),
                                      complete=chunk.complete)
@@ -132,13 +133,3 @@ def _fields(dataset: Dataset, fields: list[str] | None) -> list[str] | None:
     except UnknownField as err:
         raise ApiError(404, "unknown_field", str(err)) from None
     return fields
-
-
-def _check_order(dataset: Dataset, order: np.ndarray) -> None:
-    n = len(dataset.index)
-    if len(order) and (order.min() < 0 or order.max() >= n):
-        bad = int(order[(order < 0) | (order >= n)][0])
-        if bad < 0:
-            raise ApiError(400, "invalid_index", f"sample index {bad} is negative")
-        raise ApiError(404, "sample_out_of_range", f"sample {bad} is out of range: dataset "
-                                                   f"{dataset.name!r} has {n} samples")

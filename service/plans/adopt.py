@@ -21,7 +21,7 @@ from ..config import ServiceConfig
 from ..datasets import Dataset
 from ..errors import ApiError
 from ..peers import Cluster
-from .registry import Plans
+from .registry import Plans, check_order
 
 log = logging.getLogger("shardfeed.plans")
 
@@ -57,16 +57,16 @@ async def _adopt_from(cluster: Cluster, node: int, plans: Plans, datasets: dict[
             continue
         order = np.frombuffer(await get(f"/v1/internal/plans/{entry['dataset']}/{entry['id']}/order"),
                               dtype="<i8").astype(np.int64)
-        if len(order) > config.max_plan_samples or (len(order) and (order.min() < 0 or order.max() >= len(dataset.index))):
-            raise ValueError(f"plan {entry['id']} does not fit dataset {dataset.name!r}")
-        plan = await asyncio.to_thread(plans.build, dataset, entry["kind"], order, entry["ttl"], entry["complete"],
-                                       entry["fields"], entry["id"])
-        plan.position = min(int(entry["position"]), len(order))
-        try:
+        try:  # the checks a registration gets: the indices, then the plan's size and count
+            check_order(dataset, order)
+            plans.check_room(len(order))
+            plan = await asyncio.to_thread(plans.build, dataset, entry["kind"], order, entry["ttl"],
+                                           entry["complete"], entry["fields"], entry["id"])
+            plan.position = min(int(entry["position"]), len(order))
             plans.insert(plan)
-        except ApiError as err:  # --max-plans reached meanwhile
-            log.warning("plan %s of worker %s not taken: %s", plan.id, cluster.workers[node].id, err.message)
-            break
+        except ApiError as err:
+            log.warning("plan %s of worker %s not taken: %s", entry["id"], cluster.workers[node].id, err.message)
+            continue
         taken += 1
     if taken:
         log.info("took %d plans from worker %s", taken, cluster.workers[node].id)

@@ -65,6 +65,17 @@ class Geometry:
         return np.repeat(self.first[order], span) + rank, position
 
 
+def check_order(dataset: Dataset, order: np.ndarray) -> None:
+    """``ApiError`` unless every index of ``order`` is a sample of ``dataset``."""
+    n = len(dataset.index)
+    if len(order) and (order.min() < 0 or order.max() >= n):
+        bad = int(order[(order < 0) | (order >= n)][0])
+        if bad < 0:
+            raise ApiError(400, "invalid_index", f"sample index {bad} is negative")
+        raise ApiError(404, "sample_out_of_range", f"sample {bad} is out of range: dataset "
+                                                   f"{dataset.name!r} has {n} samples")
+
+
 @dataclass(eq=False)
 class Plan:
     id: str
