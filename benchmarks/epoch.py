@@ -36,9 +36,9 @@ from shardfeed.benchmarks.run import _start_proxy
 from shardfeed.benchmarks.s3server import BENCH_DATA, S3_SERVERS, default_server, seeded_s3
 from shardfeed.client.sampling import EpochSampler
 from shardfeed.client.shuffles import LOCAL, SHUFFLES, cache_window, shard_samples
+from shardfeed.process import scrape_metrics, start_service, stop_process
 from shardfeed.seeds.synthetic import member_bytes, parse_sizes
-from shardfeed.service.process import scrape_metrics, start_service, stop_process
-from shardfeed.service.sizes import parse_size
+from shardfeed.sizes import parse_size
 from shardfeed.tar import iter_members
 
 

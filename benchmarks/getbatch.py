@@ -24,20 +24,19 @@ from pathlib import Path
 from time import perf_counter
 
 import boto3
-import httpx
 import botocore.config
+import httpx
 import numpy as np
 from aistore.sdk import Client as AisClient
 
+from shardfeed.benchmarks import scenarios
+from shardfeed.benchmarks.run import _start_proxy
+from shardfeed.benchmarks.s3server import start_moto
 from shardfeed.client import Client
+from shardfeed.process import start_service, stop_process
 from shardfeed.seeds.synthetic import member_bytes
-from shardfeed.service.process import start_service, stop_process
-from shardfeed.service.sizes import format_size, parse_size
+from shardfeed.sizes import format_size, parse_size
 from shardfeed.tar import iter_members
-
-from . import scenarios
-from .run import _start_proxy
-from .s3server import start_moto
 
 BUCKET = "getbatch-bench"
 

@@ -27,7 +27,7 @@ import shardfeed.benchmarks
 import shardfeed.client
 import shardfeed.seeds
 import shardfeed.service
-from shardfeed.service.process import installed_script
+from shardfeed.process import installed_script
 
 RATE = 200
 """Stack samples per second per process (py-spy reads them without pausing the process)."""

@@ -12,12 +12,11 @@ import argparse
 import asyncio
 import os
 
+from shardfeed.benchmarks.s3server import start_moto
 from shardfeed.seeds.synthetic import seed_dataset
-from shardfeed.service.indexer import index_shards
-from shardfeed.service.sizes import format_size, parse_size
+from shardfeed.service.datasets.tarscan import index_shards
 from shardfeed.service.stores import open_store
-
-from .s3server import start_moto
+from shardfeed.sizes import format_size, parse_size
 
 SHAPES = [  # (name, samples, member size, shard size)
     ("1 MiB members, 25 MB", 24, "1MiB", "5MiB"),

@@ -56,9 +56,9 @@ from torch.utils.data import DataLoader
 from shardfeed.benchmarks.s3server import BENCH_DATA, S3_SERVERS, default_server, seeded_s3
 from shardfeed.benchmarks.serverside import tree_cpu
 from shardfeed.client.torch import ShardfeedDataset, ShardfeedIterableDataset, ShardfeedLoader
+from shardfeed.process import start_service
 from shardfeed.seeds.synthetic import member_bytes, parse_sizes
-from shardfeed.service.process import start_service
-from shardfeed.service.sizes import parse_size
+from shardfeed.sizes import parse_size
 
 BATCH, LOADER_WORKERS = 64, 4
 LOADERS = ("shardfeed-map", "shardfeed-iterable", "streaming")

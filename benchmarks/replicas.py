@@ -54,7 +54,7 @@ import numpy as np
 from shardfeed.benchmarks.s3server import BENCH_DATA, S3_SERVERS, default_server, seeded_s3
 from shardfeed.benchmarks.serverside import tree_cpu
 from shardfeed.client import Client
-from shardfeed.service.process import ServiceProcess, free_port, hops, scrape_metrics, start_service
+from shardfeed.process import ServiceProcess, free_port, hops, scrape_metrics, start_service
 
 DATASET = "bench"
 COUNTERS = ("shardfeed_samples_served_total", "shardfeed_store_requests_total", "shardfeed_cache_hits_total",

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shardfeed.service.sizes import format_size
-
-from .scenarios import Measurement
+from shardfeed.benchmarks.scenarios import Measurement
+from shardfeed.sizes import format_size
 
 BASELINE = "individual-gets"
 SCENARIOS = {

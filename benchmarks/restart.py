@@ -36,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from shardfeed.benchmarks.s3proxy import start_proxy
 from shardfeed.benchmarks.s3server import BENCH_DATA, S3_SERVERS, default_server, seeded_s3
 from shardfeed.client import Client
-from shardfeed.service.process import child_pids, healthy, scrape_metrics, start_service
+from shardfeed.process import child_pids, healthy, scrape_metrics, start_service
 
 DATASET = "bench"
 

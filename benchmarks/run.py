@@ -41,16 +41,15 @@ import boto3
 import botocore.config
 import numpy as np
 
+from shardfeed.benchmarks import hotpath, report, scenarios, serverside
+from shardfeed.benchmarks.report import SCENARIOS
+from shardfeed.benchmarks.s3server import S3_SERVERS, S3Server, default_server, start_s3
 from shardfeed.client import Client
+from shardfeed.process import ServiceProcess, free_port, scrape_metrics, start_service, stop_process
 from shardfeed.seeds.synthetic import member_bytes, seed_dataset
-from shardfeed.service.index import Index
-from shardfeed.service.process import ServiceProcess, free_port, scrape_metrics, start_service, stop_process
-from shardfeed.service.sizes import format_size, parse_size
+from shardfeed.service.datasets.index import Index
 from shardfeed.service.stores import open_store
-
-from . import hotpath, report, scenarios, serverside
-from .report import SCENARIOS
-from .s3server import S3_SERVERS, S3Server, default_server, start_s3
+from shardfeed.sizes import format_size, parse_size
 
 DATASET = "bench"
 # The two orders alternate from point to point (the warm cache needs the cold epoch first).

@@ -31,7 +31,7 @@ import boto3
 import botocore.config
 import botocore.exceptions
 
-from shardfeed.service.process import ensure_free, free_port, installed_script, ready_or_stopped
+from shardfeed.process import ensure_free, free_port, installed_script, ready_or_stopped
 
 SEAWEEDFS_FLAGS = (
     "-master.telemetry=false",  # it reports to an outside address otherwise

@@ -35,7 +35,7 @@ from time import perf_counter
 import numpy as np
 
 from shardfeed.client import AsyncClient, Client
-from shardfeed.service.index import Index
+from shardfeed.service.datasets.index import Index
 
 Verify = Callable[[int, bytes], None]
 """``verify(i, payload)`` raises if ``payload`` is not sample ``i``'s ``bin`` member."""

@@ -43,13 +43,12 @@ from pathlib import Path
 
 import numpy as np
 
+from shardfeed.benchmarks import hotpath
 from shardfeed.client import Client
+from shardfeed.process import ServiceProcess, free_port, start_service, stop_process
 from shardfeed.seeds.synthetic import member_bytes, seed_dataset
-from shardfeed.service.process import ServiceProcess, free_port, start_service, stop_process
-from shardfeed.service.sizes import format_size, parse_size
 from shardfeed.service.stores import open_store
-
-from . import hotpath
+from shardfeed.sizes import format_size, parse_size
 
 DATASET = "bench"
 CONNECTIONS = 64

@@ -39,8 +39,8 @@ from pathlib import Path
 from shardfeed.benchmarks.s3proxy import KINDS, FaultProxy, start_proxy
 from shardfeed.benchmarks.s3server import start_moto
 from shardfeed.client import Client, ShardfeedError
+from shardfeed.process import ServiceProcess, start_service
 from shardfeed.seeds.synthetic import member_bytes, sample_size
-from shardfeed.service.process import ServiceProcess, start_service
 
 SHARD_READS = r"^GET /[^?]*\.tar"  # range reads of shards, not the index
 DAMAGE = ("flip", "truncate", "delete", "garbage")

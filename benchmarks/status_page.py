@@ -37,9 +37,8 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 
-from shardfeed.service.process import start_service
-
-from .hotpath import cpu_seconds
+from shardfeed.benchmarks.hotpath import cpu_seconds
+from shardfeed.process import start_service
 
 
 def _pages(url: str, pages: int, stop, calls) -> None:

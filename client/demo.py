@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, SubsetRandomSampler, default_collate
 
-from .torch import ShardfeedDataset
+from shardfeed.client.torch import ShardfeedDataset
 
 DATASET = "digits"
 
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     if args.url:
         return train(args.url, args)
 
-    from shardfeed.service.process import start_service
+    from shardfeed.process import start_service
     from shardfeed.service.server import ensure_default_dataset
 
     began = time.perf_counter()

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from shardfeed.service.index import Index
-from shardfeed.service.packer import Sample, write_shards
+from shardfeed.service.datasets.index import Index
+from shardfeed.service.datasets.shards import Sample, write_shards
 from shardfeed.service.stores import Store
 
 DEFAULT_SHARD_SIZE = 512 << 10  # a few shards, so the demo exercises more than one

@@ -1,4 +1,4 @@
-"""``shardfeed seed``: a deterministic synthetic dataset, verifiable without storing it.
+"""A deterministic synthetic dataset (``shardfeed seed``), verifiable without storing it.
 
 Every member's bytes are a pure function of ``(seed, i, field, sizes)``, so tests and
 benchmarks can check any sample they get back with ``member_bytes`` instead of keeping
@@ -12,22 +12,17 @@ Fields: ``bin`` (the payload, ``size`` bytes), ``cls`` (a label 0-9 as ASCII dig
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import json
 import struct
-import time
 from collections.abc import Iterator, Sequence
 from functools import lru_cache
 
 import numpy as np
 
-from shardfeed.service.index import Index
-from shardfeed.service.packer import DEFAULT_SHARD_SIZE, Sample, write_shards
-from shardfeed.service.sizes import parse_size
-from shardfeed.service.stores import Store, open_store
-
-from .digits import DEFAULT_SHARD_SIZE as DIGITS_SHARD_SIZE, seed_digits
+from shardfeed.service.datasets.index import Index
+from shardfeed.service.datasets.shards import DEFAULT_SHARD_SIZE, Sample, write_shards
+from shardfeed.service.stores import Store
+from shardfeed.sizes import parse_size
 
 FIELDS = ("bin", "cls", "json")
 DEFAULT_FIELDS = ("bin", "cls")
@@ -134,39 +129,3 @@ async def seed_dataset(store: Store, *, samples: int, size: str | int | tuple[in
     expected = samples * (sizes[0] + sizes[1]) // 2 if "bin" in fields else None
     return await write_shards(store, iter_samples(samples, sizes, fields, seed), shard_size=shard_size,
                               total_bytes=expected, desc="seed", progress=progress)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dest", metavar="DEST_URL", help="new dataset root: s3://bucket/prefix, file:///dir or a path")
-    parser.add_argument("--samples", type=int, help="number of samples (required unless --digits)")
-    parser.add_argument("--size", default="10KiB", help="payload size, fixed (10KiB) or a range (1KiB-100KiB)")
-    parser.add_argument("--shard-size", default=None,
-                        help="target shard size (default 64MiB; 512KiB with --digits)")
-    parser.add_argument("--fields", default=",".join(DEFAULT_FIELDS),
-                        help=f"comma-separated fields, from {', '.join(FIELDS)} (default bin,cls)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--digits", action="store_true",
-                        help="write scikit-learn's 1797 8x8 digits (.npy + .cls) instead of synthetic data")
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.digits and args.samples is not None:
-        raise ValueError("--digits writes a fixed dataset; drop --samples")
-    if not args.digits and args.samples is None:
-        raise ValueError("--samples is required (or use --digits)")
-    default = DIGITS_SHARD_SIZE if args.digits else DEFAULT_SHARD_SIZE
-    shard_size = default if args.shard_size is None else parse_size(args.shard_size)
-
-    async def main() -> Index:
-        async with open_store(args.dest) as store:
-            if args.digits:
-                return await seed_digits(store, shard_size=shard_size,
-                                         progress=args.progress)
-            return await seed_dataset(store, samples=args.samples, size=args.size,
-                                      shard_size=shard_size, fields=args.fields,
-                                      seed=args.seed, progress=args.progress)
-
-    started = time.monotonic()
-    index = asyncio.run(main())
-    print(f"seeded {index.summary()} to {args.dest} in {time.monotonic() - started:.1f}s")
-    return 0

@@ -18,12 +18,11 @@ from functools import partial
 from pathlib import Path
 
 from shardfeed.retry import Backoff
-
-from .config import ServiceConfig
-from .hedge import Hedger, HedgePolicy
-from .peers import build_cluster, parse_peers
-from .sizes import format_size, parse_size
-from .workers import supervise, worker_sockets
+from shardfeed.service.cluster.peers import build_cluster, parse_peers
+from shardfeed.service.cluster.workers import supervise, worker_sockets
+from shardfeed.service.config import HedgePolicy, ServiceConfig
+from shardfeed.service.stores.hedge import Hedger
+from shardfeed.sizes import format_size, parse_size
 
 log = logging.getLogger("shardfeed.server")
 
@@ -210,9 +209,8 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
 async def ensure_default_dataset(data_dir: Path) -> str:
     """The embedded default dataset's URL, seeding it first if it is not there yet."""
     from shardfeed.seeds.digits import seed_digits
-
-    from .index import INDEX_FILE
-    from .stores import open_store
+    from shardfeed.service.datasets.index import INDEX_FILE
+    from shardfeed.service.stores import open_store
 
     root = (data_dir / DEFAULT_DATASET).resolve()
     url = root.as_uri()
@@ -227,13 +225,13 @@ async def ensure_default_dataset(data_dir: Path) -> str:
 async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_level: str = "info") -> None:
     import uvicorn
 
-    from .api import create_app
-    from .cache import BlockCache
-    from .datasets import open_dataset
-    from .keptcounters import restore_series
-    from .metrics import Metrics
-    from .protocol import BoundedHeadProtocol
-    from .stores import open_store
+    from shardfeed.service.api import create_app
+    from shardfeed.service.cache.disk import BlockCache
+    from shardfeed.service.cluster.keptcounters import restore_series
+    from shardfeed.service.datasets.dataset import open_dataset
+    from shardfeed.service.http.protocol import BoundedHeadProtocol
+    from shardfeed.service.observe.metrics import Metrics
+    from shardfeed.service.stores import open_store
 
     if not config.datasets and not config.buckets:
         config.datasets = {DEFAULT_DATASET: await ensure_default_dataset(data_dir)}

@@ -22,10 +22,10 @@ from shardfeed.service.stores.base import StoreError  # dependency-free, unlike 
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("shardfeed.service.server", "run the service (the main job)"),
-    "seed": ("shardfeed.seeds.synthetic", "write a synthetic dataset (or the sklearn digits)"),
-    "pack": ("shardfeed.service.packer", "pack a directory of KEY.FIELD files into tar shards + index"),
-    "index": ("shardfeed.service.layouts", "write index.parquet for existing tar shards (reads headers only) "
-                                           "or loose objects (--objects)"),
+    "seed": ("shardfeed.tools.seed", "write a synthetic dataset (or the sklearn digits)"),
+    "pack": ("shardfeed.tools.pack", "pack a directory of KEY.FIELD files into tar shards + index"),
+    "index": ("shardfeed.tools.index", "write index.parquet for existing tar shards (reads headers only) "
+                                        "or loose objects (--objects)"),
     "demo": ("shardfeed.client.demo", "train a small model through the service"),
     "bench": ("shardfeed.benchmarks.run", "benchmark shardfeed against one GET per sample"),
     "stack": ("shardfeed.stack", "run the docker-compose stack as local processes: SeaweedFS, seeder, 3 replicas"),

@@ -25,7 +25,7 @@ from pathlib import Path
 import botocore.exceptions
 
 from shardfeed.benchmarks.s3server import S3Server, start_seaweedfs
-from shardfeed.service.process import ServiceProcess, ensure_free, launch_service
+from shardfeed.process import ServiceProcess, ensure_free, launch_service
 
 BUCKET = "shardfeed"
 DATASET = "train"

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import pyarrow as pa
 
-from shardfeed.service.index import SCHEMA, Index, parquet_bytes
+from shardfeed.service.datasets.index import SCHEMA, Index, parquet_bytes
 
 
 def make_dataset(put: Callable[[str, bytes], None], *, samples: int = 200, per_shard: int = 50,

@@ -7,8 +7,8 @@ import tarfile
 
 import httpx
 
-from shardfeed.service.process import hops  # noqa: F401  (re-exported for tests)
-from shardfeed.service.process import scrape_metrics as metrics  # noqa: F401  (re-exported for tests)
+from shardfeed.process import hops  # noqa: F401  (re-exported for tests)
+from shardfeed.process import scrape_metrics as metrics  # noqa: F401  (re-exported for tests)
 
 
 def tar_members(data: bytes) -> list[tuple[str, bytes]]:

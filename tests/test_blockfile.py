@@ -1,4 +1,4 @@
-"""Block files (``service/blockfile.py``): written around the page cache where the filesystem
+"""Block files (``service/cache/blockfile.py``): written around the page cache where the filesystem
 allows, buffered where it refuses, read back verified either way."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from shardfeed.service.blockfile import CHUNK, BadBlock, BlockFile, file_size, write_file
-from shardfeed.service.cache import BlockCache, BlockKey
-from shardfeed.service.metrics import Metrics
+from shardfeed.service.cache.blockfile import CHUNK, BadBlock, BlockFile, file_size, write_file
+from shardfeed.service.cache.disk import BlockCache, BlockKey
+from shardfeed.service.observe.metrics import Metrics
 
 # Around every alignment the direct writer cares about: the 4 KiB page, the 16 KiB checksum
 # chunk, its own pieces of 1 MiB + 64 KiB (a 1 MiB block and its trailer in one write).

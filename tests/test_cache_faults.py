@@ -13,12 +13,12 @@ import time
 
 import httpx
 import pytest
-
 from reliability_helpers import SteadyClient, damage_block_file, expected_members, received_members
 from sample_data import make_dataset, s3_put
 from service_helpers import metrics
-from shardfeed.service.cache import dataset_id
-from shardfeed.service.process import start_service
+
+from shardfeed.process import start_service
+from shardfeed.service.cache.disk import dataset_id
 
 SAMPLES = 200
 

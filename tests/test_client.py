@@ -17,11 +17,16 @@ from pathlib import Path
 import pytest
 
 from shardfeed.client import (
-    MISSING, AsyncClient, Client, ShardfeedConnectionError, ShardfeedError, ShardfeedHTTPError,
+    MISSING,
+    AsyncClient,
+    Client,
+    ShardfeedConnectionError,
+    ShardfeedError,
+    ShardfeedHTTPError,
 )
+from shardfeed.process import free_port, start_service
 from shardfeed.retry import Backoff
 from shardfeed.seeds.synthetic import member_bytes, seed_dataset
-from shardfeed.service.process import free_port, start_service
 from shardfeed.service.stores import open_store
 from shardfeed.tar import END_OF_ARCHIVE, member_header, padding
 

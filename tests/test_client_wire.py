@@ -18,15 +18,14 @@ import time
 from collections.abc import Callable
 
 import pytest
+from test_client import FAST, expected, seed_synthetic, tar_of
 
 from shardfeed.client import AsyncClient, Client, ShardfeedConnectionError
 from shardfeed.client.aiowire import AsyncPool
 from shardfeed.client.http11 import HeadReader, body_of
 from shardfeed.client.wire import Pool
+from shardfeed.process import start_service
 from shardfeed.retry import Backoff
-from shardfeed.service.process import start_service
-
-from test_client import FAST, expected, seed_synthetic, tar_of
 
 ONE_TRY = Backoff(attempts=1)
 

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from s3_helpers import new_bucket, point_aws_at
 
 from shardfeed import cli
-from s3_helpers import new_bucket, point_aws_at
 from shardfeed.benchmarks.s3server import S3_SERVERS
+from shardfeed.process import free_port
 from shardfeed.seeds.synthetic import member_bytes, parse_sizes, sample_bytes, sample_size
-from shardfeed.service.index import INDEX_FILE, Index, IndexFormatError, load_index
-from shardfeed.service.indexer import index_shards
-from shardfeed.service.process import free_port
+from shardfeed.service.datasets.index import INDEX_FILE, Index, IndexFormatError, load_index
+from shardfeed.service.datasets.tarscan import index_shards
 from shardfeed.service.stores import ObjectNotFound, open_store
 
 SEED_ARGS = ["--samples", "40", "--size", "1KiB-12KiB", "--shard-size", "160KiB", "--fields", "bin,cls,json",

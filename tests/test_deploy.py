@@ -29,7 +29,6 @@ import subprocess
 import sysconfig
 import tarfile
 import time
-import tomllib
 import urllib.request
 from fnmatch import fnmatch
 from functools import cache
@@ -38,14 +37,15 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+import tomllib
 import yaml
-
 from s3_helpers import new_bucket, point_aws_at
+
 from shardfeed import stack
 from shardfeed.benchmarks.s3server import SEAWEEDFS_FLAGS
-from shardfeed.service.peers import parse_peers
-from shardfeed.service.process import free_port, installed_script
-from shardfeed.service.sizes import parse_size
+from shardfeed.process import free_port, installed_script
+from shardfeed.service.cluster.peers import parse_peers
+from shardfeed.sizes import parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"

@@ -13,13 +13,13 @@ import time
 
 import httpx
 import pytest
-
 from reliability_helpers import expected_members, received_members, wrong_members
 from sample_data import make_dataset, s3_put
 from service_helpers import metrics
+
 from shardfeed.benchmarks.s3proxy import start_proxy
 from shardfeed.benchmarks.soak import run_soak
-from shardfeed.service.process import start_service
+from shardfeed.process import start_service
 
 SAMPLES = 200  # 4 shards of 50 samples, 100 B to 20 KB each
 SHARD_READS = r"^GET /[^?]*/shards/"

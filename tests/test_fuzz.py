@@ -17,11 +17,11 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-
 from reliability_helpers import SteadyClient, expected_members, peak_rss_mib, received_members
 from sample_data import dir_put, make_dataset
-from shardfeed.service.process import start_service
-from shardfeed.service.protocol import HEAD_TIMEOUT, MAX_HEAD
+
+from shardfeed.process import start_service
+from shardfeed.service.http.protocol import HEAD_TIMEOUT, MAX_HEAD
 
 SAMPLES = 60
 MAX_BATCH = 500

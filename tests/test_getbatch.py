@@ -13,10 +13,10 @@ import httpx
 import pytest
 from aistore.sdk import Client
 from aistore.sdk.errors import AISError, ErrObjNotFound
-
 from sample_data import make_dataset, s3_put
 from service_helpers import metrics
-from shardfeed.service.process import start_service
+
+from shardfeed.process import start_service
 
 BUCKET, OTHER, FORBIDDEN = "gb-main", "gb-other", "gb-forbidden"
 
@@ -199,7 +199,8 @@ def test_an_empty_batch_a_zip_and_malformed_bodies_are_4xx(client, service):
 
 def test_with_replicas_the_replica_asked_reads_the_entries_itself(objects, moto, tmp_path):
     from service_helpers import metrics
-    from shardfeed.service.process import free_port
+
+    from shardfeed.process import free_port
 
     source = objects[0]
     ports = [free_port() for _ in range(2)]

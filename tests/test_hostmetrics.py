@@ -1,4 +1,4 @@
-"""``service/hostmetrics.py``: workers' Prometheus figures summed into the host's, in process
+"""``service/cluster/hostmetrics.py``: workers' Prometheus figures summed into the host's, in process
 (the wire, with a real ``serve --workers 2``, is in ``test_workers.py``)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import sys
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from shardfeed.service.hostmetrics import summed
-from shardfeed.service.metrics import Metrics
+from shardfeed.service.cluster.hostmetrics import summed
+from shardfeed.service.observe.metrics import Metrics
 
 
 def samples(text: bytes) -> dict[tuple, float]:
@@ -52,8 +52,8 @@ def test_a_silent_or_unreadable_sibling_is_left_out_and_counted_as_such():
 WORKER = """
 import os, signal
 from pathlib import Path
-from shardfeed.service.keptcounters import keep_counters, restore_series
-from shardfeed.service.metrics import Metrics
+from shardfeed.service.cluster.keptcounters import keep_counters, restore_series
+from shardfeed.service.observe.metrics import Metrics
 keep_counters(Path(DIRECTORY))
 metrics = Metrics()
 restore_series(metrics, Path(DIRECTORY))

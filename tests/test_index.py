@@ -5,7 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from shardfeed.service.index import (
+from shardfeed.service.datasets.index import (
     INDEX_FILE,
     SCHEMA,
     Index,

@@ -15,12 +15,12 @@ import time
 import aiohttp
 import httpx
 import pytest
-
 from reliability_helpers import expected_members, peak_rss_mib, received_members
 from sample_data import make_dataset, s3_put
 from service_helpers import metrics
+
 from shardfeed.client import AsyncClient
-from shardfeed.service.process import start_service
+from shardfeed.process import start_service
 
 SAMPLES = 1000  # 1 to 10 KB each, 4 shards
 RSS_LIMIT_MIB = 1024

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from shardfeed.client import Client
 from shardfeed.client.torch import ShardfeedDataset
-from shardfeed.service.process import start_service
+from shardfeed.process import start_service
 
 BUCKET = "loose-data"
 SAMPLES = 40

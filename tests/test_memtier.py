@@ -10,16 +10,16 @@ import time
 
 import httpx
 import pytest
-
 from reliability_helpers import damage_block_file, expected_members, received_members
 from sample_data import dir_put, make_dataset
 from service_helpers import metrics
-from shardfeed.service.cache import BlockCache, BlockKey, dataset_id
+
+from shardfeed.process import start_service
+from shardfeed.service.cache.disk import BlockCache, BlockKey, dataset_id
+from shardfeed.service.cache.memtier import MemoryTier
 from shardfeed.service.config import machine_memory
-from shardfeed.service.memtier import MemoryTier
-from shardfeed.service.metrics import Metrics
-from shardfeed.service.process import start_service
-from shardfeed.service.sizes import format_size
+from shardfeed.service.observe.metrics import Metrics
+from shardfeed.sizes import format_size
 
 
 def tier(capacity: int) -> MemoryTier:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardfeed.service.peers import parse_peers
+from shardfeed.service.cluster.peers import parse_peers
 
 
 def test_plain_urls_on_one_host_get_host_and_port_ids():

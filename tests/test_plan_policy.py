@@ -8,15 +8,15 @@ import asyncio
 
 import numpy as np
 import pytest
-
 from sample_data import dir_put, make_dataset
+
 from shardfeed.client.sampling import EpochSampler
-from shardfeed.service.cache import BlockCache, BlockKey
+from shardfeed.service.cache.disk import BlockCache, BlockKey
 from shardfeed.service.config import ServiceConfig
-from shardfeed.service.datasets import open_dataset
-from shardfeed.service.metrics import Metrics
-from shardfeed.service.planner import plan_pieces
+from shardfeed.service.datasets.dataset import open_dataset
+from shardfeed.service.observe.metrics import Metrics
 from shardfeed.service.plans.registry import Plans
+from shardfeed.service.read.planner import plan_pieces
 
 SAMPLES, PER_SHARD, BLOCK, BATCH = 2000, 100, 16 * 1024, 64
 

@@ -1,7 +1,7 @@
 import numpy as np
 
-from shardfeed.service.index import Members
-from shardfeed.service.planner import merge_blocks, plan_pieces
+from shardfeed.service.datasets.index import Members
+from shardfeed.service.read.planner import merge_blocks, plan_pieces
 
 
 def members(offsets, sizes, found=None):

@@ -14,13 +14,13 @@ import time
 import httpx
 import numpy as np
 import pytest
-
 from sample_data import make_dataset, s3_put
 from service_helpers import metrics, tar_members
 from worker_helpers import worker_pids, worker_urls
+
 from shardfeed.client import Client
 from shardfeed.client.sampling import EpochSampler
-from shardfeed.service.process import healthy, start_service
+from shardfeed.process import healthy, start_service
 
 SAMPLES = 800
 BATCH = 32

@@ -9,17 +9,17 @@ import asyncio
 
 import numpy as np
 import pytest
-
 from sample_data import dir_put, make_dataset
+
 from shardfeed.client.sampling import EpochSampler
-from shardfeed.service.cache import BlockCache, BlockKey
-from shardfeed.service.coalescer import Coalescer
+from shardfeed.service.cache.disk import BlockCache, BlockKey
+from shardfeed.service.cluster.peers import Cluster, Peer
 from shardfeed.service.config import ServiceConfig
-from shardfeed.service.datasets import open_dataset
-from shardfeed.service.metrics import Metrics
-from shardfeed.service.peers import Cluster, Peer
+from shardfeed.service.datasets.dataset import open_dataset
+from shardfeed.service.observe.metrics import Metrics
 from shardfeed.service.plans.prefetch import Prefetcher
 from shardfeed.service.plans.registry import Plans
+from shardfeed.service.read.coalescer import Coalescer
 
 SAMPLES, PER_SHARD, BLOCK = 600, 100, 16 * 1024
 

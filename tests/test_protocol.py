@@ -1,4 +1,4 @@
-"""The service's HTTP protocol (``service/protocol.py``) over a real uvicorn and a real socket:
+"""The service's HTTP protocol (``service/http/protocol.py``) over a real uvicorn and a real socket:
 the ``PARTS`` extension writes a body given as a list of buffers exactly, and falls back to
 uvicorn's own sending where the body is not a plain Content-Length one; an instant route is
 answered by the protocol when the body comes with the head, by the app otherwise."""
@@ -15,7 +15,7 @@ import httpx
 import pytest
 import uvicorn
 
-from shardfeed.service.protocol import PARTS, BoundedHeadProtocol
+from shardfeed.service.http.protocol import PARTS, BoundedHeadProtocol
 
 BLOCK = bytes(range(256)) * 4096  # 1 MiB of known bytes
 PARTS_SENT = [memoryview(BLOCK)[10:5000], b"header", memoryview(BLOCK)[300_000:1_000_000], b"", b"end"]

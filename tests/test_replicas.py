@@ -9,12 +9,12 @@ import time
 
 import httpx
 import pytest
-
 from reliability_helpers import expected_members
 from sample_data import make_dataset, s3_put
 from service_helpers import fetch_batch, hops, metrics
+
 from shardfeed.client import AsyncClient, Client
-from shardfeed.service.process import free_port, start_service
+from shardfeed.process import free_port, start_service
 
 SAMPLES = 240
 

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from shardfeed.benchmarks.s3proxy import start_proxy
+from shardfeed.process import free_port
 from shardfeed.retry import Backoff
-from shardfeed.service.process import free_port
 from shardfeed.service.stores import (
     AccessDenied,
     InvalidPath,

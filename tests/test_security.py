@@ -22,15 +22,15 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-
 from reliability_helpers import expected_members, received_members
 from sample_data import dir_put, make_dataset, s3_put
+
 from shardfeed.benchmarks.s3proxy import start_proxy
 from shardfeed.client import AsyncClient, Client, ShardfeedConnectionError, ShardfeedHTTPError
+from shardfeed.process import ServiceProcess, free_port, start_service
 from shardfeed.retry import Backoff
 from shardfeed.service.config import ServiceConfig
-from shardfeed.service.index import parquet_bytes
-from shardfeed.service.process import ServiceProcess, free_port, start_service
+from shardfeed.service.datasets.index import parquet_bytes
 
 SAMPLES = 60  # 3 shards of 20
 TOKENS = ("alpha-7f3e9c0d2b", "beta-41aa96e0c5")

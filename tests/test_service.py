@@ -13,10 +13,10 @@ from pathlib import Path
 import aiohttp
 import httpx
 import pytest
-
 from sample_data import make_dataset, s3_put
 from service_helpers import metrics, tar_members
-from shardfeed.service.process import start_service
+
+from shardfeed.process import start_service
 
 SAMPLES = 200
 

@@ -1,4 +1,4 @@
-"""Sibling workers' blocks read from their cache directories (``service/siblings.py``): warm
+"""Sibling workers' blocks read from their cache directories (``service/cache/siblings.py``): warm
 batches make no hop, a bad or missing sibling file is never served, and its owner is asked
 instead, so every block is still cached once on the host."""
 
@@ -8,15 +8,15 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from reliability_helpers import damage_block_file, expected_members
 from service_helpers import fetch_batch, hops, metrics
 from worker_helpers import cached_blocks, directory_dataset, owned_shards, sibling_blocks, worker_urls
-from shardfeed.service.blockfile import BlockFile
-from shardfeed.service.cache import BlockCache, BlockKey
-from shardfeed.service.metrics import Metrics
-from shardfeed.service.process import start_service
-from shardfeed.service.siblings import SiblingBlocks
+
+from shardfeed.process import start_service
+from shardfeed.service.cache.blockfile import BlockFile
+from shardfeed.service.cache.disk import BlockCache, BlockKey
+from shardfeed.service.cache.siblings import SiblingBlocks
+from shardfeed.service.observe.metrics import Metrics
 
 SAMPLES = 240
 ARGS = ["--block-size", "64KiB", "--peer-timeout", "5"]

@@ -17,7 +17,7 @@ import pytest
 from shardfeed import cli
 from shardfeed.benchmarks import s3server
 from shardfeed.client import Client
-from shardfeed.service.process import ensure_free
+from shardfeed.process import ensure_free
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -16,13 +16,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-
 from sample_data import dir_put, make_dataset
 from service_helpers import metrics
+
 from shardfeed.client import Client
-from shardfeed.service.metrics import Metrics
-from shardfeed.service.process import free_port, start_service
-from shardfeed.service.stats import COLUMNS, RATES, StatsRecorder, quantile
+from shardfeed.process import free_port, start_service
+from shardfeed.service.observe.metrics import Metrics
+from shardfeed.service.observe.stats import COLUMNS, RATES, StatsRecorder, quantile
 
 SAMPLES = 200
 

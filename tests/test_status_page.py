@@ -23,11 +23,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from sample_data import dir_put, make_dataset
 from service_helpers import metrics
-from shardfeed.service.process import free_port, start_service
-from shardfeed.service.stats import RATES
+
+from shardfeed.process import free_port, start_service
+from shardfeed.service.observe.stats import RATES
 
 SAMPLES = 400
 ARTIFACTS = Path(__file__).parent / "artifacts"

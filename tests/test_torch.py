@@ -10,12 +10,12 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from test_client import SIZES, expected, seed_synthetic
 from torch.utils.data import DataLoader, DistributedSampler, default_convert
 
 from shardfeed.client import ShardfeedHTTPError
 from shardfeed.client.torch import ShardfeedDataset, ShardfeedIterableDataset, ShardfeedLoader, ShardfeedSampler
-from shardfeed.service.process import start_service
-from test_client import SIZES, expected, seed_synthetic
+from shardfeed.process import start_service
 
 SAMPLES = 300
 

@@ -1,4 +1,4 @@
-"""The lean warm path (``service/warm.py``): batches framed from RAM-held blocks, with shard
+"""The lean warm path (``service/read/warm.py``): batches framed from RAM-held blocks, with shard
 headers sent verbatim where they name the member exactly, are the same members as the
 cold path sends, whatever the shards hold: PAX and GNU long names, names whose field is
 not lowercase, empty members, members split across blocks, repeats, field subsets and
@@ -17,11 +17,11 @@ import time
 
 import httpx
 import pytest
-
 from service_helpers import metrics, tar_members
-from shardfeed.service.indexer import index_shards
-from shardfeed.service.index import write_index
-from shardfeed.service.process import start_service
+
+from shardfeed.process import start_service
+from shardfeed.service.datasets.index import write_index
+from shardfeed.service.datasets.tarscan import index_shards
 from shardfeed.service.stores import open_store
 from shardfeed.tar import member_header, names_member
 

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from reliability_helpers import expected_members
 from sample_data import make_dataset, s3_put
 from service_helpers import fetch_batch, hops, metrics
 from worker_helpers import cached_blocks, worker_pids, worker_urls
+
 from shardfeed.client import Client
-from shardfeed.service.process import free_port, healthy, start_service
+from shardfeed.process import free_port, healthy, start_service
 
 SAMPLES = 240
 
@@ -130,7 +130,7 @@ def test_the_public_port_metrics_sum_every_worker_and_each_own_port_keeps_its_ow
     assert "# TYPE shardfeed_batch_seconds histogram" in text and 'shardfeed_batch_seconds_bucket{le="+Inf"} 2.0' in text
 
     # A sibling that does not answer is not waited for: the public port answers without its
-    # gauges, its counters read from the files it keeps them in (service/keptcounters.py).
+    # gauges, its counters read from the files it keeps them in (service/cluster/keptcounters.py).
     stopped = worker_pids(service)[1]
     os.kill(stopped, signal.SIGSTOP)
     try:

@@ -1,5 +1,5 @@
 """One worker of ``serve --workers 2`` SIGKILLed and restarted: the host's counters never go
-down on the public port (``service/keptcounters.py``), and while the worker is down its
+down on the public port (``service/cluster/keptcounters.py``), and while the worker is down its
 siblings read its block files rather than the store, writing nothing there (``coalescer.py``)."""
 
 from __future__ import annotations
@@ -16,12 +16,11 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
 from reliability_helpers import expected_members
 from service_helpers import fetch_batch, metrics
-from worker_helpers import (cached_blocks, directory_dataset, owned_shards, sibling_blocks, worker_pids,
-                            worker_urls)
-from shardfeed.service.process import child_pids, free_port, healthy, start_service, stop_process
+from worker_helpers import cached_blocks, directory_dataset, owned_shards, sibling_blocks, worker_pids, worker_urls
+
+from shardfeed.process import child_pids, free_port, healthy, start_service, stop_process
 
 SAMPLES = 240
 ARGS = ["--block-size", "64KiB", "--peer-timeout", "5"]

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-
 from sample_data import dir_put, make_dataset
-from shardfeed.service.process import child_pids
+
+from shardfeed.process import child_pids
 
 
 def directory_dataset(root: Path, samples: int) -> tuple[str, dict]:

@@ -11,7 +11,7 @@
     plans      /v1/datasets/{name}/plans[/{id}]: announced orders (``service/plans/``)
 
 Every route gets the service ``State`` from one dependency (``common.AppState``) and
-raises ``ApiError`` (``service/errors.py``) for every error answer.
+raises ``ApiError`` (``service/http/errors.py``) for every error answer.
 """
 
 from __future__ import annotations
@@ -27,24 +27,37 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp
 
-from ..cache import BlockCache
-from ..coalescer import Coalescer
-from ..config import ServiceConfig
-from ..datasets import Dataset
-from ..errors import ApiError, error_response
-from ..metrics import Metrics
-from ..peers import Cluster
-from ..samples import SampleBatcher
-from ..objects import BucketStores, Catalog
-from ..plans.adopt import adopt
-from ..plans.prefetch import Prefetcher
-from ..plans.registry import Plans
-from ..stats import StatsRecorder
-from ..stores import Store
-from . import (batch, datasets as dataset_routes, getbatch, internal, ops, plans as plan_routes, routing, samples,
-               status)
-from .auth import TokenAuth, guarded
-from .common import ERRORS, Admission, HeldRoutes, State, describe
+from shardfeed.service.api import (
+    batch,
+    getbatch,
+    internal,
+    ops,
+    routing,
+    samples,
+    status,
+)
+from shardfeed.service.api import (
+    datasets as dataset_routes,
+)
+from shardfeed.service.api import (
+    plans as plan_routes,
+)
+from shardfeed.service.api.auth import TokenAuth, guarded
+from shardfeed.service.api.common import ERRORS, Admission, HeldRoutes, State, describe
+from shardfeed.service.cache.disk import BlockCache
+from shardfeed.service.cluster.peers import Cluster
+from shardfeed.service.config import ServiceConfig
+from shardfeed.service.datasets.dataset import Dataset
+from shardfeed.service.datasets.objects import BucketStores, Catalog
+from shardfeed.service.http.errors import ApiError, error_response
+from shardfeed.service.observe.metrics import Metrics
+from shardfeed.service.observe.stats import StatsRecorder
+from shardfeed.service.plans.adopt import adopt
+from shardfeed.service.plans.prefetch import Prefetcher
+from shardfeed.service.plans.registry import Plans
+from shardfeed.service.read.coalescer import Coalescer
+from shardfeed.service.read.samples import SampleBatcher
+from shardfeed.service.stores import Store
 
 ROUTERS = (ops.router, dataset_routes.router, routing.router, samples.router, batch.router, getbatch.router,
            internal.router, status.router, plan_routes.router)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hmac
 
-from ..errors import error_response
+from shardfeed.service.http.errors import error_response
 
 OPEN_PATHS = frozenset({"/healthz", "/", "/ui"})
 """Answered without a token: liveness, and the status page's HTML, which holds no data (its

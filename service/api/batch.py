@@ -15,17 +15,26 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.responses import Response, StreamingResponse
 
+from shardfeed.service.api.common import (
+    TAR,
+    AppState,
+    State,
+    count_batch,
+    json_body,
+    parse_json,
+    read_body,
+    served_metrics,
+    tar_stream_response,
+)
+from shardfeed.service.api.routing import ROUTING_HEADER
+from shardfeed.service.datasets.dataset import Dataset
+from shardfeed.service.datasets.index import Members, SampleOutOfRange, UnknownField
+from shardfeed.service.http.errors import ApiError
+from shardfeed.service.http.protocol import INSTANT_BYTES
+from shardfeed.service.read.framing import held_stream, stream_length
+from shardfeed.service.read.stream import stream_batch
+from shardfeed.service.read.warm import held_group
 from shardfeed.tar import END_OF_ARCHIVE
-
-from ..datasets import Dataset
-from ..errors import ApiError
-from ..index import Members, SampleOutOfRange, UnknownField
-from ..protocol import INSTANT_BYTES
-from ..stream import held_stream, stream_batch, stream_length
-from ..warm import held_group
-from .common import (TAR, AppState, State, count_batch, json_body, parse_json, read_body, served_metrics,
-                     tar_stream_response)
-from .routing import ROUTING_HEADER
 
 router = APIRouter(tags=["samples"])
 

@@ -16,19 +16,20 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
-from ..coalescer import Coalescer
-from ..config import ServiceConfig
-from ..datasets import Dataset
-from ..errors import ApiError, InvalidRequest, Overloaded, StoreUnavailable, UnknownDataset
-from ..metrics import Metrics
-from ..objects import Catalog
-from ..peers import Cluster
-from ..plans.prefetch import Prefetcher
-from ..plans.registry import Plans
-from ..samples import SampleBatcher
-from ..stats import StatsRecorder
-from ..protocol import PARTS
-from ..stream import SampleFailed, chunks_of
+from shardfeed.service.cluster.peers import Cluster
+from shardfeed.service.config import ServiceConfig
+from shardfeed.service.datasets.dataset import Dataset
+from shardfeed.service.datasets.objects import Catalog
+from shardfeed.service.http.errors import ApiError, InvalidRequest, Overloaded, StoreUnavailable, UnknownDataset
+from shardfeed.service.http.protocol import PARTS
+from shardfeed.service.observe.metrics import Metrics
+from shardfeed.service.observe.stats import StatsRecorder
+from shardfeed.service.plans.prefetch import Prefetcher
+from shardfeed.service.plans.registry import Plans
+from shardfeed.service.read.coalescer import Coalescer
+from shardfeed.service.read.framing import chunks_of
+from shardfeed.service.read.samples import SampleBatcher
+from shardfeed.service.read.stream import SampleFailed
 
 log = logging.getLogger("shardfeed.api")
 

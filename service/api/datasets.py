@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from .common import AppState
+from shardfeed.service.api.common import AppState
 
 router = APIRouter(tags=["datasets"])
 

@@ -31,16 +31,24 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from starlette.responses import Response
 
-from ..cache import dataset_id, shard_id
-from ..datasets import Dataset
-from ..errors import ApiError, InvalidRequest, StoreUnavailable
-from ..index import Members
-from ..moss import PROVIDERS, MossIn, MossOut, MossReq, MossResp
-from ..objects import EntryMissing, Span
-from ..stores import AccessDenied, ObjectNotFound, StoreError
-from ..stores.base import clean_path
-from ..stream import SampleFailed, stream_batch
-from .common import TAR, AppState, describe, json_body, read_body, served_metrics, tar_stream_response
+from shardfeed.service.api.common import (
+    TAR,
+    AppState,
+    describe,
+    json_body,
+    read_body,
+    served_metrics,
+    tar_stream_response,
+)
+from shardfeed.service.cache.disk import dataset_id, shard_id
+from shardfeed.service.datasets.dataset import Dataset
+from shardfeed.service.datasets.index import Members
+from shardfeed.service.datasets.moss import PROVIDERS, MossIn, MossOut, MossReq, MossResp
+from shardfeed.service.datasets.objects import EntryMissing, Span
+from shardfeed.service.http.errors import ApiError, InvalidRequest, StoreUnavailable
+from shardfeed.service.read.stream import SampleFailed, stream_batch
+from shardfeed.service.stores import AccessDenied, ObjectNotFound, StoreError
+from shardfeed.service.stores.base import clean_path
 
 router = APIRouter(tags=["getbatch"])
 
@@ -157,7 +165,7 @@ def _ranged(entry: Entry, span: Span) -> Span:
 
 
 class EntryNames:
-    """Member names of a GetBatch answer (``stream.SampleNames``' counterpart); remembers why
+    """Member names of a GetBatch answer (``framing.SampleNames``' counterpart); remembers why
     each missing entry failed, for the multipart metadata."""
 
     shard_names = False  # an entry is named by its bucket and object, not as in its shard

@@ -11,11 +11,11 @@ from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.responses import Response
 
-from ..errors import InvalidRequest, StoreUnavailable
-from ..hoststats import worker_figures
-from ..index import Members
-from ..stores import StoreError
-from .common import AppState, json_body, read_json
+from shardfeed.service.api.common import AppState, json_body, read_json
+from shardfeed.service.api.status import worker_figures
+from shardfeed.service.datasets.index import Members
+from shardfeed.service.http.errors import InvalidRequest, StoreUnavailable
+from shardfeed.service.stores import StoreError
 
 router = APIRouter(tags=["internal"])
 

@@ -7,8 +7,8 @@ import asyncio
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from ..hostmetrics import sibling_counters, sibling_texts, summed
-from .common import AppState, on_public_port
+from shardfeed.service.api.common import AppState, on_public_port
+from shardfeed.service.cluster.hostmetrics import sibling_counters, sibling_texts, summed
 
 router = APIRouter(tags=["ops"])
 

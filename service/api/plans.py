@@ -22,14 +22,14 @@ import numpy as np
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from ..datasets import Dataset
-from ..errors import ApiError, InvalidRequest
-from ..index import UnknownField
-from ..peers import COPIES, COPY_HEADER
-from ..plans import KINDS
-from ..plans.registry import check_order
-from ..plans.request import Chunk, PlanRequest
-from .common import AppState, State, json_body, parse_json, read_body
+from shardfeed.service.api.common import AppState, State, json_body, parse_json, read_body
+from shardfeed.service.cluster.peers import COPIES, COPY_HEADER
+from shardfeed.service.datasets.dataset import Dataset
+from shardfeed.service.datasets.index import UnknownField
+from shardfeed.service.http.errors import ApiError, InvalidRequest
+from shardfeed.service.plans import KINDS
+from shardfeed.service.plans.registry import check_order
+from shardfeed.service.plans.request import Chunk, PlanRequest
 
 router = APIRouter(tags=["plans"])
 

@@ -18,8 +18,8 @@ import numpy as np
 from fastapi import APIRouter, Request
 from starlette.datastructures import URL
 
-from ..peers import Cluster
-from .common import AppState
+from shardfeed.service.api.common import AppState
+from shardfeed.service.cluster.peers import Cluster
 
 ROUTING_HEADER = "X-Shardfeed-Routing"
 """Response header of batch answers: the answering node's routing table version."""

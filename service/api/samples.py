@@ -10,14 +10,13 @@ import time
 from fastapi import APIRouter
 from starlette.responses import Response
 
+from shardfeed.service.api.common import TAR, AppState, State
+from shardfeed.service.datasets.dataset import Dataset
+from shardfeed.service.datasets.index import UnknownField
+from shardfeed.service.http.errors import ApiError, StoreUnavailable
+from shardfeed.service.read.warm import held_member as held_bytes
+from shardfeed.service.stores import StoreError
 from shardfeed.tar import END_OF_ARCHIVE, frame
-
-from ..datasets import Dataset
-from ..errors import ApiError, StoreUnavailable
-from ..index import UnknownField
-from ..stores import StoreError
-from ..warm import held_member as held_bytes
-from .common import TAR, AppState, State
 
 log = logging.getLogger("shardfeed.api")
 router = APIRouter(tags=["samples"])

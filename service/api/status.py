@@ -28,9 +28,9 @@ import numpy as np
 from fastapi import APIRouter, Query, Request
 from starlette.responses import HTMLResponse, Response
 
-from ..hoststats import HostRecorder, host_plans, kept_values, sibling_figures, worker_figures
-from ..stats import RATES
-from .common import Admission, AppState, State, on_public_port
+from shardfeed.service.api.common import Admission, AppState, State, on_public_port
+from shardfeed.service.cluster.hoststats import HostRecorder, host_plans, kept_values, sibling_figures
+from shardfeed.service.observe.stats import RATES
 
 router = APIRouter(tags=["status"])
 
@@ -74,6 +74,28 @@ async def stats(request: Request, state: AppState, since: float | None = Query(
     head = json.dumps(figures, separators=(",", ":"), allow_nan=False)
     body = f'{head[:-1]},"series":{state.stats.series_json(since)}}}'
     return Response(body, media_type="application/json", headers={"Cache-Control": "no-store"})
+
+
+def worker_figures(state: State, spans: tuple[float, ...], since: float | None) -> dict:
+    """This worker's part of the host's figures, as JSON-ready data: its latest counter and
+    level values, its counters' growth over each of ``spans`` seconds, its latency buckets'
+    growth over the window, its series points newer than ``since``, its in-flight requests,
+    cache capacity and plans."""
+    recorder = state.stats
+    latest = recorder.latest
+    return {
+        "started": recorder.started,
+        "time": latest and latest.time,
+        "values": latest.values if latest else {},
+        "changes": {f"{seconds:g}": recorder.change(seconds) for seconds in spans},
+        "latency": recorder.window_buckets(),
+        "points": json.loads(recorder.series_json(since))["points"],
+        "inflight": state.admission.inflight,
+        "limits": state.admission.limits,
+        "capacity": state.config.cache_size,
+        "store_limit": state.config.max_store_requests,
+        "plans": [plan.describe() for plan in state.plans.live()],
+    }
 
 
 def host_state(state: State, parts: list[dict], kept: dict[str, float]) -> State:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import indices, sampler
+from shardfeed.service.plans import indices, sampler
 
 KINDS: dict[str, ModuleType] = {"sampler": sampler, "indices": indices}
 """Plan kinds by the name a request gives in ``kind``."""

@@ -17,11 +17,11 @@ import logging
 import aiohttp
 import numpy as np
 
-from ..config import ServiceConfig
-from ..datasets import Dataset
-from ..errors import ApiError
-from ..peers import Cluster
-from .registry import Plans, check_order
+from shardfeed.service.cluster.peers import Cluster
+from shardfeed.service.config import ServiceConfig
+from shardfeed.service.datasets.dataset import Dataset
+from shardfeed.service.http.errors import ApiError
+from shardfeed.service.plans.registry import Plans, check_order
 
 log = logging.getLogger("shardfeed.plans")
 

@@ -13,7 +13,7 @@ from typing import Literal
 import numpy as np
 from pydantic import ConfigDict, Field, StrictBool, StrictInt
 
-from .request import PlanRequest
+from shardfeed.service.plans.request import PlanRequest
 
 
 class Request(PlanRequest):

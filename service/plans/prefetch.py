@@ -21,10 +21,10 @@ import math
 
 import numpy as np
 
-from ..coalescer import Coalescer, spans_of
-from ..config import ServiceConfig
-from ..planner import plan_pieces, take
-from .registry import Plan, Plans
+from shardfeed.service.config import ServiceConfig
+from shardfeed.service.plans.registry import Plan, Plans
+from shardfeed.service.read.coalescer import Coalescer, spans_of
+from shardfeed.service.read.planner import plan_pieces, take
 
 log = logging.getLogger("shardfeed.plans")
 

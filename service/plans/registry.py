@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..cache import BlockCache, BlockKey
-from ..config import ServiceConfig
-from ..datasets import Dataset
-from ..errors import ApiError, Overloaded
-from ..metrics import Metrics
+from shardfeed.service.cache.disk import BlockCache, BlockKey
+from shardfeed.service.config import ServiceConfig
+from shardfeed.service.datasets.dataset import Dataset
+from shardfeed.service.http.errors import ApiError, Overloaded
+from shardfeed.service.observe.metrics import Metrics
 
 WHOLE_SHARE = 1 / 2
 """A block is fetched whole when a cached copy would serve at least this share of its

@@ -13,8 +13,7 @@ import numpy as np
 from pydantic import ConfigDict, Field, StrictBool, StrictInt
 
 from shardfeed.client.sampling import EpochSampler
-
-from .request import PlanRequest
+from shardfeed.service.plans.request import PlanRequest
 
 
 class Request(PlanRequest):

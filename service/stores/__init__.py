@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from urllib.parse import unquote, urlparse
 
-from .base import (
+from shardfeed.service.stores.base import (
     AccessDenied,
     InvalidPath,
     ObjectInfo,
@@ -28,14 +28,14 @@ def open_store(url: str, **options) -> Store:
     """
     parsed = urlparse(url)
     if parsed.scheme in ("", "file"):
-        from .file import FileStore
+        from shardfeed.service.stores.file import FileStore
 
         path = unquote(parsed.path) if parsed.scheme == "file" else url
         if not path:
             raise StoreError(f"invalid dataset URL {url!r}")
         return FileStore(url, path)
     if parsed.scheme == "s3":
-        from .s3 import S3Store
+        from shardfeed.service.stores.s3 import S3Store
 
         if not parsed.netloc:
             raise StoreError(f"invalid S3 URL {url!r}: missing bucket (expected s3://bucket/prefix)")

@@ -7,7 +7,15 @@ import os
 import tempfile
 from pathlib import Path
 
-from .base import InvalidPath, ObjectInfo, ObjectNotFound, ShortRead, Store, StoreError, clean_path
+from shardfeed.service.stores.base import (
+    InvalidPath,
+    ObjectInfo,
+    ObjectNotFound,
+    ShortRead,
+    Store,
+    StoreError,
+    clean_path,
+)
 
 
 class FileStore(Store):

@@ -32,8 +32,7 @@ from botocore.credentials import RefreshableCredentials
 from yarl import URL
 
 from shardfeed.retry import Backoff, retry_async
-
-from .base import (
+from shardfeed.service.stores.base import (
     AccessDenied,
     ObjectInfo,
     ObjectNotFound,

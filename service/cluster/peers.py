@@ -32,9 +32,9 @@ from urllib.parse import urlparse
 import aiohttp
 import numpy as np
 
-from .config import ServiceConfig
-from .index import Members
-from .metrics import Metrics
+from shardfeed.service.config import ServiceConfig
+from shardfeed.service.datasets.index import Members
+from shardfeed.service.observe.metrics import Metrics
 
 log = logging.getLogger("shardfeed.peers")
 

@@ -2,7 +2,7 @@
 
 Like ``hostmetrics.py`` for ``/metrics``: the worker a page's poll lands on asks each
 sibling, over its Unix socket and within ``SIBLING_TIMEOUT``, for its recorder's figures
-(``GET /v1/internal/stats``: ``worker_figures``), and sums them with its own into a
+(``GET /v1/internal/stats``: ``api/status.py``'s ``worker_figures``), and sums them with its own into a
 ``HostRecorder``, which the status document (``api/status.py``) reads as it reads one
 worker's ``StatsRecorder``. What is summed stays exact: counters and levels are added,
 rates are added (each is a worker's counter growth over its own span), the latency
@@ -22,37 +22,11 @@ answered.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
 
-from .hostmetrics import from_siblings, sibling_counters
-from .keptcounters import KeptCounters
-from .peers import Cluster
-from .stats import COLUMNS, Reading, StatsRecorder, latency_summary, read_registry
-
-if TYPE_CHECKING:
-    from .api.common import State
-
-
-def worker_figures(state: State, spans: tuple[float, ...], since: float | None) -> dict:
-    """This worker's part of the host's figures, as JSON-ready data: its latest counter and
-    level values, its counters' growth over each of ``spans`` seconds, its latency buckets'
-    growth over the window, its series points newer than ``since``, its in-flight requests,
-    cache capacity and plans."""
-    recorder = state.stats
-    latest = recorder.latest
-    return {
-        "started": recorder.started,
-        "time": latest and latest.time,
-        "values": latest.values if latest else {},
-        "changes": {f"{seconds:g}": recorder.change(seconds) for seconds in spans},
-        "latency": recorder.window_buckets(),
-        "points": json.loads(recorder.series_json(since))["points"],
-        "inflight": state.admission.inflight,
-        "limits": state.admission.limits,
-        "capacity": state.config.cache_size,
-        "store_limit": state.config.max_store_requests,
-        "plans": [plan.describe() for plan in state.plans.live()],
-    }
+from shardfeed.service.cluster.hostmetrics import from_siblings, sibling_counters
+from shardfeed.service.cluster.keptcounters import KeptCounters
+from shardfeed.service.cluster.peers import Cluster
+from shardfeed.service.observe.stats import COLUMNS, Reading, StatsRecorder, latency_summary, read_registry
 
 
 def host_plans(parts: list[dict]) -> list[dict]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .index import Members
+from shardfeed.service.datasets.index import Members
 
 
 @dataclass

@@ -43,8 +43,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .config import ServiceConfig, WorkerPlace
-from .keptcounters import keep_counters
+from shardfeed.service.cluster.keptcounters import keep_counters
+from shardfeed.service.config import ServiceConfig, WorkerPlace
 
 log = logging.getLogger("shardfeed.workers")
 

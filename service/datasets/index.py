@@ -27,8 +27,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .sizes import format_size
-from .stores import ObjectNotFound, Store
+from shardfeed.service.stores import ObjectNotFound, Store
+from shardfeed.sizes import format_size
 
 INDEX_FILE = "index.parquet"
 VERSION_KEY = b"shardfeed.index.version"

@@ -7,10 +7,10 @@ from functools import cached_property
 
 import numpy as np
 
-from .cache import dataset_id, shard_id
-from . import layouts
-from .index import Index, load_index
-from .stores import ObjectNotFound, Store, open_store
+from shardfeed.service.cache.disk import dataset_id, shard_id
+from shardfeed.service.datasets import layouts
+from shardfeed.service.datasets.index import Index, load_index
+from shardfeed.service.stores import ObjectNotFound, Store, open_store
 
 
 @dataclass

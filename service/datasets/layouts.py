@@ -1,6 +1,6 @@
 """Layouts: how the objects under a dataset's root become its index.
 
-    tar      WebDataset tar shards; members found by reading their headers (``indexer.py``)
+    tar      WebDataset tar shards; members found by reading their headers (``tarscan.py``)
     objects  one object per member, as s3torchconnector users keep data: ``a/0001.jpg`` and
              ``a/0001.cls`` are the fields ``jpg`` and ``cls`` of sample ``a/0001``. The
              index comes from a listing of the prefix (no object is read); each member is
@@ -13,19 +13,22 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import time
 
 import pyarrow as pa
 from tqdm import tqdm
 
-from .index import (
-    INDEX_FILE, LAYOUT_KEY, SCHEMA, VERSION, VERSION_KEY, Index, IndexFormatError, split_member_name, write_index,
+from shardfeed.service.datasets.index import (
+    INDEX_FILE,
+    LAYOUT_KEY,
+    SCHEMA,
+    VERSION,
+    VERSION_KEY,
+    Index,
+    IndexFormatError,
+    split_member_name,
 )
-from .indexer import index_shards
-from .sizes import format_size, parse_size
-from .stores import ObjectInfo, Store, open_store
+from shardfeed.service.stores import ObjectInfo, Store
 
 
 def objects_table(infos: list[ObjectInfo]) -> pa.Table:
@@ -60,31 +63,3 @@ async def index_objects(store: Store, *, progress: bool = True) -> Index:
     if table.num_rows == 0:
         raise IndexFormatError(f"{store.url}: no objects named KEY.FIELD found")
     return await asyncio.to_thread(Index.from_table, table)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("url", metavar="URL", help="dataset root: s3://bucket/prefix, file:///dir or a path")
-    parser.add_argument("--objects", action="store_true",
-                        help="the root holds one object per member (a/0001.jpg, a/0001.cls), not tar "
-                             "shards: index the objects from a listing")
-    parser.add_argument("--window", default="1MiB",
-                        help="bytes per ranged header read of a tar shard (default 1MiB)")
-
-
-def run(args: argparse.Namespace) -> int:
-    async def main() -> tuple[Index, str]:
-        async with open_store(args.url) as store:
-            if args.objects:
-                index = await index_objects(store, progress=args.progress)
-            else:
-                index = await index_shards(store, window=parse_size(args.window), progress=args.progress)
-            # S3Store counts its requests: report what indexing cost.
-            cost = (f", {store.requests} store requests, {format_size(store.bytes_read)} read"
-                    if hasattr(store, "requests") else "")
-            await write_index(store, index)
-            return index, cost
-
-    started = time.monotonic()
-    index, cost = asyncio.run(main())
-    print(f"indexed {index.summary()} at {args.url} in {time.monotonic() - started:.1f}s{cost}")
-    return 0

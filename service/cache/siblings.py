@@ -33,9 +33,9 @@ import logging
 import time
 from pathlib import Path
 
-from .blockfile import BadBlock, BlockFile
-from .cache import BlockKey
-from .metrics import Metrics
+from shardfeed.service.cache.blockfile import BadBlock, BlockFile
+from shardfeed.service.cache.disk import BlockKey
+from shardfeed.service.observe.metrics import Metrics
 
 log = logging.getLogger("shardfeed.siblings")
 

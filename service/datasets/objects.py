@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 from urllib.parse import urlparse
 
-from .datasets import Dataset
-from .indexer import scan_shard
-from .stores import AccessDenied, InvalidPath, ObjectInfo, ObjectNotFound, Store
+from shardfeed.service.datasets.dataset import Dataset
+from shardfeed.service.datasets.tarscan import scan_shard
+from shardfeed.service.stores import AccessDenied, InvalidPath, ObjectInfo, ObjectNotFound, Store
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")

@@ -21,15 +21,13 @@ from functools import cached_property
 
 import numpy as np
 
-from shardfeed.tar import BLOCK, member_header, names_member, padding
-
-from .cache import BlockKey
-from .coalescer import Coalescer
-from .datasets import Dataset
-from .index import Index, Members
+from shardfeed.service.cache.disk import BlockKey
+from shardfeed.service.datasets.dataset import Dataset
+from shardfeed.service.datasets.index import Index, Members
+from shardfeed.service.read.coalescer import Coalescer
+from shardfeed.tar import BLOCK, names_member
 
 _UNKNOWN, _VERBATIM, _BUILT = 0, 1, 2
-_ZEROS = bytes(BLOCK)
 
 
 class HeaderMemo:
@@ -176,17 +174,12 @@ class HeldGroup:
         return [views[b][a:z] for b, a, z in zip(self._block[lo:hi].tolist(), self._start[lo:hi].tolist(),
                                                  self._stop[lo:hi].tolist())]
 
-    def spilled(self, row: int) -> list:
-        """The tar bytes of a ``VERBATIM_SPILLED`` row: its header and data over consecutive
-        blocks, then its padding (zeros, as in the shard: the block after its data may not be held)."""
+    def spilled(self, row: int) -> list[memoryview]:
+        """The shard's own header and data of a ``VERBATIM_SPILLED`` row, over consecutive blocks
+        (its padding is the framer's: the block after its data may not be held)."""
         data = self.data(row)
         local = self.offset[row] % self.block_size
-        return [self._views[int(self._block[row])][int(self._start[row]):local + len(data[0])], *data[1:],
-                _ZEROS[:padding(self.size[row])]]
-
-    def frame(self, row: int, name: str) -> list:
-        """Header and payload of member ``row`` named ``name``, without its padding (the caller's)."""
-        return [member_header(name, self.size[row]), *self.data(row)]
+        return [self._views[int(self._block[row])][int(self._start[row]):local + len(data[0])], *data[1:]]
 
     def data(self, row: int) -> list[memoryview]:
         """The payload of member ``row``, as slices of one or more blocks (none when empty)."""

@@ -34,8 +34,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NamedTuple
 
-from .blockfile import BadBlock, BlockFile, file_size, write_file
-from .metrics import Metrics
+from shardfeed.service.cache.blockfile import BadBlock, BlockFile, file_size, write_file
+from shardfeed.service.observe.metrics import Metrics
 
 log = logging.getLogger("shardfeed.cache")
 

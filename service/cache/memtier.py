@@ -25,7 +25,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Hashable
 
-from .metrics import Metrics
+from shardfeed.service.observe.metrics import Metrics
 
 
 class MemoryTier:

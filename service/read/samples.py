@@ -9,9 +9,9 @@ from collections import defaultdict
 
 import numpy as np
 
-from .coalescer import Coalescer
-from .datasets import Dataset
-from .planner import take
+from shardfeed.service.datasets.dataset import Dataset
+from shardfeed.service.read.coalescer import Coalescer
+from shardfeed.service.read.planner import take
 
 
 class SampleBatcher:

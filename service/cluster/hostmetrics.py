@@ -27,9 +27,9 @@ from prometheus_client import generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from .keptcounters import KeptCounters
-from .metrics import Metrics
-from .peers import Cluster
+from shardfeed.service.cluster.keptcounters import KeptCounters
+from shardfeed.service.cluster.peers import Cluster
+from shardfeed.service.observe.metrics import Metrics
 
 log = logging.getLogger("shardfeed.hostmetrics")
 

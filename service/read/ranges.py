@@ -21,8 +21,8 @@ import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Awaitable, Callable
 
-from .datasets import Dataset
-from .stores import StoreError
+from shardfeed.service.datasets.dataset import Dataset
+from shardfeed.service.stores import StoreError
 
 STALE = 30.0
 """Seconds a range read ahead waits for its reader before it is dropped."""

@@ -22,53 +22,16 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter
 
-from .stores import ObjectInfo, Store
+from shardfeed.service.config import HedgePolicy
+from shardfeed.service.stores import ObjectInfo, Store
 
 log = logging.getLogger("shardfeed.hedge")
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class HedgePolicy:
-    """When to send a second read for the same range."""
-
-    quantile: float = 0.95
-    """A read still running after this quantile of the recent read times gets a hedge."""
-
-    min_delay: float = 0.02
-    """Lower clamp of the deadline, seconds: never hedge sooner (a store answering in
-    a few milliseconds gains nothing from a duplicate read)."""
-
-    max_delay: float = 2.0
-    """Upper clamp of the deadline, seconds, and the deadline until ``warmup`` reads
-    have completed: a read stuck this long is hedged whatever the history says."""
-
-    budget: float = 0.1
-    """Hedges allowed per read, on average (a token bucket refilled by each read)."""
-
-    burst: int = 10
-    """Hedges allowed back to back when the budget has been saved up."""
-
-    window: int = 256
-    """Recent read times the quantile is taken over."""
-
-    warmup: int = 20
-    """Reads to complete before the quantile is trusted."""
-
-    def __post_init__(self) -> None:
-        if not 0 < self.quantile < 1:
-            raise ValueError(f"hedge quantile must be between 0 and 1, not {self.quantile}")
-        if not 0 <= self.min_delay <= self.max_delay:
-            raise ValueError(f"hedge delays must satisfy 0 <= min <= max (seconds), not {self.min_delay}, "
-                             f"{self.max_delay}")
-        if self.budget < 0 or self.burst < 1 or self.window < 1 or self.warmup < 1:
-            raise ValueError("hedge budget must not be negative; burst, window and warmup must be positive")
 
 
 class Hedger:

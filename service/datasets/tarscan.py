@@ -20,10 +20,9 @@ from typing import TypeVar
 import pyarrow as pa
 from tqdm import tqdm
 
+from shardfeed.service.datasets.index import SCHEMA, Index, IndexFormatError, split_member_name
+from shardfeed.service.stores import ObjectInfo, Store
 from shardfeed.tar import BLOCK, TarFormatError, padding, parse_header, parse_pax
-
-from .index import SCHEMA, Index, IndexFormatError, split_member_name
-from .stores import ObjectInfo, Store
 
 T = TypeVar("T")
 R = TypeVar("R")

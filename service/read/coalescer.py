@@ -30,17 +30,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .cache import BlockCache, BlockKey
-from .config import ServiceConfig
-from .datasets import Dataset
-from .index import Members
-from .memtier import MemoryTier
-from .metrics import Metrics
-from .peers import Cluster, PeerError
-from .planner import merge_blocks, plan_pieces, take
-from .ranges import RangeReader
-from .siblings import SiblingBlocks
-from .stores import StoreError
+from shardfeed.service.cache.disk import BlockCache, BlockKey
+from shardfeed.service.cache.memtier import MemoryTier
+from shardfeed.service.cache.siblings import SiblingBlocks
+from shardfeed.service.cluster.peers import Cluster, PeerError
+from shardfeed.service.config import ServiceConfig
+from shardfeed.service.datasets.dataset import Dataset
+from shardfeed.service.datasets.index import Members
+from shardfeed.service.observe.metrics import Metrics
+from shardfeed.service.read.planner import merge_blocks, plan_pieces, take
+from shardfeed.service.read.ranges import RangeReader
+from shardfeed.service.stores import StoreError
 
 log = logging.getLogger("shardfeed.coalescer")
 
