@@ -33,7 +33,7 @@ import httpx
 import numpy as np
 
 from shardfeed.benchmarks.run import _start_proxy
-from shardfeed.benchmarks.s3server import BENCH_DATA, S3_SERVERS, default_server, seeded_s3
+from shardfeed.benchmarks.s3server import BENCH_DATA, seeded_s3, seeded_s3_arguments
 from shardfeed.client.sampling import EpochSampler
 from shardfeed.client.shuffles import LOCAL, SHUFFLES, cache_window, shard_samples
 from shardfeed.process import scrape_metrics, start_service, stop_process
@@ -116,9 +116,7 @@ def _cache_bytes(spec: str, dataset_bytes: int) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", type=int, default=20000)
-    parser.add_argument("--size", default="10KiB")
-    parser.add_argument("--shard-size", default="4MiB")
+    seeded_s3_arguments(parser, samples=20000, shard_size="4MiB")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--workers", type=int, default=4, help="concurrent batch requests")
     parser.add_argument("--service-workers", type=int, default=1,
@@ -135,8 +133,6 @@ def main(argv=None) -> int:
     parser.add_argument("--plan-memory", default="8MiB",
                         help="the service's --plan-memory: small, so that memory does not act as the cache")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--s3", choices=S3_SERVERS, default=default_server(),
-                        help="the S3 server to start on loopback (default here: %(default)s)")
     args = parser.parse_args(argv)
     lists = {name: getattr(args, name).split(",") for name in ("cache_size", "shuffle", "loader", "plan")}
     for mode in lists["shuffle"]:

@@ -53,7 +53,7 @@ from pathlib import Path
 
 from torch.utils.data import DataLoader
 
-from shardfeed.benchmarks.s3server import BENCH_DATA, S3_SERVERS, default_server, seeded_s3
+from shardfeed.benchmarks.s3server import BENCH_DATA, seeded_s3, seeded_s3_arguments
 from shardfeed.benchmarks.serverside import tree_cpu
 from shardfeed.client.torch import ShardfeedDataset, ShardfeedIterableDataset, ShardfeedLoader
 from shardfeed.process import start_service
@@ -185,9 +185,8 @@ def write_mds(streaming, server, samples: int, sizes, shard_size: int, tmp: Path
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", type=int, default=20000)
-    parser.add_argument("--size", default="10KiB")
-    parser.add_argument("--shard-size", default="4MiB")
+    seeded_s3_arguments(parser, samples=20000, shard_size="4MiB",
+                        s3_help="the S3 server both loaders read from (default: SeaweedFS when installed)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--service-workers", type=int, default=len(os.sched_getaffinity(0)),
                         help="shardfeed serve --workers (default: the usable cores)")
@@ -199,8 +198,6 @@ def main(argv=None) -> int:
     parser.add_argument("--baseline-serve-arg", action="append", default=[],
                         help="also run the map-style loader, as 'shardfeed-map-baseline', against a service "
                              "with these arguments instead, in the same rounds: two configurations side by side")
-    parser.add_argument("--s3", choices=S3_SERVERS, default=default_server(),
-                        help="the S3 server both loaders read from (default: SeaweedFS when installed)")
     args = parser.parse_args(argv)
     kinds = [kind.strip() for kind in args.loaders.split(",") if kind.strip()]
     if not kinds or set(kinds) - set(LOADERS):

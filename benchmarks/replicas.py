@@ -51,7 +51,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from shardfeed.benchmarks.s3server import BENCH_DATA, S3_SERVERS, default_server, seeded_s3
+from shardfeed.benchmarks.s3server import BENCH_DATA, seeded_s3, seeded_s3_arguments
 from shardfeed.benchmarks.serverside import tree_cpu
 from shardfeed.client import Client
 from shardfeed.process import ServiceProcess, free_port, hops, scrape_metrics, start_service
@@ -260,16 +260,12 @@ def _hop_latency(urls: list[str], repeat: int = 3) -> tuple[float, float]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", type=int, default=8000)
-    parser.add_argument("--size", default="10KiB")
-    parser.add_argument("--shard-size", default="4MiB")
+    seeded_s3_arguments(parser, samples=8000, shard_size="4MiB")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--threads", type=int, default=4, help="batches in flight (default: %(default)s)")
     parser.add_argument("--warm-epochs", type=int, default=3, help="warm epochs measured together (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="alternating rounds of the single service and each replica alone (default: %(default)s)")
-    parser.add_argument("--s3", choices=S3_SERVERS, default=default_server(),
-                        help="the S3 server to start on loopback (default here: %(default)s)")
     args = parser.parse_args(argv)
     for flag, value in (("--samples", args.samples), ("--batch", args.batch), ("--threads", args.threads),
                         ("--warm-epochs", args.warm_epochs), ("--rounds", args.rounds)):

@@ -34,7 +34,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from shardfeed.benchmarks.s3proxy import start_proxy
-from shardfeed.benchmarks.s3server import BENCH_DATA, S3_SERVERS, default_server, seeded_s3
+from shardfeed.benchmarks.s3server import BENCH_DATA, seeded_s3, seeded_s3_arguments
 from shardfeed.client import Client
 from shardfeed.process import child_pids, healthy, scrape_metrics, start_service
 
@@ -96,9 +96,7 @@ def _sibling_reads(url: str) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", type=int, default=4000)
-    parser.add_argument("--size", default="10KiB")
-    parser.add_argument("--shard-size", default="2MiB")
+    seeded_s3_arguments(parser, samples=4000, shard_size="2MiB")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="clients sending batches (default: %(default)s)")
     parser.add_argument("--restart-pause", type=float, help="passed to serve (default: the service's)")
@@ -107,8 +105,6 @@ def main(argv=None) -> int:
                                                "down, a sibling's")
     parser.add_argument("--after", type=float, default=2.0, help="seconds of load after the restart")
     parser.add_argument("--scrape-every", type=float, default=0.1, help="seconds between scrapes")
-    parser.add_argument("--s3", choices=S3_SERVERS, default=default_server(),
-                        help="the S3 server to start on loopback (default here: %(default)s)")
     args = parser.parse_args(argv)
     for flag, value in (("--samples", args.samples), ("--batch", args.batch), ("--threads", args.threads)):
         if value < 1:

@@ -12,6 +12,7 @@ Each runs in its own process group, so ``stop()`` ends it with every child it st
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import os
@@ -255,6 +256,16 @@ def start_s3(kind: str, directory: str | os.PathLike | None = None) -> S3Server:
 
 BENCH_DATA = "s3://bench/data"
 """Where ``seeded_s3`` puts the benchmarks' dataset."""
+
+
+def seeded_s3_arguments(parser: argparse.ArgumentParser, *, samples: int, shard_size: str,
+                        s3_help: str = "the S3 server to start on loopback (default here: %(default)s)") -> None:
+    """The options of a benchmark that runs on ``seeded_s3``: ``--samples``, ``--size``,
+    ``--shard-size`` of its synthetic dataset and ``--s3``, the server it starts."""
+    parser.add_argument("--samples", type=int, default=samples)
+    parser.add_argument("--size", default="10KiB")
+    parser.add_argument("--shard-size", default=shard_size)
+    parser.add_argument("--s3", choices=S3_SERVERS, default=default_server(), help=s3_help)
 
 
 @contextmanager

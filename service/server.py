@@ -18,7 +18,7 @@ from functools import partial
 from pathlib import Path
 
 from shardfeed.retry import Backoff
-from shardfeed.service.cluster.peers import build_cluster, parse_peers
+from shardfeed.service.cluster.membership import build_cluster, parse_peers
 from shardfeed.service.cluster.workers import supervise, worker_sockets
 from shardfeed.service.config import HedgePolicy, ServiceConfig
 from shardfeed.service.stores.hedge import Hedger
@@ -209,7 +209,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
 async def ensure_default_dataset(data_dir: Path) -> str:
     """The embedded default dataset's URL, seeding it first if it is not there yet."""
     from shardfeed.seeds.digits import seed_digits
-    from shardfeed.service.datasets.index import INDEX_FILE
+    from shardfeed.service.datasets.indexfile import INDEX_FILE
     from shardfeed.service.stores import open_store
 
     root = (data_dir / DEFAULT_DATASET).resolve()

@@ -1,6 +1,6 @@
 """``shardfeed stack``: the docker-compose stack as local processes, for a machine without Docker.
 
-The same topology as ``docker-compose.yml`` (``tests/test_deploy.py`` checks that the two agree):
+The same topology as ``docker-compose.yml`` (``tests/deploy/test_deploy.py`` checks that the two agree):
 SeaweedFS (``weed mini``, S3 on ``--s3-port``) with the bucket ``shardfeed`` -> the seeder, which
 writes a synthetic dataset to ``s3://shardfeed/train`` (skipped when ``index.parquet`` is already
 there) -> three replicas ``shardfeed-0/1/2`` that are each other's ``--peers``, each with its own

@@ -1,14 +1,10 @@
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+from shardfeed.benchmarks.s3server import S3_SERVERS, S3Server, start_moto, start_seaweedfs
 
-from s3_helpers import new_bucket, point_aws_at  # noqa: E402
-from shardfeed.benchmarks.s3server import S3_SERVERS, S3Server, start_moto, start_seaweedfs  # noqa: E402
+from common.s3 import new_bucket, point_aws_at
 
 
 def pytest_configure(config):

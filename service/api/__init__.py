@@ -9,9 +9,14 @@
     routing    /v1/datasets/{name}/routing, for client-side routing
     status     GET /v1/stats and the status page at / and /ui
     plans      /v1/datasets/{name}/plans[/{id}]: announced orders (``service/plans/``)
+    auth       the bearer-token middleware in front of them all
+    common     what they share: ``State``, admission, bodies, streamed answers
 
 Every route gets the service ``State`` from one dependency (``common.AppState``) and
 raises ``ApiError`` (``service/http/errors.py``) for every error answer.
+
+May import every room below it: ``plans``, ``read``, ``cluster``, ``datasets``, ``cache``,
+``stores``, ``observe``, ``http``, ``config``.
 """
 
 from __future__ import annotations
@@ -27,21 +32,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp
 
-from shardfeed.service.api import (
-    batch,
-    getbatch,
-    internal,
-    ops,
-    routing,
-    samples,
-    status,
-)
-from shardfeed.service.api import (
-    datasets as dataset_routes,
-)
-from shardfeed.service.api import (
-    plans as plan_routes,
-)
+from shardfeed.service.api import batch, getbatch, internal, ops, routing, samples, status
+from shardfeed.service.api import datasets as dataset_routes
+from shardfeed.service.api import plans as plan_routes
 from shardfeed.service.api.auth import TokenAuth, guarded
 from shardfeed.service.api.common import ERRORS, Admission, HeldRoutes, State, describe
 from shardfeed.service.cache.disk import BlockCache

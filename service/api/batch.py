@@ -16,15 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.responses import Response, StreamingResponse
 
 from shardfeed.service.api.common import (
-    TAR,
-    AppState,
-    State,
-    count_batch,
-    json_body,
-    parse_json,
-    read_body,
-    served_metrics,
-    tar_stream_response,
+    TAR, AppState, State, count_batch, json_body, parse_json, read_body, served_metrics, tar_stream_response,
 )
 from shardfeed.service.api.routing import ROUTING_HEADER
 from shardfeed.service.datasets.dataset import Dataset

@@ -32,13 +32,7 @@ from pydantic import ValidationError
 from starlette.responses import Response
 
 from shardfeed.service.api.common import (
-    TAR,
-    AppState,
-    describe,
-    json_body,
-    read_body,
-    served_metrics,
-    tar_stream_response,
+    TAR, AppState, describe, json_body, read_body, served_metrics, tar_stream_response,
 )
 from shardfeed.service.cache.disk import dataset_id, shard_id
 from shardfeed.service.datasets.dataset import Dataset

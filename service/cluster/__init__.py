@@ -1,0 +1,11 @@
+"""The cluster: replicas and this host's workers, who owns which shard, and the host's sums.
+
+    peers.py         ``Cluster``: rendezvous ownership (host, then worker), health, sub-batch reads
+    membership.py    who the members are: ``--peers``, the sibling workers; ``build_cluster``
+    workers.py       ``serve --workers N``: the supervisor and its workers' sockets
+    hostmetrics.py   the whole host's ``/metrics`` on the public port
+    hoststats.py     the whole host's status figures on the public port
+    keptcounters.py  a worker's counters kept in files across its restarts
+
+May import: ``datasets``, ``cache``, ``stores``, ``observe``, ``http``, ``config``.
+"""

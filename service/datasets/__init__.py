@@ -1,0 +1,14 @@
+"""Datasets: what a served dataset is, and every format it is read and written in.
+
+    dataset.py    ``Dataset``: a store, an index and the per-shard facts the read path needs
+    index.py      ``Index``: sample -> (shard, offset, size), compact arrays in memory
+    indexfile.py  ``index.parquet``: the on-disk format and its checks, WebDataset naming
+    layouts.py    how objects under a root become an index (tar shards or loose objects)
+    tarscan.py    the tar layout: an index from the shards' headers, read with ranged reads
+    shards.py     the shard writer (``shardfeed pack``/``seed`` and the embedded default use it)
+    objects.py    GetBatch's catalogue: plain objects by name, files in tar shards by path
+    moss.py       GetBatch's wire models, as the AIStore SDK sends and reads them
+
+The dataset tools (``shardfeed/tools``) import these; nothing here imports the tools.
+May import: ``cache`` (block identities), ``stores``, ``observe``, ``http``, ``config``.
+"""

@@ -18,15 +18,9 @@ import asyncio
 import pyarrow as pa
 from tqdm import tqdm
 
-from shardfeed.service.datasets.index import (
-    INDEX_FILE,
-    LAYOUT_KEY,
-    SCHEMA,
-    VERSION,
-    VERSION_KEY,
-    Index,
-    IndexFormatError,
-    split_member_name,
+from shardfeed.service.datasets.index import Index
+from shardfeed.service.datasets.indexfile import (
+    INDEX_FILE, LAYOUT_KEY, SCHEMA, VERSION, VERSION_KEY, IndexFormatError, split_member_name,
 )
 from shardfeed.service.stores import ObjectInfo, Store
 

@@ -14,7 +14,7 @@ for every request (an object is assumed not to change while it is served; the S3
 pins ETags and fails a read that sees a new version).
 
 A file inside a shard: the shard's member table comes from the index of a served tar
-dataset that holds the shard, else from one scan of the shard's headers (the indexer's
+dataset that holds the shard, else from one scan of the shard's headers (``tarscan.py``'s
 windowed scan), kept in a bounded LRU of member tables (``max_members`` in all).
 """
 

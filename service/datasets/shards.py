@@ -16,7 +16,8 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable
 import pyarrow as pa
 from tqdm import tqdm
 
-from shardfeed.service.datasets.index import INDEX_FILE, SCHEMA, Index, IndexFormatError, split_member_name, write_index
+from shardfeed.service.datasets.index import Index, write_index
+from shardfeed.service.datasets.indexfile import INDEX_FILE, SCHEMA, IndexFormatError, split_member_name
 from shardfeed.service.stores import ObjectNotFound, Store
 from shardfeed.tar import END_OF_ARCHIVE, member_header, padding
 

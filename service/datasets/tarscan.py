@@ -20,7 +20,8 @@ from typing import TypeVar
 import pyarrow as pa
 from tqdm import tqdm
 
-from shardfeed.service.datasets.index import SCHEMA, Index, IndexFormatError, split_member_name
+from shardfeed.service.datasets.index import Index
+from shardfeed.service.datasets.indexfile import SCHEMA, IndexFormatError, split_member_name
 from shardfeed.service.stores import ObjectInfo, Store
 from shardfeed.tar import BLOCK, TarFormatError, padding, parse_header, parse_pax
 

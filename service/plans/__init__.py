@@ -26,6 +26,9 @@ after their last use: a client whose plan is gone registers it again.
 With workers or replicas every process holds every plan: the one told relays it
 (``api/plans.py``, ``peers.Cluster.relay``), and a restarted worker takes its siblings'
 (``adopt.py``).
+
+May import: ``read``, ``cluster``, ``datasets``, ``cache``, ``stores``, ``observe``, ``http``,
+``config``, and the client's sampler (``shardfeed.client.sampling``).
 """
 
 from __future__ import annotations

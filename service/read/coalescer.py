@@ -2,10 +2,8 @@
 
 For a set of requested members it finds the blocks that hold them, takes the blocks held
 in RAM (``memtier.py``: no thread hop, no copy), reads other cached blocks from disk (one
-thread hop per call; whole blocks, which then enter the RAM tier), and fetches the missing ones from the store with
-one ranged read per run of nearby blocks. Each block has at most one read in flight
-(singleflight): a second request for it waits on the first. Store reads in flight are
-bounded by a semaphore shared by all requests. A batch plans the store reads of all its
+thread hop per call; whole blocks, which then enter the RAM tier), and has the missing ones fetched from the store (``fetcher.py``: one ranged read per run of
+nearby blocks, at most one read in flight per block). A batch plans the store reads of all its
 blocks up front (``prefetch``), so they merge across the groups it is streamed in.
 
 With replicas or workers, members of shards owned by another replica or sibling worker
@@ -24,9 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -38,15 +34,12 @@ from shardfeed.service.config import ServiceConfig
 from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.datasets.index import Members
 from shardfeed.service.observe.metrics import Metrics
-from shardfeed.service.read.planner import merge_blocks, plan_pieces, take
+from shardfeed.service.read.fetcher import BlockFetcher
+from shardfeed.service.read.planner import plan_pieces, take
 from shardfeed.service.read.ranges import RangeReader
 from shardfeed.service.stores import StoreError
 
 log = logging.getLogger("shardfeed.coalescer")
-
-
-WRITE_THREADS = 2
-"""Threads writing fetched blocks to the cache: one disk, a write each while the next is copied."""
 
 
 class Coalescer:
@@ -58,19 +51,11 @@ class Coalescer:
         self.memory = MemoryTier(config.memory_cache, metrics) if config.memory_cache else None
         if self.memory is not None:
             cache.on_forget = self.memory.discard
-        self.gap_blocks = config.merge_gap // config.block_size
-        self.max_blocks = max(1, config.max_fetch // config.block_size)
-        self.window_blocks = max(1, min(config.fetch_window // config.block_size, self.max_blocks))
-        self._store_slots = asyncio.Semaphore(config.max_store_requests)
-        self._inflight: dict[BlockKey, asyncio.Future] = {}
+        self.fetcher = BlockFetcher(cache, self.memory, metrics, config, cluster)
         self._sibling_reads: dict[BlockKey, asyncio.Future] = {}  # whole sibling blocks being read
         self._holds_all: dict[str, tuple[tuple, bool]] = {}  # dataset id -> (what it was drawn from, answer)
         self._own_blocks: dict[str, tuple] = {}  # dataset id -> (ownership, blocks in all, shard ids, blocks of each)
-        self._tasks: set[asyncio.Task] = set()
-        # Cache writes wait on the disk (``O_DIRECT``, ``blockfile.py``): on threads of their
-        # own, so a slow disk never queues the cache reads on the default executor behind them.
-        self._writer = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="cache-write")
-        self.ranges = RangeReader(self._store_read, gap=config.range_gap, max_read=config.max_fetch,
+        self.ranges = RangeReader(self.fetcher.store_read, gap=config.range_gap, max_read=config.max_fetch,
                                   memory=config.plan_memory)
         self.siblings = None if cluster is None else SiblingBlocks(
             {node: p.cache_dir for node, p in enumerate(cluster.workers) if p.cache_dir is not None
@@ -209,7 +194,7 @@ class Coalescer:
         remaining = self._take_held(pieces)
         for attempt in range(3):
             # Cached blocks first, all in one thread hop.
-            cached = [k for k in remaining if k not in self._inflight and k in self.cache]
+            cached = [k for k in remaining if k not in self.fetcher.inflight and k in self.cache]
             if cached:
                 found = await asyncio.to_thread(self._read_cached, self._wanted(pieces, cached))
                 self.metrics.cache_hits.inc(len(found))
@@ -224,10 +209,10 @@ class Coalescer:
                     break
             # The rest is being read, or is read now. A block that reached the cache while
             # we were reading others is left for the next round (the last round reads all).
-            self._start_fetches(dataset, [(int(pieces.plan.shard[blocks[k][0]]), k.block) for k in remaining],
+            self.fetcher.start(dataset, [(int(pieces.plan.shard[blocks[k][0]]), k.block) for k in remaining],
                                 skip_cached=attempt < 2)
-            waiting = [k for k in remaining if k in self._inflight]
-            results = await asyncio.gather(*(asyncio.shield(self._inflight[k]) for k in waiting))
+            waiting = [k for k in remaining if k in self.fetcher.inflight]
+            results = await asyncio.gather(*(asyncio.shield(self.fetcher.inflight[k]) for k in waiting))
             for key, block in zip(waiting, results):
                 for i in blocks[key]:
                     piece_bytes[i] = block if isinstance(block, StoreError) else block[starts[i]:ends[i]]
@@ -239,7 +224,7 @@ class Coalescer:
     async def _read_ranges(self, dataset: Dataset, pieces, blocks: dict[BlockKey, list[int]],
                            keys: list[BlockKey], piece_bytes: dict) -> list[BlockKey]:
         """Read the pieces of the blocks not worth fetching whole as ranges; the other keys."""
-        idle = [k for k in keys if k not in self._inflight]  # a block being read is cheaper to wait for
+        idle = [k for k in keys if k not in self.fetcher.inflight]  # a block being read is cheaper to wait for
         if self.fetch_policy is None or not idle:
             return keys
         shards = pieces.shard[[blocks[k][0] for k in idle]]
@@ -266,7 +251,7 @@ class Coalescer:
     def fetch_ahead(self, dataset: Dataset, pairs) -> None:
         """Start reading the given ``(shard code, block)`` pairs into the cache, if missing."""
         if self.cache.writable:
-            self._start_fetches(dataset, pairs, skip_cached=True)
+            self.fetcher.start(dataset, pairs, skip_cached=True)
 
     def prefetch(self, dataset: Dataset, members: Members) -> None:
         """Start reading every missing block of a whole batch now, merged per shard.
@@ -281,7 +266,7 @@ class Coalescer:
             members = take(members, self.own_rows(dataset, members))
         pairs = self.whole_blocks_wanted(dataset, plan_pieces(members, self.block_size))
         if len(pairs) * self.block_size <= self.cache.capacity // 4:
-            self._start_fetches(dataset, pairs, skip_cached=True)
+            self.fetcher.start(dataset, pairs, skip_cached=True)
 
     def own_rows(self, dataset: Dataset, members: Members) -> np.ndarray:
         """The found rows of ``members`` that this node owns and reads from the store: not
@@ -339,123 +324,8 @@ class Coalescer:
                 out[key] = parts
         return out
 
-    def _start_fetches(self, dataset: Dataset, wanted, *, skip_cached: bool) -> None:
-        """Start one store read per run of nearby wanted blocks (``(shard code, block)`` pairs)
-        that nobody is reading yet; their futures are in ``_inflight`` on return."""
-        by_shard: dict[int, set[int]] = defaultdict(set)
-        for shard, block in wanted:
-            by_shard[shard].add(block)
-        loop = asyncio.get_running_loop()
-        window = self._window(dataset)
-        for shard, numbers in by_shard.items():
-            shard_key = BlockKey(dataset.id, dataset.shard_ids[shard], 0)
-
-            def idle(block: int, skip_cached: bool = True) -> bool:
-                key = shard_key._replace(block=block)
-                return key not in self._inflight and not (skip_cached and key in self.cache)
-
-            todo = sorted(b for b in numbers if idle(b, skip_cached))
-            if window > 1 and todo:
-                last = (int(dataset.extents[shard]) - 1) // self.block_size
-                around = {b for first in {n - n % window for n in todo}
-                          for b in range(first, min(first + window - 1, last) + 1) if idle(b)}
-                todo = sorted(around.union(todo))
-            for first, last in merge_blocks(todo, self.gap_blocks, self.max_blocks, idle):
-                for block in range(first, last + 1):
-                    self._inflight[shard_key._replace(block=block)] = loop.create_future()
-                self.metrics.cache_misses.inc(last - first + 1)
-                task = asyncio.create_task(self._fetch(dataset, shard, first, last))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-
-    def _window(self, dataset: Dataset) -> int:
-        """Blocks per window fetched around a miss: ``window_blocks`` when this node's share of
-        a served dataset fits in its cache, else 1. A GetBatch request's objects (not
-        ``owned``) are read block by block: no epoch will come for the rest of them."""
-        if self.window_blocks == 1 or not self.cache.writable or not dataset.owned:
-            return 1
-        nodes = len(self.cluster.peers) if self.cluster is not None else 1
-        return self.window_blocks if dataset.stored_bytes <= self.cache.capacity * nodes else 1
-
-    async def _fetch(self, dataset: Dataset, shard: int, first: int, last: int) -> None:
-        """One ranged read for blocks ``first..last`` of a shard; resolves their futures."""
-        path = dataset.index.shards[shard]
-        start = first * self.block_size
-        end = min((last + 1) * self.block_size, int(dataset.extents[shard]))
-        keys = [BlockKey(dataset.id, dataset.shard_ids[shard], b) for b in range(first, last + 1)]
-        try:
-            pieces = await self._store_pieces(dataset, shard, start, end)
-        except StoreError as err:
-            self._settle(keys, err)
-            return
-        except BaseException as err:  # cancelled at shutdown, or a bug: waiters must not hang
-            self._settle(keys, StoreError(f"read of {path} aborted: {err!r}"))
-            raise
-        held = self.memory is not None and self.cache.writable
-        if held:
-            # Into the RAM tier now, not once on disk, so the batches that come while the
-            # blocks are written take the warm path (``warm.py``).
-            for key, block in zip(keys, pieces):
-                self.memory.put(key, block)
-        blocks = [(key, memoryview(block)) for key, block in zip(keys, pieces)]
-        for key, block in blocks:
-            future = self._inflight.get(key)
-            if future is not None and not future.done():
-                future.set_result(block)
-        try:
-            # Keep the futures registered until the blocks are on disk, so a request that
-            # arrives meanwhile shares these bytes instead of reading them again.
-            refused = await asyncio.get_running_loop().run_in_executor(self._writer, self._write_blocks, blocks)
-            if held:
-                for key in refused:  # the tier mirrors the disk
-                    self.memory.discard(key)
-        finally:
-            for key in keys:
-                self._inflight.pop(key, None)
-
-    async def _store_read(self, dataset: Dataset, shard: int, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of a shard (``RangeReader``'s reads)."""
-        return (await self._store_pieces(dataset, shard, start, end, whole=True))[0]
-
-    async def _store_pieces(self, dataset: Dataset, shard: int, start: int, end: int, *,
-                            whole: bool = False) -> list[bytes]:
-        """Bytes ``[start, end)`` of a shard, block by block (from a block boundary; each block
-        its own object, so the RAM tier can keep any of them alone), or ``whole`` as one
-        piece; within the store-read slots, counted."""
-        path = dataset.index.shards[shard]
-        piece = max(end - start, 1) if whole else self.block_size
-        try:
-            async with self._store_slots:
-                self.metrics.inflight_store.inc()
-                began = time.perf_counter()
-                try:
-                    pieces = await dataset.store.read_pieces(path, start, end - start, piece)
-                finally:
-                    self.metrics.inflight_store.dec()
-        except StoreError as err:
-            self.metrics.store_errors.inc()
-            log.warning("store read %s [%d, %d) failed: %s", path, start, end, err)
-            raise
-        self.metrics.store_requests.inc()
-        self.metrics.store_bytes.inc(end - start)
-        log.debug("store read %s [%d, %d) in %.1f ms", path, start, end, 1e3 * (time.perf_counter() - began))
-        return pieces
-
-    def _settle(self, keys: list[BlockKey], error: StoreError) -> None:
-        for key in keys:
-            future = self._inflight.pop(key, None)
-            if future is not None and not future.done():
-                future.set_result(error)
-
-    def _write_blocks(self, blocks: list[tuple[BlockKey, memoryview]]) -> list[BlockKey]:
-        """Cache the blocks not cached yet; the keys of those the disk refused."""
-        return [key for key, block in blocks if key not in self.cache and not self.cache.write(key, block)]
-
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._writer.shutdown(wait=False)
+        await self.fetcher.close()
         await self.ranges.close()
 
 

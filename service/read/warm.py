@@ -1,4 +1,4 @@
-"""The lean warm path: frame a group of members straight from blocks held in RAM.
+"""The lean warm path: a group's blocks all held in RAM, and where each member lies in them.
 
 When every block a group needs is in the RAM tier (``memtier.py``), the group needs no
 read at all: no thread hop, no future, no copy of a payload. Each member is a

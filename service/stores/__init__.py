@@ -1,18 +1,15 @@
-"""Storage backends behind one async interface (see ``base.Store``)."""
+"""Storage backends behind one async interface (see ``base.Store``).
+
+One module per store (``file.py``, ``s3.py`` with its wire format ``s3wire.py``), and
+``hedge.py``, which wraps any store's ranged reads. May import: ``observe``, ``http``, ``config``.
+"""
 
 from __future__ import annotations
 
 from urllib.parse import unquote, urlparse
 
 from shardfeed.service.stores.base import (
-    AccessDenied,
-    InvalidPath,
-    ObjectInfo,
-    ObjectNotFound,
-    ShortRead,
-    Store,
-    StoreError,
-    StoreUnavailable,
+    AccessDenied, InvalidPath, ObjectInfo, ObjectNotFound, ShortRead, Store, StoreError, StoreUnavailable,
 )
 
 __all__ = [

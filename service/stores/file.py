@@ -8,13 +8,7 @@ import tempfile
 from pathlib import Path
 
 from shardfeed.service.stores.base import (
-    InvalidPath,
-    ObjectInfo,
-    ObjectNotFound,
-    ShortRead,
-    Store,
-    StoreError,
-    clean_path,
+    InvalidPath, ObjectInfo, ObjectNotFound, ShortRead, Store, StoreError, clean_path,
 )
 
 

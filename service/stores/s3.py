@@ -15,13 +15,10 @@ else AWS's regional endpoint, path-style addressing, the region from the AWS con
 from __future__ import annotations
 
 import asyncio
-import os
-import re
-import xml.etree.ElementTree as ET
 from collections import OrderedDict
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import TypeVar
-from urllib.parse import quote, unquote_plus, urlsplit
+from urllib.parse import quote
 
 import aiohttp
 import botocore.exceptions
@@ -33,25 +30,16 @@ from yarl import URL
 
 from shardfeed.retry import Backoff, retry_async
 from shardfeed.service.stores.base import (
-    AccessDenied,
-    ObjectInfo,
-    ObjectNotFound,
-    ShortRead,
-    Store,
-    StoreError,
-    StoreUnavailable,
-    clean_path,
+    AccessDenied, ObjectInfo, ShortRead, Store, StoreError, StoreUnavailable, clean_path,
+)
+from shardfeed.service.stores.s3wire import (
+    Overloaded, Truncated, check_range, completed, drain, host_header, parse_listing, raise_for_status, read_body,
+    read_pieces, resolve_endpoint, retryable, upload_id,
 )
 
 T = TypeVar("T")
 
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
-_ERROR_FIELD = re.compile(r"<(Code|Message)>([^<]*)</\1>")
-_DENIED_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
-                 "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled"}
-_TRANSIENT_STATUS = {429, 500, 502, 503, 504}
 _SIGN_IN_THREAD = 1 << 20  # hashing a larger body for the signature would stall the loop
-_ERROR_BODY_LIMIT = 64 << 10
 READ_BUFFER = 1 << 20
 """aiohttp's read buffer per response: a block-sized range arrives in a few large pieces,
 not sixteen 64 KiB ones, each a pass through aiohttp's Python."""
@@ -60,48 +48,6 @@ PINNED_ETAGS = 1 << 18
 dataset's shards all fit; a GetBatch bucket's objects may not, and one forgotten is pinned
 again at its next read."""
 MIN_PART, MAX_PART = 5 << 20, 5 << 30  # S3's multipart limits (the last part may be smaller)
-
-
-class _Truncated(ShortRead):
-    """A body or Content-Range that does not match what was asked: retried, then ``ShortRead``."""
-
-
-class _Overloaded(StoreUnavailable):
-    """5xx, SlowDown or 429: retried (after ``Retry-After`` if given), then ``StoreUnavailable``."""
-
-    def __init__(self, message: str, retry_after: float | None):
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-def _retryable(err: Exception) -> bool | float:
-    if isinstance(err, _Overloaded):
-        return err.retry_after if err.retry_after is not None else True
-    return isinstance(err, (_Truncated, aiohttp.ClientError, asyncio.TimeoutError))
-
-
-def _retry_after(headers) -> float | None:
-    value = headers.get("Retry-After", "")
-    return float(value) if value.isdigit() else None  # HTTP-date form: use our own backoff
-
-
-def _endpoint(explicit: str | None, region: str) -> str:
-    url = explicit or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    if not url:
-        return f"https://s3.{region}.amazonaws.com"
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query:
-        raise StoreError(f"invalid S3 endpoint URL {url!r} (expected http(s)://host[:port])")
-    return url.rstrip("/")
-
-
-def _host_header(endpoint: str) -> str:
-    """The Host header exactly as SigV4 signs it (default ports dropped)."""
-    parts = urlsplit(endpoint)
-    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    if parts.port is not None and parts.port != {"http": 80, "https": 443}[parts.scheme]:
-        host = f"{host}:{parts.port}"
-    return host
 
 
 class S3Store(Store):
@@ -160,8 +106,8 @@ class S3Store(Store):
             self.region = region or self._botocore.get_config_variable("region") or "us-east-1"
         except botocore.exceptions.BotoCoreError as err:
             raise StoreError(f"{url}: cannot read the AWS configuration: {err}") from None
-        self.endpoint = _endpoint(endpoint_url, self.region)
-        self._host = _host_header(self.endpoint)
+        self.endpoint = resolve_endpoint(endpoint_url, self.region)
+        self._host = host_header(self.endpoint)
         self._timeout = aiohttp.ClientTimeout(
             # Not `connect`: that would also count the wait for a free pooled connection.
             total=None, sock_connect=connect_timeout, sock_read=read_timeout)
@@ -255,15 +201,15 @@ class S3Store(Store):
                 allow_redirects=False,
             ) as resp:
                 if resp.status >= 300:
-                    await self._raise_for_status(resp, object_url, key)
+                    await raise_for_status(resp, object_url, key, self.bucket)
                 return await handle(resp)
 
         try:
-            return await retry_async(attempt, backoff=self.backoff, retryable=_retryable,
+            return await retry_async(attempt, backoff=self.backoff, retryable=retryable,
                                      on_retry=self._count_retry)
-        except _Truncated as err:
+        except Truncated as err:
             raise ShortRead(f"{err} (after {self.backoff.attempts} attempts)") from None
-        except _Overloaded as err:
+        except Overloaded as err:
             raise StoreUnavailable(f"{err} (after {self.backoff.attempts} attempts)") from None
         except asyncio.TimeoutError:
             raise StoreUnavailable(
@@ -283,59 +229,13 @@ class S3Store(Store):
     def _count_retry(self, err: Exception, delay: float) -> None:
         self.retries += 1
 
-    async def _raise_for_status(self, resp: aiohttp.ClientResponse, object_url: str, key: str) -> None:
-        text = (await resp.content.read(_ERROR_BODY_LIMIT)).decode("utf-8", "replace")
-        fields = dict(_ERROR_FIELD.findall(text))
-        code, message = fields.get("Code", ""), fields.get("Message", "")
-        detail = f"{code}: {message}" if code else f"HTTP {resp.status}"
-        if resp.status in (401, 403) or code in _DENIED_CODES:
-            raise AccessDenied(f"{object_url}: access denied ({detail})")
-        if code == "NoSuchBucket" or (resp.status == 404 and not key):
-            raise ObjectNotFound(f"{object_url}: bucket {self.bucket!r} does not exist")
-        if resp.status == 404:
-            raise ObjectNotFound(f"{object_url}: no such object")
-        if resp.status == 416:
-            raise ShortRead(f"{object_url}: range starts past the end of the object")
-        if resp.status in _TRANSIENT_STATUS or code == "SlowDown":
-            raise _Overloaded(f"{object_url}: S3 answered HTTP {resp.status} ({detail})",
-                              _retry_after(resp.headers))
-        region = resp.headers.get("x-amz-bucket-region")
-        hint = f"; the bucket is in region {region}, set AWS_DEFAULT_REGION" if region else ""
-        raise StoreError(f"{object_url}: S3 answered HTTP {resp.status} ({detail}){hint}")
-
     async def _body(self, resp: aiohttp.ClientResponse, name: str, expected: int | None = None) -> bytes:
-        """The body of the response about ``name``; with ``expected``, refuse (retryably) any other length."""
-        if expected is not None and resp.content_length not in (None, expected):
-            raise _Truncated(f"{name}: Content-Length {resp.content_length}, expected {expected}")
-        try:
-            if expected is None or resp.content_length is not None:
-                data = await resp.read()  # raises ClientPayloadError if the body ends early
-            else:
-                buf = bytearray()  # no Content-Length: read at most one byte too many
-                async for chunk in resp.content.iter_any():
-                    buf += chunk
-                    if len(buf) > expected:
-                        break
-                data = bytes(buf)
-        except aiohttp.ClientPayloadError as err:
-            reason = getattr(err.__cause__, "message", None) or str(err)
-            raise _Truncated(f"{name}: body cut short ({' '.join(reason.split())})") from None
-        if expected is not None and len(data) != expected:
-            raise _Truncated(f"{name}: got {len(data)} bytes, expected {expected}")
+        data = await read_body(resp, name, expected)
         self.bytes_read += len(data)
         return data
 
     async def _pieces(self, resp: aiohttp.ClientResponse, name: str, size: int, piece: int) -> list[bytes]:
-        """The body of a ranged read as pieces of ``piece`` bytes, each filled as its bytes
-        arrive: no copy of the whole body to split afterwards."""
-        if resp.content_length != size:  # unknown length: bounded by ``_body``, then split
-            data = await self._body(resp, name, size)
-            return [data[at:at + piece] for at in range(0, size, piece)]
-        try:
-            pieces = [await resp.content.readexactly(min(piece, size - at)) for at in range(0, size, piece)]
-        except (aiohttp.ClientPayloadError, asyncio.IncompleteReadError) as err:
-            reason = getattr(err.__cause__, "message", None) or str(err)
-            raise _Truncated(f"{name}: body cut short ({' '.join(reason.split())})") from None
+        pieces = await read_pieces(resp, name, size, piece)
         self.bytes_read += size
         return pieces
 
@@ -357,25 +257,10 @@ class S3Store(Store):
         if offset < 0 or size < 0:
             raise ValueError(f"read_range({path!r}, {offset}, {size}): negative offset or size")
         key = self._key(path)
-        last = offset + size - 1
         object_url = self._object_url(key)
 
         async def check(resp: aiohttp.ClientResponse) -> T:
-            if resp.status == 200:  # Range ignored: fine only if the object is exactly the range
-                if offset != 0 or resp.content_length != size:
-                    raise _Truncated(f"{object_url}: server ignored Range bytes={offset}-{last}")
-            else:
-                found = _CONTENT_RANGE.fullmatch(resp.headers.get("Content-Range", ""))
-                if found is None or resp.status != 206:
-                    raise _Truncated(f"{object_url}: HTTP {resp.status} with Content-Range "
-                                     f"{resp.headers.get('Content-Range')!r}")
-                start, end, total = found.groups()
-                if total != "*" and int(total) <= last:
-                    raise ShortRead(f"{object_url}: object is {total} bytes, cannot read "
-                                    f"{size} bytes at offset {offset}")
-                if (int(start), int(end)) != (offset, last):
-                    raise _Truncated(f"{object_url}: asked bytes {offset}-{last}, "
-                                     f"got Content-Range {start}-{end}")
+            check_range(resp, object_url, offset, size)
             data = await body(resp, object_url)
             etag = resp.headers.get("ETag")
             if etag:  # every range of an object must come from the version first read
@@ -388,7 +273,7 @@ class S3Store(Store):
                                      "re-index the dataset and restart the service")
             return data
 
-        return await self._call("GET", key, check, headers={"Range": f"bytes={offset}-{last}"})
+        return await self._call("GET", key, check, headers={"Range": f"bytes={offset}-{offset + size - 1}"})
 
     async def read(self, path: str) -> bytes:
         key = self._key(path)
@@ -416,7 +301,7 @@ class S3Store(Store):
                 size += len(chunk)
                 while len(part) >= self.part_size:
                     if upload is None:
-                        upload = await self._call("POST", key, self._upload_id, query={"uploads": ""})
+                        upload = await self._call("POST", key, lambda resp: upload_id(resp, self.url), query={"uploads": ""})
                     etags.append(await self._put_part(key, upload, len(etags) + 1, bytes(part[:self.part_size])))
                     del part[:self.part_size]
             if upload is None:
@@ -427,21 +312,15 @@ class S3Store(Store):
             done = "".join(f"<Part><PartNumber>{n}</PartNumber><ETag>{etag}</ETag></Part>"
                            for n, etag in enumerate(etags, 1))
             body = f"<CompleteMultipartUpload>{done}</CompleteMultipartUpload>".encode()
-            await self._call("POST", key, self._completed, query={"uploadId": upload}, body=body)
+            await self._call("POST", key, lambda resp: completed(resp, self.url), query={"uploadId": upload}, body=body)
             upload = None
             return size
         finally:
             if upload is not None:  # failed or cancelled: drop the parts, never leave a partial object
                 try:
-                    await asyncio.shield(self._call("DELETE", key, _drain, query={"uploadId": upload}))
+                    await asyncio.shield(self._call("DELETE", key, drain, query={"uploadId": upload}))
                 except (StoreError, asyncio.CancelledError):
                     pass
-
-    async def _upload_id(self, resp: aiohttp.ClientResponse) -> str:
-        found = re.search(rb"<UploadId>([^<]+)</UploadId>", await resp.read())
-        if found is None:
-            raise StoreError(f"{self.url}: CreateMultipartUpload answered without an UploadId")
-        return found.group(1).decode()
 
     async def _put_part(self, key: str, upload: str, number: int, data: bytes) -> str:
         async def etag(resp: aiohttp.ClientResponse) -> str:
@@ -452,20 +331,13 @@ class S3Store(Store):
 
         return await self._call("PUT", key, etag, query={"partNumber": str(number), "uploadId": upload}, body=data)
 
-    async def _completed(self, resp: aiohttp.ClientResponse) -> None:
-        text = await resp.read()  # S3 may answer 200 with an <Error> body
-        if b"<Error>" in text:
-            fields = dict(_ERROR_FIELD.findall(text.decode("utf-8", "replace")))
-            raise StoreError(f"{self.url}: CompleteMultipartUpload failed ({fields.get('Code')}: "
-                             f"{fields.get('Message')})")
-
     async def head(self, path: str) -> ObjectInfo:
         rel = clean_path(path)
         key = self._key(rel)
 
         async def info(resp: aiohttp.ClientResponse) -> ObjectInfo:
             if resp.content_length is None:
-                raise _Truncated(f"{self._object_url(key)}: HEAD without Content-Length")
+                raise Truncated(f"{self._object_url(key)}: HEAD without Content-Length")
             return ObjectInfo(rel, resp.content_length,
                               resp.headers.get("ETag", "").strip('"') or None)
 
@@ -483,7 +355,7 @@ class S3Store(Store):
                  "max-keys": str(self.list_page_size)}
         while True:
             page = await self._call("GET", "", lambda resp: self._body(resp, self.url), query=query)
-            objects, token = await asyncio.to_thread(_parse_listing, page, self.url)
+            objects, token = await asyncio.to_thread(parse_listing, page, self.url)
             yield [ObjectInfo(key[len(root):], size, etag) for key, size, etag in objects
                    if key.startswith(root) and not key.endswith("/")]
             if token is None:
@@ -497,26 +369,3 @@ class S3Store(Store):
                 await session.close()
             else:
                 session.detach()
-
-
-async def _drain(resp: aiohttp.ClientResponse) -> None:
-    await resp.read()
-
-
-def _parse_listing(xml: bytes, url: str) -> tuple[list[tuple[str, int, str | None]], str | None]:
-    """(key, size, etag) of one ListObjectsV2 page, and the continuation token if truncated."""
-    try:
-        root = ET.fromstring(xml)
-    except ET.ParseError as err:
-        raise StoreError(f"{url}: malformed listing from S3 ({err})") from None
-    for el in root.iter():  # drop the S3 XML namespace
-        el.tag = el.tag.rpartition("}")[2]
-    objects = []
-    for item in root.iter("Contents"):
-        etag = (item.findtext("ETag") or "").strip('"') or None
-        objects.append((unquote_plus(item.findtext("Key") or ""), int(item.findtext("Size") or 0), etag))
-    truncated = root.findtext("IsTruncated") == "true"
-    token = root.findtext("NextContinuationToken") if truncated else None
-    if truncated and not token:
-        raise StoreError(f"{url}: truncated listing without a continuation token")
-    return objects, token

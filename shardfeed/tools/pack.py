@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shardfeed.service.datasets.index import Index, IndexFormatError, split_member_name
+from shardfeed.service.datasets.index import Index
+from shardfeed.service.datasets.indexfile import IndexFormatError, split_member_name
 from shardfeed.service.datasets.layouts import index_objects
 from shardfeed.service.datasets.shards import DEFAULT_SHARD_SIZE, Sample, refuse_existing, write_shards
 from shardfeed.service.stores import Store, open_store

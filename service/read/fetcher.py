@@ -1,0 +1,171 @@
+"""Fetches of missing blocks from the store, into the RAM tier and the block cache.
+
+Every missing block a read needs is fetched here (``Coalescer`` asks, and so does reading
+ahead along plans): one ranged read per run of nearby blocks (``planner.merge_blocks``:
+merged across gaps up to ``merge_gap``, at most ``max_fetch`` bytes; a whole aligned window
+around a miss when the dataset fits in the cache). Each block has at most one read in
+flight (singleflight): a second request for it waits on the first's future. Store reads
+in flight are bounded by one semaphore shared by all requests. A fetched block enters the
+RAM tier at once and is written to disk on threads of its own, its future kept until it
+is there, so a request that comes meanwhile shares its bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+
+from shardfeed.service.cache.disk import BlockCache, BlockKey
+from shardfeed.service.cache.memtier import MemoryTier
+from shardfeed.service.cluster.peers import Cluster
+from shardfeed.service.config import ServiceConfig
+from shardfeed.service.datasets.dataset import Dataset
+from shardfeed.service.observe.metrics import Metrics
+from shardfeed.service.read.planner import merge_blocks
+from shardfeed.service.stores import StoreError
+
+log = logging.getLogger("shardfeed.coalescer")
+
+WRITE_THREADS = 2
+"""Threads writing fetched blocks to the cache: one disk, a write each while the next is copied."""
+
+
+class BlockFetcher:
+    def __init__(self, cache: BlockCache, memory: MemoryTier | None, metrics: Metrics, config: ServiceConfig,
+                 cluster: Cluster | None = None):
+        self.cache = cache
+        self.memory = memory
+        self.metrics = metrics
+        self.cluster = cluster
+        self.block_size = config.block_size
+        self.gap_blocks = config.merge_gap // config.block_size
+        self.max_blocks = max(1, config.max_fetch // config.block_size)
+        self.window_blocks = max(1, min(config.fetch_window // config.block_size, self.max_blocks))
+        self._store_slots = asyncio.Semaphore(config.max_store_requests)
+        self.inflight: dict[BlockKey, asyncio.Future] = {}
+        """Per block being read, the future of its bytes (or the ``StoreError`` that ended the read)."""
+        self._tasks: set[asyncio.Task] = set()
+        # Cache writes wait on the disk (``O_DIRECT``, ``blockfile.py``): on threads of their
+        # own, so a slow disk never queues the cache reads on the default executor behind them.
+        self._writer = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="cache-write")
+
+    def start(self, dataset: Dataset, wanted, *, skip_cached: bool) -> None:
+        """Start one store read per run of nearby wanted blocks (``(shard code, block)`` pairs)
+        that nobody is reading yet; their futures are in ``inflight`` on return."""
+        by_shard: dict[int, set[int]] = defaultdict(set)
+        for shard, block in wanted:
+            by_shard[shard].add(block)
+        loop = asyncio.get_running_loop()
+        window = self._window(dataset)
+        for shard, numbers in by_shard.items():
+            shard_key = BlockKey(dataset.id, dataset.shard_ids[shard], 0)
+
+            def idle(block: int, skip_cached: bool = True) -> bool:
+                key = shard_key._replace(block=block)
+                return key not in self.inflight and not (skip_cached and key in self.cache)
+
+            todo = sorted(b for b in numbers if idle(b, skip_cached))
+            if window > 1 and todo:
+                last = (int(dataset.extents[shard]) - 1) // self.block_size
+                around = {b for first in {n - n % window for n in todo}
+                          for b in range(first, min(first + window - 1, last) + 1) if idle(b)}
+                todo = sorted(around.union(todo))
+            for first, last in merge_blocks(todo, self.gap_blocks, self.max_blocks, idle):
+                for block in range(first, last + 1):
+                    self.inflight[shard_key._replace(block=block)] = loop.create_future()
+                self.metrics.cache_misses.inc(last - first + 1)
+                task = asyncio.create_task(self._fetch(dataset, shard, first, last))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    def _window(self, dataset: Dataset) -> int:
+        """Blocks per window fetched around a miss: ``window_blocks`` when this node's share of
+        a served dataset fits in its cache, else 1. A GetBatch request's objects (not
+        ``owned``) are read block by block: no epoch will come for the rest of them."""
+        if self.window_blocks == 1 or not self.cache.writable or not dataset.owned:
+            return 1
+        nodes = len(self.cluster.peers) if self.cluster is not None else 1
+        return self.window_blocks if dataset.stored_bytes <= self.cache.capacity * nodes else 1
+
+    async def _fetch(self, dataset: Dataset, shard: int, first: int, last: int) -> None:
+        """One ranged read for blocks ``first..last`` of a shard; resolves their futures."""
+        path = dataset.index.shards[shard]
+        start = first * self.block_size
+        end = min((last + 1) * self.block_size, int(dataset.extents[shard]))
+        keys = [BlockKey(dataset.id, dataset.shard_ids[shard], b) for b in range(first, last + 1)]
+        try:
+            pieces = await self._pieces(dataset, shard, start, end)
+        except StoreError as err:
+            self._settle(keys, err)
+            return
+        except BaseException as err:  # cancelled at shutdown, or a bug: waiters must not hang
+            self._settle(keys, StoreError(f"read of {path} aborted: {err!r}"))
+            raise
+        held = self.memory is not None and self.cache.writable
+        if held:
+            # Into the RAM tier now, not once on disk, so the batches that come while the
+            # blocks are written take the warm path (``warm.py``).
+            for key, block in zip(keys, pieces):
+                self.memory.put(key, block)
+        blocks = [(key, memoryview(block)) for key, block in zip(keys, pieces)]
+        for key, block in blocks:
+            future = self.inflight.get(key)
+            if future is not None and not future.done():
+                future.set_result(block)
+        try:
+            # Keep the futures registered until the blocks are on disk, so a request that
+            # arrives meanwhile shares these bytes instead of reading them again.
+            refused = await asyncio.get_running_loop().run_in_executor(self._writer, self._write_blocks, blocks)
+            if held:
+                for key in refused:  # the tier mirrors the disk
+                    self.memory.discard(key)
+        finally:
+            for key in keys:
+                self.inflight.pop(key, None)
+
+    async def store_read(self, dataset: Dataset, shard: int, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of a shard (``RangeReader``'s reads)."""
+        return (await self._pieces(dataset, shard, start, end, whole=True))[0]
+
+    async def _pieces(self, dataset: Dataset, shard: int, start: int, end: int, *,
+                            whole: bool = False) -> list[bytes]:
+        """Bytes ``[start, end)`` of a shard, block by block (from a block boundary; each block
+        its own object, so the RAM tier can keep any of them alone), or ``whole`` as one
+        piece; within the store-read slots, counted."""
+        path = dataset.index.shards[shard]
+        piece = max(end - start, 1) if whole else self.block_size
+        try:
+            async with self._store_slots:
+                self.metrics.inflight_store.inc()
+                began = time.perf_counter()
+                try:
+                    pieces = await dataset.store.read_pieces(path, start, end - start, piece)
+                finally:
+                    self.metrics.inflight_store.dec()
+        except StoreError as err:
+            self.metrics.store_errors.inc()
+            log.warning("store read %s [%d, %d) failed: %s", path, start, end, err)
+            raise
+        self.metrics.store_requests.inc()
+        self.metrics.store_bytes.inc(end - start)
+        log.debug("store read %s [%d, %d) in %.1f ms", path, start, end, 1e3 * (time.perf_counter() - began))
+        return pieces
+
+    def _settle(self, keys: list[BlockKey], error: StoreError) -> None:
+        for key in keys:
+            future = self.inflight.pop(key, None)
+            if future is not None and not future.done():
+                future.set_result(error)
+
+    def _write_blocks(self, blocks: list[tuple[BlockKey, memoryview]]) -> list[BlockKey]:
+        """Cache the blocks not cached yet; the keys of those the disk refused."""
+        return [key for key, block in blocks if key not in self.cache and not self.cache.write(key, block)]
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._writer.shutdown(wait=False)

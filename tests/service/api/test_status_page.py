@@ -1,0 +1,228 @@
+"""The status page in a real headless browser: Debian's chromium, driven by Playwright.
+
+The page is opened on a real service, load is put on it, and every figure the page
+shows is read back from the rendered DOM, parsed from its text with its unit, and
+compared with the ``/v1/stats`` document the page rendered and with the service's
+``/metrics``. The page must also survive the service restarting underneath it, and
+never throw a JavaScript error. A screenshot of each state is kept under
+``tests/artifacts/`` (the test prints the paths) for a person to look at.
+
+chromium comes from the Debian package (``.ci/run`` installs it); a missing browser
+fails the test, it is never skipped. Playwright drives it through its executable
+path and downloads nothing.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from shardfeed.process import free_port, start_service
+from shardfeed.service.observe.stats import RATES
+
+from common import REPO
+from common.datasets import dir_put, make_dataset
+from common.service import metrics
+
+SAMPLES = 400
+ARTIFACTS = REPO / "tests" / "artifacts"
+# The flags a sandboxed CI machine without a network needs; Playwright adds --headless and
+# a fresh profile directory (user data dir) per launch.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    executable = shutil.which("chromium")
+    if executable is None:
+        pytest.fail("chromium not found: install the Debian package (bash .ci/run does)")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS, headless=True)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("page-data")
+    make_dataset(dir_put(root), samples=SAMPLES, per_shard=50)
+    return root.as_uri()
+
+
+class Watched:
+    """A page with its JavaScript errors, console errors and the /v1/stats answers it got."""
+
+    def __init__(self, browser, url: str):
+        self.page = browser.new_page(viewport={"width": 1366, "height": 900})
+        self.errors: list[str] = []  # uncaught exceptions: never allowed
+        self.console: list[str] = []
+        self.answers: list = []
+        self.page.on("pageerror", lambda err: self.errors.append(str(err)))
+        self.page.on("console", lambda msg: msg.type == "error" and self.console.append(msg.text))
+        self.page.on("response", lambda resp: "/v1/stats" in resp.url and resp.status == 200
+                     and self.answers.append(resp))
+        self.page.goto(url + "/")
+
+    def wait(self, condition: str, timeout: float = 60) -> None:
+        # As a function: a bare expression would be eval()ed in the page, which its CSP forbids.
+        self.page.wait_for_function(f"() => {condition}", timeout=timeout * 1000)
+
+    def figures(self) -> tuple[float, list[dict]]:
+        """The time of the document the page shows and every figure on it, read at one instant."""
+        return self.page.evaluate("""() => [Number(document.body.dataset.time),
+            [...document.querySelectorAll("[data-stat]")].map((el) => (
+                {path: el.dataset.stat, unit: el.dataset.unit || "", text: el.textContent}))]""")
+
+    def rendered(self) -> tuple[dict, list[dict]]:
+        """The /v1/stats document the page rendered last, and the figures it shows for it."""
+        shown_time, figures = self.figures()
+        for answer in reversed(self.answers):
+            doc = answer.json()
+            if doc["time"] == shown_time:
+                return doc, figures
+        raise AssertionError(f"no /v1/stats answer with time {shown_time}")
+
+    def screenshot(self, name: str) -> Path:
+        ARTIFACTS.mkdir(exist_ok=True)
+        path = ARTIFACTS / name
+        self.page.screenshot(path=path, full_page=True)
+        print(f"screenshot: {path}")
+        return path
+
+
+_SCALE = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40, "PiB": 1 << 50,
+          "µs": 1e-6, "ms": 1e-3, "s": 1, "min": 60}
+_PATTERNS = {
+    "": r"(?P<n>-?[\d,.]+)", "/s": r"(?P<n>-?[\d,.]+)/s", "x": r"(?P<n>-?[\d,.]+)x",
+    "%": r"(?P<n>-?[\d,.]+) %", "B": r"(?P<n>-?[\d,.]+) (?P<u>B|KiB|MiB|GiB|TiB|PiB)",
+    "B/s": r"(?P<n>-?[\d,.]+) (?P<u>B|KiB|MiB|GiB|TiB|PiB)/s", "s": r"(?P<n>-?[\d,.]+) (?P<u>µs|ms|s)",
+    "span": r"(?P<n>-?[\d,.]+) (?P<u>s|min)",
+}
+
+
+def parse(text: str, unit: str) -> tuple[float, float]:
+    """A figure as the page writes it, back to a number in the JSON's unit, and the most
+    its rounding (three significant digits, or two decimals) can be off by."""
+    match = re.fullmatch(_PATTERNS[unit], text)
+    assert match, f"{text!r} is not a figure in {unit!r}"
+    digits = match["n"].replace(",", "")
+    scale = _SCALE[match["u"]] if "u" in match.groupdict() and match["u"] else 1
+    if unit == "%":
+        scale = 0.01
+    decimals = len(digits.split(".")[1]) if "." in digits else 0
+    value = float(digits) * scale
+    return value, (0.5 * 10 ** -max(decimals, 2 if unit == "" else 0) + 1e-9) * scale + 0.005 * abs(value)
+
+
+def lookup(doc: dict, path: str):
+    for key in path.split("."):
+        doc = doc[key]
+    return doc
+
+
+def check_figures(doc: dict, figures: list[dict]) -> None:
+    assert len(figures) > 30
+    for figure in figures:
+        expected = lookup(doc, figure["path"])
+        if expected is None:
+            assert figure["text"] == "unknown", figure
+            continue
+        value, tolerance = parse(figure["text"], figure["unit"])
+        assert abs(value - expected) <= tolerance, (figure, expected)
+
+
+def put_load(url: str, stop: threading.Event) -> threading.Thread:
+    def run():
+        rng = random.Random(0)
+        with httpx.Client(timeout=30) as client:
+            while not stop.is_set():
+                client.post(f"{url}/v1/batch", json={"dataset": "train",
+                                                     "indices": [rng.randrange(SAMPLES) for _ in range(64)]})
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_page_shows_the_services_figures_live_and_reconnects_after_a_restart(browser, dataset, tmp_path):
+    port = free_port()
+    service = start_service({"train": dataset}, cache_dir=tmp_path / "cache", port=port,
+                            args=["--block-size", "64KiB"])
+    try:
+        watched = Watched(browser, service.url)
+        watched.wait("document.body.dataset.connected === 'yes'")
+        idle_doc, idle = watched.rendered()
+        check_figures(idle_doc, idle)
+        assert {f["path"]: f["text"] for f in idle}["latency.batch.p50"] == "unknown"  # nothing to know yet
+
+        stop = threading.Event()
+        load = put_load(service.url, stop)
+        try:
+            watched.wait("Number(document.querySelector('[data-stat=\"rates.samples\"]').dataset.value) > 0")
+            busy_doc, busy = watched.rendered()
+            check_figures(busy_doc, busy)
+            assert busy_doc["totals"]["samples"] > idle_doc["totals"]["samples"]  # it changes under load
+            assert busy_doc["latency"]["batch"]["p50"] is not None
+            assert watched.page.locator("#charts svg[data-series='samples'] path").count() == 1
+            watched.screenshot("status-page.png")
+        finally:
+            stop.set()
+            load.join()
+
+        # Load stopped: the page settles on the service's own totals.
+        moment = time.time()
+        watched.wait(f"Number(document.body.dataset.time) > {moment}")
+        settled_doc, settled = watched.rendered()
+        check_figures(settled_doc, settled)
+        prom = metrics(service.url)
+        for name, sample in RATES.items():
+            assert settled_doc["totals"][name] == prom[sample], name
+        assert watched.errors == [] and watched.console == []
+
+        # The service goes away and comes back on the same port: the page says so, then reconnects.
+        started = settled_doc["started"]
+        service.stop()
+        watched.wait("document.body.dataset.connected === 'no'")
+        assert "disconnected" in watched.page.text_content("#connection")
+        service = start_service({"train": dataset}, cache_dir=tmp_path / "cache", port=port,
+                                args=["--block-size", "64KiB"])
+        watched.wait(f"document.body.dataset.connected === 'yes' && Number(document.body.dataset.started) > {started}")
+        again_doc, again = watched.rendered()
+        check_figures(again_doc, again)
+        assert again_doc["totals"]["samples"] == 0  # a new process, and the page shows its figures
+        watched.screenshot("status-page-reconnected.png")
+        assert watched.errors == []
+        # While the service was down the browser logs the refused connections, nothing else.
+        assert all("ERR_CONNECTION_REFUSED" in line or "ERR_EMPTY_RESPONSE" in line
+                   for line in watched.console), watched.console
+    finally:
+        service.stop()
+
+
+def test_with_tokens_the_page_asks_for_one_and_then_shows_the_figures(browser, dataset, tmp_path):
+    with start_service({"train": dataset}, cache_dir=tmp_path / "cache", env={"SHARDFEED_TOKENS": "s3cret"}) as svc:
+        watched = Watched(browser, svc.url)
+        watched.wait("document.body.classList.contains('locked')")
+        assert watched.page.is_visible("#login") and not watched.page.is_visible("main")
+        watched.page.fill("#token", "wrong")
+        watched.page.click("#login button")
+        watched.wait("document.getElementById('login-error').textContent.includes('refused')")
+        watched.page.fill("#token", "s3cret")
+        watched.page.click("#login button")
+        watched.wait("document.body.dataset.connected === 'yes'")
+        doc, figures = watched.rendered()
+        check_figures(doc, figures)
+        assert "train" in watched.page.text_content("#datasets")
+        assert watched.errors == []
+        assert all("401" in line for line in watched.console), watched.console  # the refused tries

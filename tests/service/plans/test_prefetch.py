@@ -1,0 +1,133 @@
+"""Reading ahead of a plan (service/plans/prefetch.py) in-process: a file:// dataset, a real
+BlockCache, Coalescer and Plans. A cache that holds every block of the dataset leaves the
+prefetcher nothing to do: it must stop looking positions up, and start again as soon as a
+block leaves the cache."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from shardfeed.client.sampling import EpochSampler
+from shardfeed.service.cache.disk import BlockCache, BlockKey
+from shardfeed.service.cluster.peers import Cluster, Peer
+from shardfeed.service.config import ServiceConfig
+from shardfeed.service.datasets.dataset import open_dataset
+from shardfeed.service.observe.metrics import Metrics
+from shardfeed.service.plans.prefetch import Prefetcher
+from shardfeed.service.plans.registry import Plans
+from shardfeed.service.read.coalescer import Coalescer
+
+from common.datasets import dir_put, make_dataset
+
+SAMPLES, PER_SHARD, BLOCK = 600, 100, 16 * 1024
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prefetch")
+    make_dataset(dir_put(root), samples=SAMPLES, per_shard=PER_SHARD, sizes=(900, 1100))
+    return asyncio.run(open_dataset("d", root.as_uri()))
+
+
+def all_keys(dataset) -> list[BlockKey]:
+    return [BlockKey(dataset.id, dataset.shard_ids[code], block)
+            for code, extent in enumerate(dataset.extents.tolist()) for block in range(-(-extent // BLOCK))]
+
+
+def test_the_cache_counts_each_datasets_blocks_in_and_out(dataset, tmp_path):
+    cache = BlockCache(tmp_path / "cache", 3 * BLOCK + 3 * 4096, BLOCK, Metrics())
+    cache.open()
+    keys = all_keys(dataset)
+    for key in keys[:3]:
+        assert cache.write(key, b"x" * BLOCK)
+    held = cache.held(dataset.id)
+    assert held.total == 3 and sum(held.per_shard.values()) == 3
+    changes = held.changes
+    assert cache.write(keys[3], b"x" * BLOCK)  # the least recently used goes
+    assert cache.held(dataset.id).total == 3 and cache.held(dataset.id).changes > changes
+    assert keys[0] not in cache
+    assert cache.held("another").total == 0
+
+    (tmp_path / "cache" / keys[1].filename(BLOCK)).write_bytes(b"damaged")
+    assert cache.read(keys[1], None) is None  # dropped as corrupt
+    assert cache.held(dataset.id).total == 2
+
+    reopened = BlockCache(tmp_path / "cache", 10 * BLOCK, BLOCK, Metrics())
+    cache.close()
+    reopened.open()
+    assert reopened.held(dataset.id).total == 2
+    other_size = BlockCache(tmp_path / "cache", 10 * BLOCK, 2 * BLOCK, Metrics())
+    reopened.close()
+    other_size.open()  # a previous run's blocks of another size are no blocks of this one
+    assert other_size.held(dataset.id).total == 0
+
+
+def test_read_ahead_stops_once_the_cache_holds_the_dataset_and_resumes_when_a_block_leaves(dataset, tmp_path,
+                                                                                            monkeypatch):
+    async def scenario():
+        config = ServiceConfig(block_size=BLOCK, fetch_window=0)
+        metrics = Metrics()
+        cache = BlockCache(tmp_path / "cache", 100 * 1024 * 1024, BLOCK, metrics)
+        cache.open()
+        coalescer = Coalescer(cache, metrics, config)
+        plans = Plans(config, cache, metrics)
+        coalescer.fetch_policy = plans
+        prefetcher = Prefetcher(plans, coalescer, config)
+        order = EpochSampler(SAMPLES, 1, seed=5).rank_order()
+        plans.insert(plans.build(dataset, "indices", order, None, True, None))
+
+        async def settle():
+            await prefetcher.step()
+            while coalescer.fetcher.inflight:
+                await asyncio.sleep(0.01)
+
+        assert not coalescer.holds_all(dataset)
+        await settle()  # plan_ahead (64 MiB) covers the whole epoch: every block is read ahead
+        keys = all_keys(dataset)
+        assert all(key in cache for key in keys)
+        assert coalescer.holds_all(dataset)
+
+        lookups = []
+        lookup = dataset.index.lookup
+        monkeypatch.setattr(dataset.index, "lookup", lambda *a, **k: lookups.append(1) or lookup(*a, **k))
+        for plan in plans.live():
+            plan.ahead_blocks = plan.ahead_ranges = 0  # as if a new epoch's plan had come
+        await settle()
+        assert lookups == []
+
+        victim = keys[len(keys) // 2]
+        (tmp_path / "cache" / victim.filename(BLOCK)).write_bytes(b"damaged")
+        assert cache.read(victim, None) is None  # dropped: the dataset is no longer whole
+        assert not coalescer.holds_all(dataset)
+        await settle()
+        assert lookups and victim in cache
+        assert coalescer.holds_all(dataset)
+        await coalescer.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_holds_all_once_it_holds_its_own_shards_and_again_after_ownership_moves(dataset, tmp_path):
+    """Only the shards this node owns count, and a peer going down hands it more."""
+    async def scenario():
+        metrics = Metrics()
+        cluster = Cluster([Peer("a", "http://127.0.0.1:1"), Peer("b", "http://127.0.0.1:2")], 0, metrics)
+        cache = BlockCache(tmp_path / "cache", 100 * 1024 * 1024, BLOCK, metrics)
+        cache.open()
+        coalescer = Coalescer(cache, metrics, ServiceConfig(block_size=BLOCK), cluster)
+        codes = np.arange(len(dataset.shard_ids))
+        mine = codes[cluster.owners(dataset.url, dataset.index.shards, codes) == cluster.me]
+        assert 0 < len(mine) < len(codes)  # the two replicas share the shards
+        for key in all_keys(dataset):
+            if dataset.shard_ids.index(key.shard) in mine:
+                assert not coalescer.holds_all(dataset)
+                cache.write(key, b"x" * BLOCK)
+        assert coalescer.holds_all(dataset)
+        cluster.mark(1, up=False, why="test")  # b's shards are now a's to read
+        assert not coalescer.holds_all(dataset)
+        await coalescer.close()
+
+    asyncio.run(scenario())
