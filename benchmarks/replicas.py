@@ -43,6 +43,7 @@ import os
 import statistics
 import tempfile
 import time
+from functools import partial
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -54,7 +55,7 @@ import numpy as np
 from shardfeed.benchmarks.s3server import BENCH_DATA, seeded_s3, seeded_s3_arguments
 from shardfeed.benchmarks.serverside import tree_cpu
 from shardfeed.client import Client
-from shardfeed.process import ServiceProcess, free_port, hops, scrape_metrics, start_service
+from shardfeed.process import ServiceProcess, free_port, hops, scrape_metrics, start_all, start_service, stop_all
 
 DATASET = "bench"
 COUNTERS = ("shardfeed_samples_served_total", "shardfeed_store_requests_total", "shardfeed_cache_hits_total",
@@ -157,19 +158,16 @@ def _span(values: list[float]) -> str:
 def _replicas(url: str, root: Path, env: dict[str, str]) -> list[ServiceProcess]:
     ports = [free_port() for _ in range(3)]
     peers = ",".join(f"r{i}=http://127.0.0.1:{p}" for i, p in enumerate(ports))
-    started: list[ServiceProcess] = []
+    started = start_all([partial(start_service, {DATASET: url}, cache_dir=root / f"r{i}", port=port, env=env,
+                                 args=["--node-id", f"r{i}", "--peers", peers]) for i, port in enumerate(ports)])
     try:
-        for i, port in enumerate(ports):
-            started.append(start_service({DATASET: url}, cache_dir=root / f"r{i}", port=port, env=env,
-                                         args=["--node-id", f"r{i}", "--peers", peers]))
         deadline = time.monotonic() + 30  # until each sees the others up: the routing tables agree
         while any(scrape_metrics(s.url)["shardfeed_peers_up"] < 3 for s in started):
             if time.monotonic() > deadline:
                 raise RuntimeError("the replicas did not see each other up within 30 s")
             time.sleep(0.1)
     except BaseException:
-        for service in started:
-            service.stop()
+        stop_all(started)
         raise
     return started
 
@@ -305,8 +303,7 @@ def main(argv=None) -> int:
                     print(f"warm per-sample GET to node 0, P50: a sample it owns {local:.2f} ms, one a peer "
                           f"owns {remote:.2f} ms (a hop: +{remote - local:.2f} ms)")
             finally:
-                for node in nodes:
-                    node.stop()
+                stop_all(nodes)
 
         print("\nsummary (per replica against 1 service; efficiency = the single service's CPU per sample over "
               "the replica's):")

@@ -12,7 +12,8 @@ import sysconfig
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
@@ -137,6 +138,33 @@ def launch_service(argv: list[str], *, port: int, log_path: Path, env: dict[str,
     log_file.close()
     service = ServiceProcess(process, f"http://127.0.0.1:{port}", log_path)
     return ready_or_stopped(service, lambda: _wait_healthy(service, timeout), service.stop)
+
+
+def start_all(starts: Sequence[Callable[[], ServiceProcess]]) -> list[ServiceProcess]:
+    """Run every one of ``starts`` (each ``start_service`` or ``launch_service``) at once, so that
+    replicas come up together rather than one after another. If one fails, those that came
+    up are stopped and its error is raised."""
+    with ThreadPoolExecutor(max(1, len(starts))) as pool:
+        futures = [pool.submit(start) for start in starts]
+    started, error = [], None
+    for future in futures:
+        try:
+            started.append(future.result())
+        except BaseException as err:  # noqa: BLE001 - raised below, once the others are stopped
+            error = error or err
+    if error is not None:
+        stop_all(started)
+        raise error
+    return started
+
+
+def stop_all(services: Sequence[ServiceProcess], timeout: float = 10) -> None:
+    """SIGTERM every service at once, then wait for each (SIGKILL after ``timeout`` seconds)."""
+    for service in services:
+        if service.process.poll() is None:
+            service.process.terminate()
+    for service in services:
+        service.stop(timeout)
 
 
 def ready_or_stopped(started: T, wait: Callable[[], None], stop: Callable[[], object]) -> T:

@@ -2,12 +2,14 @@ from __future__ import annotations
 
 import pytest
 
-from shardfeed.benchmarks.s3server import S3_SERVERS, S3Server, start_moto, start_seaweedfs
+from shardfeed.benchmarks.s3server import S3Server, start_moto, start_seaweedfs
 
-from common.s3 import new_bucket, point_aws_at
+from common.s3 import EVERY_SERVER, new_bucket, point_aws_at
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: several services, S3 servers, a browser or a benchmark: left out of "
+                                       "`make check` (`-m 'not slow'`), run by `make test`")
     config.addinivalue_line("markers", "both_s3: run against every S3 server (SeaweedFS and moto) through "
                                        "the s3_server fixture")
 
@@ -15,7 +17,7 @@ def pytest_configure(config):
 def pytest_generate_tests(metafunc):
     """S3 round-trip tests (marked ``both_s3``) run once per server; the rest on moto."""
     if "s3_server" in metafunc.fixturenames and metafunc.definition.get_closest_marker("both_s3"):
-        metafunc.parametrize("s3_server", S3_SERVERS, indirect=True, scope="session")
+        metafunc.parametrize("s3_server", EVERY_SERVER, indirect=True, scope="session")
 
 
 @pytest.fixture(scope="session")
@@ -37,7 +39,7 @@ def seaweedfs(tmp_path_factory) -> S3Server:
 
 @pytest.fixture(scope="session")
 def s3_server(request) -> S3Server:
-    """The S3 server of this test: each of ``S3_SERVERS`` for tests marked ``both_s3``, else moto."""
+    """The S3 server of this test: each of ``EVERY_SERVER`` for tests marked ``both_s3``, else moto."""
     return request.getfixturevalue(getattr(request, "param", "moto"))
 
 

@@ -17,6 +17,8 @@ from shardfeed.benchmarks.loaders import Epoch, paired_ratios
 from shardfeed.benchmarks.report import SCENARIOS
 from shardfeed.benchmarks.serverside import SKIP_NOTE
 
+pytestmark = pytest.mark.slow  # starts several services, S3 servers or a browser; not in `make check`
+
 KIB10, MIB1 = 10 << 10, 1 << 20
 
 

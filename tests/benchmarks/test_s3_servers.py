@@ -12,7 +12,7 @@ import pytest
 from shardfeed.benchmarks import s3server
 from shardfeed.benchmarks.s3server import S3ServerError, start_seaweedfs
 
-pytestmark = pytest.mark.both_s3
+pytestmark = [pytest.mark.both_s3, pytest.mark.slow]
 
 
 def test_a_request_signed_with_the_wrong_secret_is_refused(s3_server, bucket):

@@ -130,6 +130,7 @@ def batch_requests(url: str) -> int:
                    if line.startswith("shardfeed_requests_total{") and 'route="batch"' in line))
 
 
+@pytest.mark.slow
 def test_load_is_spread_over_two_services_and_fails_over_when_one_stops(service):
     root = service.root
     with start_service({"train": (root / "train").as_uri()}, cache_dir=root / "cache2",

@@ -109,6 +109,7 @@ def test_batches_go_over_one_kept_alive_connection_and_hold_the_source(service, 
     assert "_pool" not in pickle.loads(pickle.dumps(client.client)).__dict__  # sockets never travel
 
 
+@pytest.mark.slow
 def test_routed_parts_go_to_their_owners_on_threads_kept_for_the_process(tmp_path):
     # 1000 samples fill about 13 shards: each worker owns some (all on one: p < 0.001).
     url = seed_synthetic(tmp_path / "train", samples=1000)

@@ -6,6 +6,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # trains a model through the service; not in `make check`
+
 
 def shardfeed(*args: str, cwd) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "shardfeed", *args], cwd=cwd, capture_output=True,

@@ -72,6 +72,7 @@ def test_distributed_sampler_with_two_ranks_covers_the_dataset_exactly_once(serv
     assert sorted(seen) == list(range(SAMPLES))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_workers_started_by_spawn_and_forkserver_fetch_their_own_batches(service, method):
     ds = ShardfeedDataset(service.url, "train", fields=["bin"])
@@ -250,6 +251,7 @@ def test_shardfeed_sampler_registers_its_plan_and_the_dataloader_reads_the_sourc
     assert sampler.plan.id in ids and old not in ids  # a new epoch replaces the plan
 
 
+@pytest.mark.slow
 def test_shardfeed_sampler_registers_again_when_the_service_dropped_its_plan(tmp_path, monkeypatch):
     monkeypatch.setattr("shardfeed.client.plans.CHECK_EVERY", 0.0)
     url = seed_synthetic(tmp_path / "train", samples=SAMPLES)

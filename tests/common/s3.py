@@ -8,9 +8,13 @@ import os
 
 import pytest
 
-from shardfeed.benchmarks.s3server import S3Server
+from shardfeed.benchmarks.s3server import S3_SERVERS, S3Server
 
 _bucket_ids = itertools.count()
+
+EVERY_SERVER = [server if server == "moto" else pytest.param(server, marks=pytest.mark.slow) for server in S3_SERVERS]
+"""Each S3 server as a test parameter; moto alone in `make check` (``-m "not slow"``),
+SeaweedFS's round left to `make test`."""
 
 
 def point_aws_at(server: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:

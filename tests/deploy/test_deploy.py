@@ -60,7 +60,7 @@ K8S = ROOT / "deploy" / "k8s"
 # Oldest Kubernetes minor the manifests promise to work on, and the newest the schemas know.
 K8S_VERSIONS = ("1.29.0", "1.37.0")
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 
 def tool(name: str) -> str:

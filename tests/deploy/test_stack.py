@@ -19,7 +19,7 @@ from shardfeed.benchmarks import s3server
 from shardfeed.client import Client
 from shardfeed.process import ensure_free
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 
 def free_run_of_ports(count: int) -> int:

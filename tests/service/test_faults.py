@@ -22,6 +22,8 @@ from common.datasets import make_dataset, s3_put
 from common.reliability import expected_members, received_members, wrong_members
 from common.service import metrics
 
+pytestmark = pytest.mark.slow  # starts several services, S3 servers or a browser; not in `make check`
+
 SAMPLES = 200  # 4 shards of 50 samples, 100 B to 20 KB each
 SHARD_READS = r"^GET /[^?]*/shards/"
 

@@ -23,6 +23,8 @@ from common.datasets import make_dataset, s3_put
 from common.reliability import expected_members, peak_rss_mib, received_members
 from common.service import metrics
 
+pytestmark = pytest.mark.slow  # starts several services, S3 servers or a browser; not in `make check`
+
 SAMPLES = 1000  # 1 to 10 KB each, 4 shards
 RSS_LIMIT_MIB = 1024
 

@@ -31,11 +31,24 @@ def s3_dataset(s3_server):
     return f"s3://{bucket}/train", source
 
 
+def serve_train(s3_dataset, s3_server, cache_dir):
+    """A service on the S3 dataset; small blocks so a shard spans several."""
+    return start_service({"train": s3_dataset[0]}, cache_dir=cache_dir, env=s3_server.env(),
+                         args=["--block-size", "64KiB", "--max-batch", "5000"])
+
+
 @pytest.fixture
 def service(s3_dataset, s3_server, tmp_path):
-    """A service on the S3 dataset with a fresh cache; small blocks so a shard spans several."""
-    with start_service({"train": s3_dataset[0]}, cache_dir=tmp_path / "cache", env=s3_server.env(),
-                       args=["--block-size", "64KiB", "--max-batch", "5000"]) as svc:
+    """A service with a fresh cache."""
+    with serve_train(s3_dataset, s3_server, tmp_path / "cache") as svc:
+        yield svc
+
+
+@pytest.fixture(scope="module")
+def refusing_service(s3_dataset, s3_server, tmp_path_factory):
+    """One service for the tests that only send requests it must refuse: they read no sample, so
+    they share it."""
+    with serve_train(s3_dataset, s3_server, tmp_path_factory.mktemp("refusing") / "cache") as svc:
         yield svc
 
 
@@ -100,6 +113,7 @@ def test_concurrent_per_sample_gets_are_coalesced_into_few_store_reads(service, 
     assert m["shardfeed_store_requests_total"] < 1000 / 10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, windows", [([], True), (["--fetch-window", "0"], False),
                                            (["--cache-size", "1MiB"], False)])
 def test_a_dataset_the_cache_holds_is_fetched_in_windows_a_larger_one_block_by_block(
@@ -162,9 +176,9 @@ def test_unreadable_samples_become_404_entries_with_continue_on_error(s3_dataset
     ({"dataset": "train", "indices": [0] * 5001}, 413, "too_many_items"),
     ({"dataset": "train", "indices": [0] * 800_000}, 413, "body_too_large"),
 ])
-def test_bad_batch_requests_get_a_json_error_before_any_data(service, body, status, code):
+def test_bad_batch_requests_get_a_json_error_before_any_data(refusing_service, body, status, code):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    resp = httpx.post(f"{service.url}/v1/batch", content=content, timeout=30,
+    resp = httpx.post(f"{refusing_service.url}/v1/batch", content=content, timeout=30,
                       headers={"content-type": "application/json"})
     assert resp.status_code == status, resp.text
     assert resp.json()["error"]["code"] == code
@@ -181,12 +195,13 @@ def test_bad_batch_requests_get_a_json_error_before_any_data(service, body, stat
     ("/v1/datasets/..%2F..%2Fetc/samples/1", 404, "not_found"),
     ("/no/such/route", 404, "not_found"),
 ])
-def test_bad_sample_requests_get_a_json_error(service, path, status, code):
-    resp = httpx.get(f"{service.url}{path}")
+def test_bad_sample_requests_get_a_json_error(refusing_service, path, status, code):
+    resp = httpx.get(f"{refusing_service.url}{path}")
     assert resp.status_code == status, resp.text
     assert resp.json()["error"]["code"] == code
 
 
+@pytest.mark.slow
 def test_overload_is_refused_with_429_and_retry_after(s3_dataset, s3_server, tmp_path):
     with start_service({"train": s3_dataset[0]}, cache_dir=tmp_path / "cache", env=s3_server.env(),
                        args=["--max-inflight-batches", "1", "--max-batch", "16384"]) as svc:
@@ -211,6 +226,7 @@ def test_overload_is_refused_with_429_and_retry_after(s3_dataset, s3_server, tmp
             time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_token_auth_refuses_missing_or_wrong_tokens(s3_dataset, s3_server, tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_text("s3cret-one\ns3cret-two\n")
@@ -226,6 +242,7 @@ def test_token_auth_refuses_missing_or_wrong_tokens(s3_dataset, s3_server, tmp_p
         assert "s3cret" not in svc.log() and s3_server.secret_key not in svc.log()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("writes", ["direct", "buffered"])
 def test_cache_is_reused_after_restart_and_corrupt_blocks_are_refetched(s3_dataset, s3_server, tmp_path, writes):
     url, source = s3_dataset
@@ -261,6 +278,7 @@ def test_cache_is_reused_after_restart_and_corrupt_blocks_are_refetched(s3_datas
         assert 1 <= m["shardfeed_store_requests_total"] <= 6
 
 
+@pytest.mark.slow
 def test_cache_stays_within_its_bound_under_churn(s3_dataset, s3_server, tmp_path):
     url, source = s3_dataset
     cache = tmp_path / "cache"
@@ -288,6 +306,7 @@ def _bytes_on_disk(cache: Path) -> int:
     return total
 
 
+@pytest.mark.slow
 def test_a_second_service_on_the_same_cache_dir_is_refused(s3_dataset, s3_server, tmp_path):
     with start_service({"train": s3_dataset[0]}, cache_dir=tmp_path / "cache", env=s3_server.env()):
         with pytest.raises(RuntimeError) as err:
@@ -296,6 +315,7 @@ def test_a_second_service_on_the_same_cache_dir_is_refused(s3_dataset, s3_server
         assert "Traceback" not in str(err.value)
 
 
+@pytest.mark.slow
 @pytest.mark.both_s3
 def test_concurrent_cold_batches_that_share_blocks_all_complete(s3_dataset, s3_server, tmp_path):
     _, source = s3_dataset
@@ -314,6 +334,7 @@ def test_concurrent_cold_batches_that_share_blocks_all_complete(s3_dataset, s3_s
         assert m["shardfeed_requests_total"] == 24  # all 200: no batch failed or was retried
 
 
+@pytest.mark.slow
 def test_a_removed_cache_dir_is_recreated_and_locked_again(s3_dataset, s3_server, tmp_path):
     import shutil
 

@@ -13,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardfeed import cli
-from shardfeed.benchmarks.s3server import S3_SERVERS
 from shardfeed.process import free_port
 from shardfeed.seeds.synthetic import member_bytes, parse_sizes, sample_bytes, sample_size
 from shardfeed.service.datasets.index import load_index
@@ -22,7 +21,7 @@ from shardfeed.service.datasets.tarscan import index_shards
 from shardfeed.service.stores import ObjectNotFound
 
 from common.cli import fails, members_through_index, ok, run, with_store
-from common.s3 import new_bucket, point_aws_at
+from common.s3 import EVERY_SERVER, new_bucket, point_aws_at
 
 SEED_ARGS = ["--samples", "40", "--size", "1KiB-12KiB", "--shard-size", "160KiB", "--fields", "bin,cls,json",
              "--seed", "7"]
@@ -53,7 +52,7 @@ def extract(url: str, dest: Path) -> dict[tuple[str, str], bytes]:
     return files
 
 
-@pytest.fixture(params=["file", *S3_SERVERS])
+@pytest.fixture(params=["file", *EVERY_SERVER])
 def root(request, tmp_path, monkeypatch):
     """A function making dataset URLs: file:// ones, or on each S3 server (SeaweedFS, moto)."""
     if request.param == "file":
@@ -64,6 +63,7 @@ def root(request, tmp_path, monkeypatch):
     return lambda name: f"s3://{bucket}/data/{name}"
 
 
+@pytest.mark.slow
 def test_seed_pack_index_round_trip(root, tmp_path):
     seeded = root("seeded")
     assert ok("seed", seeded, *SEED_ARGS).startswith("seeded 40 samples (120 members")
@@ -192,6 +192,7 @@ def test_synthetic_samples_are_deterministic_and_sized():
         parse_sizes("2KiB-1KiB")
 
 
+@pytest.mark.slow
 def test_digits_seed_writes_the_sklearn_images(tmp_path):
     from sklearn.datasets import load_digits
 
@@ -274,6 +275,7 @@ def test_seed_refuses_to_overwrite_a_dataset(tmp_path):
     assert "already holds a dataset (index.parquet)" in fails("seed", url, "--samples", "3", "--size", "1KiB")
 
 
+@pytest.mark.slow
 def test_store_problems_give_one_line_errors(s3_env, bucket):
     assert "bucket 'no-such-bucket' does not exist" in fails("seed", "s3://no-such-bucket/x", "--samples", "2")
     assert "access denied" in fails("index", f"s3://{bucket}/x", env={"AWS_SECRET_ACCESS_KEY": "wrong"})

@@ -31,6 +31,7 @@ def loose(bucket, s3_env):
     return source
 
 
+@pytest.mark.slow
 def test_pack_s3_to_s3_round_trip_is_byte_exact_with_multipart_shards(loose, bucket, s3_env):
     out = ok("pack", f"s3://{bucket}/raw", f"s3://{bucket}/packed", "--shard-size", "11MiB", "--part-size", "5MiB")
     assert out.startswith("packed 48 samples")

@@ -8,13 +8,14 @@ import io
 import random
 import tarfile
 import time
+from functools import partial
 
 import httpx
 import pytest
 from aistore.sdk import Client
 from aistore.sdk.errors import AISError, ErrObjNotFound
 
-from shardfeed.process import start_service
+from shardfeed.process import free_port, start_all, start_service, stop_all
 
 from common.datasets import make_dataset, s3_put
 from common.service import metrics
@@ -198,17 +199,17 @@ def test_an_empty_batch_a_zip_and_malformed_bodies_are_4xx(client, service):
     assert httpx.post(f"{service.url}/v1/ml/moss", json={"in": []}).status_code == 405
 
 
+@pytest.mark.slow
 def test_with_replicas_the_replica_asked_reads_the_entries_itself(objects, moto, tmp_path):
-    from shardfeed.process import free_port
 
     from common.service import metrics
 
     source = objects[0]
     ports = [free_port() for _ in range(2)]
     peers = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip("ab", ports))
-    services = [start_service({"ds": f"s3://{BUCKET}/ds"}, cache_dir=tmp_path / f"cache-{i}", port=ports[i],
-                              env=moto.env(), args=["--node-id", "ab"[i], "--peers", peers, "--bucket", BUCKET])
-                for i in range(2)]
+    services = start_all([partial(start_service, {"ds": f"s3://{BUCKET}/ds"}, cache_dir=tmp_path / f"cache-{i}",
+                                  port=ports[i], env=moto.env(),
+                                  args=["--node-id", "ab"[i], "--peers", peers, "--bucket", BUCKET]) for i in range(2)])
     try:
         deadline = time.monotonic() + 10  # until each replica sees the other up
         while any(metrics(s.url)["shardfeed_peers_up"] < 2 for s in services):
@@ -221,10 +222,10 @@ def test_with_replicas_the_replica_asked_reads_the_entries_itself(objects, moto,
         seen = metrics(services[0].url)
         assert seen.get("shardfeed_peer_requests_total", 0) == 0 == seen.get("shardfeed_peer_fallbacks_total", 0)
     finally:
-        for service in services:
-            service.stop()
+        stop_all(services)
 
 
+@pytest.mark.slow
 def test_with_tokens_the_sdk_needs_its_token(objects, moto, tmp_path):
     source = objects[0]
     with start_service({}, cache_dir=tmp_path / "cache", env={**moto.env(), "SHARDFEED_TOKENS": "s3cret"},
@@ -238,6 +239,7 @@ def test_with_tokens_the_sdk_needs_its_token(objects, moto, tmp_path):
             [source[(BUCKET, "loose/0001.jpg")]]
 
 
+@pytest.mark.slow
 def test_a_range_of_a_large_object_reads_its_blocks_not_a_window(objects, moto, tmp_path):
     # Served datasets the cache holds whole are fetched in 8 MiB windows (an epoch will want
     # the rest); a GetBatch request's objects are not, so a small range costs a block or two.

@@ -33,6 +33,8 @@ from shardfeed.service.datasets.index import parquet_bytes
 from common.datasets import dir_put, make_dataset, s3_put
 from common.reliability import expected_members, received_members
 
+pytestmark = pytest.mark.slow  # starts several services, S3 servers or a browser; not in `make check`
+
 SAMPLES = 60  # 3 shards of 20
 TOKENS = ("alpha-7f3e9c0d2b", "beta-41aa96e0c5")
 SESSION_TOKEN = "FwoGZXIvYXdzEXAMPLESESSIONTOKEN0123456789"

@@ -11,19 +11,22 @@ import subprocess
 import sys
 import time
 import zipfile
+from functools import partial
 
 import httpx
 import numpy as np
 import pytest
 
 from shardfeed.client import Client
-from shardfeed.process import free_port, start_service
+from shardfeed.process import free_port, start_all, start_service, stop_all
 from shardfeed.service.observe.metrics import Metrics
 from shardfeed.service.observe.stats import COLUMNS, RATES, StatsRecorder, quantile
 
 from common import REPO
 from common.datasets import dir_put, make_dataset
 from common.service import metrics
+
+pytestmark = pytest.mark.slow  # starts several services, S3 servers or a browser; not in `make check`
 
 SAMPLES = 200
 
@@ -222,8 +225,8 @@ def test_with_tokens_the_page_loads_but_its_data_needs_the_token(dataset, tmp_pa
 def test_replicas_show_health_and_the_shards_each_owns(dataset, tmp_path):
     ports = [free_port() for _ in range(2)]
     peers = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip("ab", ports))
-    services = [start_service({"train": dataset}, cache_dir=tmp_path / f"cache-{i}", port=ports[i],
-                              args=["--node-id", "ab"[i], "--peers", peers]) for i in range(2)]
+    services = start_all([partial(start_service, {"train": dataset}, cache_dir=tmp_path / f"cache-{i}", port=ports[i],
+                                  args=["--node-id", "ab"[i], "--peers", peers]) for i in range(2)])
     try:
         deadline = time.monotonic() + 20  # until each replica sees the other up
         while any(metrics(s.url)["shardfeed_peers_up"] < 2 for s in services):
@@ -241,8 +244,7 @@ def test_replicas_show_health_and_the_shards_each_owns(dataset, tmp_path):
             time.sleep(0.2)
         assert view[0]["shards"] == {"train": 8} and view[1]["shards"] == {"train": 0}
     finally:
-        for s in services:
-            s.stop()
+        stop_all(services)
 
 
 def test_the_page_is_in_the_built_wheel(tmp_path):

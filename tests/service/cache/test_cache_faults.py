@@ -21,6 +21,8 @@ from common.datasets import make_dataset, s3_put
 from common.reliability import SteadyClient, damage_block_file, expected_members, received_members
 from common.service import metrics
 
+pytestmark = pytest.mark.slow  # starts several services, S3 servers or a browser; not in `make check`
+
 SAMPLES = 200
 
 

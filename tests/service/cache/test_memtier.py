@@ -99,6 +99,7 @@ def read_all(url: str, source: dict, seed: int) -> None:
     assert ended and got == expected_members(source, "train", indices)
 
 
+@pytest.mark.slow
 def test_ram_hits_serve_exact_bytes_and_a_damaged_disk_block_is_refetched_once_ram_lets_go(dataset, tmp_path):
     url, source = dataset
     args = ["--block-size", "64KiB", "--merge-gap", "0", "--memory-cache", "256KiB"]
@@ -118,6 +119,7 @@ def test_ram_hits_serve_exact_bytes_and_a_damaged_disk_block_is_refetched_once_r
         assert metrics(svc.url)["shardfeed_cache_corrupt_total"] > 0  # found when RAM did not hold them
 
 
+@pytest.mark.slow
 def test_fetched_blocks_that_the_disk_refuses_leave_the_tier(dataset, tmp_path):
     """Fetched blocks enter the tier before they are written; a block the disk cache refuses
     leaves it again, so the tier still holds only what the disk holds."""

@@ -6,16 +6,19 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from functools import partial
 
 import httpx
 import pytest
 
 from shardfeed.client import AsyncClient, Client
-from shardfeed.process import free_port, start_service
+from shardfeed.process import free_port, start_all, start_service, stop_all
 
 from common.datasets import make_dataset, s3_put
 from common.reliability import expected_members
 from common.service import fetch_batch, hops, metrics
+
+pytestmark = pytest.mark.slow  # starts several services, S3 servers or a browser; not in `make check`
 
 SAMPLES = 240
 
@@ -37,14 +40,13 @@ def cluster(dataset, s3_server, tmp_path):
                              env=s3_server.env(), args=["--node-id", "abc"[i], "--peers", peers,
                                                    "--block-size", "64KiB", "--peer-timeout", "2"])
 
-    services = [start(i) for i in range(3)]
+    services = start_all([partial(start, i) for i in range(3)])
     deadline = time.monotonic() + 10  # wait until every replica sees every peer up
     while any(metrics(s.url)["shardfeed_peers_up"] < 3 for s in services):
         assert time.monotonic() < deadline
         time.sleep(0.2)
     yield services, start
-    for s in services:
-        s.stop()
+    stop_all(services)
 
 
 def expected(source, indices):

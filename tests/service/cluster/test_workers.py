@@ -20,6 +20,8 @@ from common.reliability import expected_members
 from common.service import fetch_batch, hops, metrics
 from common.workers import cached_blocks, worker_pids, worker_urls
 
+pytestmark = pytest.mark.slow  # starts several services, S3 servers or a browser; not in `make check`
+
 SAMPLES = 240
 
 

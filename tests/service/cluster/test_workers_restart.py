@@ -23,6 +23,8 @@ from common.reliability import expected_members
 from common.service import fetch_batch, metrics
 from common.workers import cached_blocks, directory_dataset, owned_shards, sibling_blocks, worker_pids, worker_urls
 
+pytestmark = pytest.mark.slow  # starts several services, S3 servers or a browser; not in `make check`
+
 SAMPLES = 240
 ARGS = ["--block-size", "64KiB", "--peer-timeout", "5"]
 

@@ -16,6 +16,8 @@ from shardfeed.client import Client
 from shardfeed.client.torch import ShardfeedDataset
 from shardfeed.process import start_service
 
+pytestmark = pytest.mark.slow  # indexes and serves loose objects on S3 through several services
+
 BUCKET = "loose-data"
 SAMPLES = 40
 

@@ -23,6 +23,8 @@ from common.datasets import make_dataset, s3_put
 from common.service import metrics, tar_members
 from common.workers import worker_pids, worker_urls
 
+pytestmark = pytest.mark.slow  # starts several services, S3 servers or a browser; not in `make check`
+
 SAMPLES = 800
 BATCH = 32
 BLOCK = "64KiB"
