@@ -15,10 +15,12 @@ $(BIN)/shardfeed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build on disk; a loose `torch` requirement would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	# The rest through uv: about 8 s against pip's 45-60 s here. torch is installed by then,
-	# so uv keeps it (uv would not look at the CPU build on disk).
+	# The rest through uv: about 16 s against pip's 45-60 s here. torch is installed by then,
+	# so uv keeps it (uv would not look at the CPU build on disk). Compiled now, as pip does:
+	# where PYTHONDONTWRITEBYTECODE is set, every process would compile its imports again
+	# (a service start then costs twice the CPU).
 	$(BIN)/pip install -q uv
-	$(BIN)/uv pip install -q --python $(BIN)/python -e '.[all]'
+	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -e '.[all]'
 	touch $@
 
 demo: $(BIN)/shardfeed
