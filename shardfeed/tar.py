@@ -66,9 +66,12 @@ def member_header(name: str, size: int, mtime: int = 0) -> bytes:
             + _header(raw[-100:], size, b"0", mtime))
 
 
-def frame(name: str, payload: bytes | memoryview) -> list[bytes | memoryview]:
-    """One whole member: header block(s), the payload, zero padding to the next block."""
-    return [member_header(name, len(payload)), payload, b"\0" * padding(len(payload))]
+def frame(name: str, *data: bytes | memoryview) -> list[bytes | memoryview]:
+    """One whole member: header block(s), its data (one part or several, e.g. slices of
+    consecutive blocks), zero padding to the next block (none when it ends on one)."""
+    size = sum(map(len, data))
+    pad = padding(size)
+    return [member_header(name, size), *data, bytes(pad)] if pad else [member_header(name, size), *data]
 
 
 def names_member(data: bytes, at: int, name: bytes, size: int) -> bool:

@@ -27,7 +27,7 @@ import numpy as np
 from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.datasets.index import Members
 from shardfeed.service.read.warm import BUILT, VERBATIM, VERBATIM_SPILLED, HeldGroup
-from shardfeed.tar import BLOCK, END_OF_ARCHIVE, member_header, padding
+from shardfeed.tar import BLOCK, END_OF_ARCHIVE, frame, member_header, padding
 
 _PAD = bytes(BLOCK)
 LARGE_PART = 256 * 1024
@@ -64,14 +64,6 @@ class SampleNames:
         return missing_name(self.dataset_name, int(self.samples[position - self.first]))
 
 
-def _member(out: list, name: str, data: list, size: int) -> None:
-    """Append one member built here: its header, its data (parts), its padding."""
-    out.append(member_header(name, size))
-    out += data
-    if size % BLOCK:
-        out.append(_PAD[:padding(size)])
-
-
 def _naming(names, dataset: Dataset, members: Members, indices: np.ndarray):
     """The group's naming (its positions are consecutive)."""
     positions = members.position
@@ -101,7 +93,7 @@ def held_parts(held: HeldGroup, base: int, dataset: Dataset, members: Members, i
                 positions, fields = members.position.tolist(), members.field.tolist()
                 naming = _naming(names, dataset, members, indices)
             for at in range(lo, hi):
-                _member(out, naming.member(positions[at - base], fields[at - base]), held.data(at), held.size[at])
+                out += frame(naming.member(positions[at - base], fields[at - base]), *held.data(at))
     return out
 
 
@@ -125,8 +117,7 @@ def read_parts(dataset: Dataset, members: Members, indices: np.ndarray, data: Ca
             served += 1
         elif position in failed:
             continue
-        parts = data(row)
-        _member(out, naming.member(position, field), parts, sum(map(len, parts)))
+        out += frame(naming.member(position, field), *data(row))
     return out, served
 
 

@@ -59,6 +59,13 @@ def make_dataset(put: Callable[[str, bytes], None], *, samples: int = 200, per_s
     return source
 
 
+def bucket_dataset(server, bucket: str, prefix: str = "train", **options) -> tuple[str, dict[tuple[int, str], bytes]]:
+    """A new bucket on the S3 server ``server`` holding a ``make_dataset(**options)`` under
+    ``prefix``: the dataset's URL and its bytes."""
+    server.create_bucket(bucket)
+    return f"s3://{bucket}/{prefix}", make_dataset(s3_put(server.client(), bucket, prefix), **options)
+
+
 def s3_put(client, bucket: str, prefix: str) -> Callable[[str, bytes], None]:
     return lambda path, data: client.put_object(Bucket=bucket, Key=f"{prefix}/{path}", Body=data)
 

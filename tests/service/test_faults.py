@@ -18,7 +18,7 @@ from shardfeed.benchmarks.s3proxy import start_proxy
 from shardfeed.benchmarks.soak import run_soak
 from shardfeed.process import start_service
 
-from common.datasets import make_dataset, s3_put
+from common.datasets import bucket_dataset, make_dataset, s3_put
 from common.reliability import expected_members, received_members, wrong_members
 from common.service import metrics
 
@@ -30,9 +30,7 @@ SHARD_READS = r"^GET /[^?]*/shards/"
 
 @pytest.fixture(scope="module")
 def dataset(moto):
-    moto.create_bucket("faults")
-    source = make_dataset(s3_put(moto.client(), "faults", "train"), samples=SAMPLES, per_shard=50)
-    return "s3://faults/train", source
+    return bucket_dataset(moto, "faults", samples=SAMPLES, per_shard=50)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 from shardfeed.client import AsyncClient
 from shardfeed.process import start_service
 
-from common.datasets import make_dataset, s3_put
+from common.datasets import bucket_dataset
 from common.reliability import expected_members, peak_rss_mib, received_members
 from common.service import metrics
 
@@ -31,10 +31,7 @@ RSS_LIMIT_MIB = 1024
 
 @pytest.fixture(scope="module")
 def dataset(moto):
-    moto.create_bucket("load")
-    source = make_dataset(s3_put(moto.client(), "load", "train"), samples=SAMPLES, per_shard=250,
-                          sizes=(1000, 10_000))
-    return "s3://load/train", source
+    return bucket_dataset(moto, "load", samples=SAMPLES, per_shard=250, sizes=(1000, 10_000))
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 
 from shardfeed.process import start_service
 
-from common.datasets import make_dataset, s3_put
+from common.datasets import bucket_dataset, make_dataset, s3_put
 from common.service import metrics, tar_members
 
 SAMPLES = 200
@@ -25,10 +25,7 @@ SAMPLES = 200
 @pytest.fixture(scope="module")
 def s3_dataset(s3_server):
     """A 200-sample dataset (4 shards) on the S3 server; returns (url, source bytes)."""
-    bucket = "svc-data"
-    s3_server.create_bucket(bucket)
-    source = make_dataset(s3_put(s3_server.client(), bucket, "train"), samples=SAMPLES, per_shard=50)
-    return f"s3://{bucket}/train", source
+    return bucket_dataset(s3_server, "svc-data", samples=SAMPLES, per_shard=50)
 
 
 def serve_train(s3_dataset, s3_server, cache_dir):

@@ -30,7 +30,7 @@ from shardfeed.retry import Backoff
 from shardfeed.service.config import ServiceConfig
 from shardfeed.service.datasets.index import parquet_bytes
 
-from common.datasets import dir_put, make_dataset, s3_put
+from common.datasets import bucket_dataset, dir_put, make_dataset, s3_put
 from common.reliability import expected_members, received_members
 
 pytestmark = pytest.mark.slow  # starts several services, S3 servers or a browser; not in `make check`
@@ -42,9 +42,7 @@ SESSION_TOKEN = "FwoGZXIvYXdzEXAMPLESESSIONTOKEN0123456789"
 
 @pytest.fixture(scope="module")
 def s3_dataset(moto):
-    moto.create_bucket("secure")
-    source = make_dataset(s3_put(moto.client(), "secure", "train"), samples=SAMPLES, per_shard=20)
-    return "s3://secure/train", source
+    return bucket_dataset(moto, "secure", samples=SAMPLES, per_shard=20)
 
 
 def test_tokens_from_the_environment_are_required_on_every_route_but_healthz_and_the_page_html(s3_dataset, moto, tmp_path):

@@ -17,7 +17,7 @@ import pytest
 from shardfeed.process import start_service
 from shardfeed.service.cache.disk import dataset_id
 
-from common.datasets import make_dataset, s3_put
+from common.datasets import bucket_dataset
 from common.reliability import SteadyClient, damage_block_file, expected_members, received_members
 from common.service import metrics
 
@@ -28,9 +28,7 @@ SAMPLES = 200
 
 @pytest.fixture(scope="module")
 def dataset(moto):
-    moto.create_bucket("cachefaults")
-    source = make_dataset(s3_put(moto.client(), "cachefaults", "train"), samples=SAMPLES, per_shard=50)
-    return "s3://cachefaults/train", source
+    return bucket_dataset(moto, "cachefaults", samples=SAMPLES, per_shard=50)
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pytest
 from shardfeed.client import AsyncClient, Client
 from shardfeed.process import free_port, start_all, start_service, stop_all
 
-from common.datasets import make_dataset, s3_put
+from common.datasets import bucket_dataset
 from common.reliability import expected_members
 from common.service import fetch_batch, hops, metrics
 
@@ -25,9 +25,7 @@ SAMPLES = 240
 
 @pytest.fixture(scope="module")
 def dataset(s3_server):
-    s3_server.create_bucket("replicas")
-    source = make_dataset(s3_put(s3_server.client(), "replicas", "train"), samples=SAMPLES, per_shard=20)
-    return "s3://replicas/train", source  # 12 shards
+    return bucket_dataset(s3_server, "replicas", samples=SAMPLES, per_shard=20)  # 12 shards
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import pytest
 from shardfeed.client import Client
 from shardfeed.process import free_port, healthy, start_service
 
-from common.datasets import make_dataset, s3_put
+from common.datasets import bucket_dataset
 from common.reliability import expected_members
 from common.service import fetch_batch, hops, metrics
 from common.workers import cached_blocks, worker_pids, worker_urls
@@ -27,9 +27,7 @@ SAMPLES = 240
 
 @pytest.fixture(scope="module")
 def dataset(moto):
-    moto.create_bucket("workers")
-    source = make_dataset(s3_put(moto.client(), "workers", "train"), samples=SAMPLES, per_shard=20)
-    return "s3://workers/train", source  # 12 shards
+    return bucket_dataset(moto, "workers", samples=SAMPLES, per_shard=20)  # 12 shards
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from shardfeed.client import Client
 from shardfeed.client.sampling import EpochSampler
 from shardfeed.process import healthy, start_service
 
-from common.datasets import make_dataset, s3_put
+from common.datasets import bucket_dataset
 from common.service import metrics, tar_members
 from common.workers import worker_pids, worker_urls
 
@@ -33,11 +33,10 @@ BLOCK = "64KiB"
 @pytest.fixture(scope="module")
 def dataset(moto):
     """800 samples of ~2 KiB in 4 shards of ~450 KiB (about 28 blocks of 64 KiB)."""
-    moto.create_bucket("plans")
-    source = make_dataset(s3_put(moto.client(), "plans", "d"), samples=SAMPLES, per_shard=200,
-                          sizes=(1500, 2500), extra_field_every=10**9)
+    url, source = bucket_dataset(moto, "plans", "d", samples=SAMPLES, per_shard=200, sizes=(1500, 2500),
+                                 extra_field_every=10**9)
     shard_bytes = sum(o["Size"] for o in moto.client().list_objects_v2(Bucket="plans", Prefix="d/shards/")["Contents"])
-    return "s3://plans/d", source, shard_bytes
+    return url, source, shard_bytes
 
 
 def _service(dataset, moto, tmp_path, cache_size, *args):
