@@ -134,7 +134,8 @@ class BaseClient:
             timeout: seconds to wait for any read or write on a connection (not for a
                 whole batch: a large batch may stream for longer, as long as bytes flow).
             connect_timeout: seconds to wait for a connection to open.
-            backoff: retry policy for 429, 502-504, connection failures and broken streams.
+            backoff: retry policy for 429, 502-504, 409 ``dataset_changed``, connection failures
+                and broken streams.
             down_for: seconds a URL that refused a connection stays out of the rotation.
             max_connections: connection pool size per process (keep-alive connections).
             verify: for ``https://`` URLs, check the server's certificate (True), against a
@@ -217,7 +218,8 @@ class BaseClient:
     def _verdict(self, exc: Exception) -> bool | float | None:
         """The retry predicate: give up, back off, or wait a given time (see shardfeed.retry)."""
         if isinstance(exc, ShardfeedHTTPError):
-            if exc.status not in _RETRY_STATUSES:
+            # dataset_changed: the service reopened the dataset; the batch again reads one version.
+            if exc.status not in _RETRY_STATUSES and exc.code != "dataset_changed":
                 return None
             return exc.retry_after if exc.retry_after is not None else True
         if isinstance(exc, ShardfeedConnectionError):

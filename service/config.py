@@ -102,6 +102,12 @@ class ServiceConfig:
     """Buckets GetBatch (``/v1/ml/moss``) may read, on the S3 endpoint of the AWS settings; any
     other bucket is refused, never read with the service's credentials."""
 
+    object_ttl: float = 60.0
+    """Seconds a GetBatch object's HEAD (its size and version) is trusted: an object
+    overwritten in the store is read at its new version within this time, sooner if a read
+    finds it replaced. 0: a HEAD for every object of every request. (A served dataset is
+    listed when it opens and on ``POST /v1/datasets/{name}/reload`` or SIGHUP.)"""
+
     host: str = "127.0.0.1"
     """Interface to bind. Loopback unless told otherwise: exposing a data service is a decision."""
 
@@ -243,6 +249,7 @@ class ServiceConfig:
             raise ValueError(f"--memory-cache {format_size(self.memory_cache)} is more than this machine's "
                              f"RAM ({format_size(ram)})")
         limits = [("max_plans", 0, 1 << 16), ("max_plan_samples", 1, 1 << 31), ("plan_ttl", 1, 86400 * 7),
+                  ("object_ttl", 0, 86400 * 7),
                   ("plan_ahead", 0, 1 << 40), ("plan_memory", 0, 1 << 40), ("range_gap", 0, 1 << 30),
                   ("restart_pause", 0.01, 3600)]
         for name, low, high in limits:

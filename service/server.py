@@ -51,6 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket", action="append", default=[], metavar="NAME",
                         help="let GetBatch (/v1/ml/moss, the AIStore SDK's batch API) read this S3 bucket; "
                              "repeatable. Other buckets are refused")
+    parser.add_argument("--object-ttl", type=float, default=defaults.object_ttl, metavar="SECONDS",
+                        help="trust a GetBatch object's size and version (its HEAD) this long: an "
+                             "overwritten object is read anew within it; 0: a HEAD per request "
+                             "(default: %(default)s)")
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
                         help="where the embedded default dataset lives (default: %(default)s)")
     parser.add_argument("--cache-dir", type=Path, default=defaults.cache_dir,
@@ -192,6 +196,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     return ServiceConfig(
         store_options=store_options, hedge=hedge,
         datasets=datasets, index_objects=args.index_objects, buckets=tuple(dict.fromkeys(args.bucket)),
+        object_ttl=args.object_ttl,
         host=args.host, port=args.port, cache_dir=args.cache_dir, cache_size=args.cache_size,
         memory_cache=args.memory_cache, direct_writes=args.cache_writes == "direct",
         block_size=args.block_size, merge_gap=args.merge_gap,
@@ -229,6 +234,7 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
     from shardfeed.service.cache.disk import BlockCache
     from shardfeed.service.cluster.keptcounters import restore_series
     from shardfeed.service.datasets.dataset import open_dataset
+    from shardfeed.service.datasets.served import ServedDatasets
     from shardfeed.service.http.protocol import BoundedHeadProtocol
     from shardfeed.service.observe.metrics import Metrics
     from shardfeed.service.stores import open_store
@@ -241,7 +247,7 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
     cache = BlockCache(config.cache_dir, config.cache_size, config.block_size, metrics,
                        direct_writes=config.direct_writes)
     await asyncio.to_thread(cache.open)
-    datasets = {}
+    opened: dict = {}
     hedger = Hedger(config.hedge, metrics.registry) if config.hedge else None
     buckets = {}
     try:
@@ -250,12 +256,14 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
             if hedger is not None:
                 buckets[bucket] = hedger.wrap(buckets[bucket])
         for name, url in config.datasets.items():
-            datasets[name] = await open_dataset(name, url, config.store_options,
-                                                index_objects=config.index_objects)
+            opened[name] = await open_dataset(name, url, config.store_options, index_objects=config.index_objects)
             if hedger is not None:
-                datasets[name].store = hedger.wrap(datasets[name].store)
-            log.info("dataset %s: %s (%d samples, %d shards)", name, url, len(datasets[name].index),
-                     len(datasets[name].index.shards))
+                opened[name].store = hedger.wrap(opened[name].store)
+            log.info("dataset %s: %s (%d samples, %d shards, version %s)", name, url, len(opened[name].index),
+                     len(opened[name].index.shards), opened[name].version)
+        datasets = ServedDatasets(opened, cache, store_options=config.store_options,
+                                  index_objects=config.index_objects)
+        await asyncio.to_thread(datasets.retain_cached)  # blocks of versions the store no longer holds
         cluster = build_cluster(config, metrics)
         app = create_app(config, datasets, cache, metrics, cluster, buckets)
         server = uvicorn.Server(uvicorn.Config(
@@ -266,7 +274,7 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
         ))
         await server.serve(sockets=await worker_sockets(config) if config.worker else None)
     finally:
-        for store in [*(d.store for d in datasets.values()), *buckets.values()]:
+        for store in [*(d.store for d in opened.values()), *buckets.values()]:
             await store.close()
         cache.close()
 
@@ -291,6 +299,8 @@ def serve_one(config: ServiceConfig, data_dir: Path, log_level: str) -> None:
     # uvicorn drains the connections on SIGTERM, then raises the signal again: by then the
     # shutdown was graceful, so exit 0 (and SIGTERM before serving starts still ends us).
     signal.signal(signal.SIGTERM, _exit_cleanly)
+    # SIGHUP reopens the datasets once the app runs (``create_app``); until then it must not end us.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         import uvloop
     except ImportError:

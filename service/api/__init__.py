@@ -1,7 +1,7 @@
 """The HTTP API v1 (docs/architecture.md): one route module per group, wired here.
 
     ops        /healthz, /metrics, /v1/cluster
-    datasets   /v1/datasets[/{name}]
+    datasets   /v1/datasets[/{name}[/reload]]
     samples    per-sample GETs, coalesced by ``SampleBatcher``
     batch      POST /v1/batch, the ordered tar stream
     getbatch   GET /v1/ml/moss, AIStore's GetBatch for the AIStore SDK
@@ -13,7 +13,8 @@
     common     what they share: ``State``, admission, bodies, streamed answers
 
 Every route gets the service ``State`` from one dependency (``common.AppState``) and
-raises ``ApiError`` (``service/http/errors.py``) for every error answer.
+raises ``ApiError`` (``service/http/errors.py``) for every error answer. SIGHUP reopens
+every dataset (``datasets/served.py``), as ``POST /v1/datasets/{name}/reload`` does one.
 
 May import every room below it: ``plans``, ``read``, ``cluster``, ``datasets``, ``cache``,
 ``stores``, ``observe``, ``http``, ``config``.
@@ -22,6 +23,7 @@ May import every room below it: ``plans``, ``read``, ``cluster``, ``datasets``, 
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -42,6 +44,7 @@ from shardfeed.service.cluster.peers import Cluster
 from shardfeed.service.config import ServiceConfig
 from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.datasets.objects import BucketStores, Catalog
+from shardfeed.service.datasets.served import ServedDatasets
 from shardfeed.service.http.errors import ApiError, error_response
 from shardfeed.service.observe.metrics import Metrics
 from shardfeed.service.observe.stats import StatsRecorder
@@ -74,7 +77,7 @@ class ShardfeedAPI(FastAPI):
         await self.front(scope, receive, send)
 
 
-def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: BlockCache,
+def create_app(config: ServiceConfig, datasets: ServedDatasets, cache: BlockCache,
                metrics: Metrics, cluster: Cluster | None = None, buckets: dict[str, Store] | None = None) -> FastAPI:
     """The ASGI app over already opened datasets, cache and GetBatch bucket stores (see ``server.py``)."""
     coalescer = Coalescer(cache, metrics, config, cluster)
@@ -85,9 +88,16 @@ def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: Block
     prefetcher = Prefetcher(plans, coalescer, config)
     admission = Admission({"batch": config.max_inflight_batches, "sample": config.max_inflight_samples}, metrics)
     bucket_stores = BucketStores(buckets or {})
+    catalog = Catalog(bucket_stores, datasets, object_ttl=config.object_ttl)
     state = State(config, datasets, metrics, coalescer, SampleBatcher(coalescer, config.sample_window),
-                  admission, cluster, StatsRecorder(metrics.registry), Catalog(bucket_stores, datasets), plans,
-                  prefetcher)
+                  admission, cluster, StatsRecorder(metrics.registry), catalog, plans, prefetcher)
+    coalescer.fetcher.on_changed = datasets.changed
+
+    async def reopened(old: Dataset, new: Dataset) -> None:
+        await asyncio.to_thread(plans.rebind, old, new)
+        catalog.serve(datasets)
+
+    datasets.listeners.append(reopened)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -95,10 +105,13 @@ def create_app(config: ServiceConfig, datasets: dict[str, Dataset], cache: Block
         if cluster is not None:
             cluster.start()
         prefetcher.start()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(datasets.reload_all()))
         # A restarted worker takes its siblings' plans; a new host's workers find none.
         adoption = asyncio.create_task(adopt(cluster, plans, datasets, config)) \
             if cluster is not None and len(cluster.workers) > 1 else None
         yield
+        loop.remove_signal_handler(signal.SIGHUP)
         if adoption is not None:
             adoption.cancel()
             await asyncio.gather(adoption, return_exceptions=True)

@@ -2,7 +2,8 @@
 
 Validation happens before the first byte, so a 4xx is a real 4xx; the first group of a
 batch is read before the status line too, so a store outage is a 503 and not a
-truncated 200. A warm batch (every block in RAM) is answered by the protocol itself
+truncated 200, and a shard replaced in the store meanwhile (``ObjectChanged``) gets the
+dataset reopened and the batch answered from the new version (a second change: 409). A warm batch (every block in RAM) is answered by the protocol itself
 (``instant_batch``), without the ASGI layers."""
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.responses import Response, StreamingResponse
 
 from shardfeed.service.api.common import (
-    TAR, AppState, State, count_batch, json_body, parse_json, read_body, served_metrics, tar_stream_response,
+    TAR, AppState, State, answer_changed_once, count_batch, json_body, parse_json, read_body, served_metrics,
+    tar_stream_response,
 )
 from shardfeed.service.api.routing import ROUTING_HEADER
 from shardfeed.service.datasets.dataset import Dataset
@@ -90,15 +92,21 @@ def wanted_batch(state: State, body: bytes) -> WantedBatch:
 @router.post("/v1/batch", response_class=StreamingResponse, openapi_extra=json_body(BatchRequest),
              responses={200: {"content": {TAR: {}}, "description": "The samples, as an ordered tar stream."}})
 async def batch(request: Request, state: AppState) -> Response:
+    body = await read_body(request, state.config.max_body)
+    # A shard replaced in the store under the batch: answered again from the new version.
+    return await answer_changed_once(lambda: _stream(state, wanted_batch(state, body)),
+                                     lambda: state.datasets.reload(parse_json(body, BatchRequest).dataset))
+
+
+async def _stream(state: State, wanted: WantedBatch) -> Response:
     config = state.config
-    wanted = wanted_batch(state, await read_body(request, config.max_body))
     dataset, members, indices = wanted.dataset, wanted.members, wanted.indices
     served = _served(state, dataset, indices)
     held = held_group(state.coalescer, dataset, members)
     chunks = stream_batch(state.coalescer, dataset, members, indices, continue_on_error=wanted.continue_on_error,
                           group_bytes=config.group_bytes, prefetch=config.prefetch_groups, on_served=served,
                           held=held)
-    headers = _headers(state, indices)
+    headers = _headers(state, dataset, indices)
     if held is not None:  # every byte is in RAM: the length is known, no chunked framing
         headers["Content-Length"] = str(stream_length(dataset, members, indices, held))
     return await tar_stream_response(state, "batch", chunks, media_type=TAR, headers=headers,
@@ -128,7 +136,8 @@ def instant_batch(state: State, scope, body: bytes) -> tuple[list[tuple[bytes, b
     _served(state, dataset, indices)(len(indices), length - len(END_OF_ARCHIVE))
     count_batch(state, "batch", "200", began)
     headers = [(b"content-type", TAR.encode()), (b"content-length", b"%d" % length)]
-    headers += [(name.lower().encode(), value.encode()) for name, value in _headers(state, indices).items()]
+    headers += [(name.lower().encode(), value.encode())
+                for name, value in _headers(state, dataset, indices).items()]
     return headers, parts
 
 
@@ -140,8 +149,12 @@ def _served(state: State, dataset: Dataset, indices: np.ndarray):
     return served_metrics(state)
 
 
-def _headers(state: State, indices: np.ndarray) -> dict[str, str]:
-    headers = {"X-Shardfeed-Samples": str(len(indices))}
+VERSION_HEADER = "X-Shardfeed-Dataset-Version"
+"""The version of the dataset (``Dataset.version``) every sample of the answer was read from."""
+
+
+def _headers(state: State, dataset: Dataset, indices: np.ndarray) -> dict[str, str]:
+    headers = {"X-Shardfeed-Samples": str(len(indices)), VERSION_HEADER: dataset.version}
     if state.cluster is not None:
         headers[ROUTING_HEADER] = state.cluster.version()
     return headers

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Annotated, TypeVar
@@ -14,13 +14,21 @@ from typing import Annotated, TypeVar
 from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
-from shardfeed.service.cluster.peers import Cluster
+from shardfeed.service.cluster.peers import COPIES, COPY_HEADER, Cluster
 from shardfeed.service.config import ServiceConfig
 from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.datasets.objects import Catalog
-from shardfeed.service.http.errors import ApiError, InvalidRequest, Overloaded, StoreUnavailable, UnknownDataset
+from shardfeed.service.datasets.served import ServedDatasets
+from shardfeed.service.http.errors import (
+    ApiError,
+    DatasetChanged,
+    InvalidRequest,
+    Overloaded,
+    StoreUnavailable,
+    UnknownDataset,
+)
 from shardfeed.service.http.protocol import PARTS
 from shardfeed.service.observe.metrics import Metrics
 from shardfeed.service.observe.stats import StatsRecorder
@@ -30,6 +38,7 @@ from shardfeed.service.read.coalescer import Coalescer
 from shardfeed.service.read.framing import chunks_of
 from shardfeed.service.read.samples import SampleBatcher
 from shardfeed.service.read.stream import SampleFailed
+from shardfeed.service.stores import ObjectChanged
 
 log = logging.getLogger("shardfeed.api")
 
@@ -93,7 +102,7 @@ class State:
     """Everything a route needs, built once by ``create_app``."""
 
     config: ServiceConfig
-    datasets: dict[str, Dataset]
+    datasets: ServedDatasets
     metrics: Metrics
     coalescer: Coalescer
     batcher: SampleBatcher
@@ -254,6 +263,36 @@ class TarStreamResponse(StreamingResponse):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
+def relayed_copy(request: Request) -> str | None:
+    """Which relayed copy this request is (``peers.COPY_HEADER``); ``None`` from a client."""
+    copy = request.headers.get(COPY_HEADER)
+    if copy is not None and copy not in COPIES:
+        raise InvalidRequest(f"invalid {COPY_HEADER} {copy[:40]!r}: one of {', '.join(COPIES)} expected")
+    return copy
+
+
+async def relay(state: State, request: Request, copy: str | None, body: bytes, headers: dict | None = None) -> None:
+    """Carry this request, already done here, to the cluster's other nodes."""
+    if state.cluster is not None:
+        await state.cluster.relay(request.method, request.url.path, body, copy, headers)
+
+
+def changed(err: SampleFailed) -> DatasetChanged:
+    return DatasetChanged(f"{err}; the dataset was reopened at its new version: send the request again")
+
+
+async def answer_changed_once(answer: Callable[[], Awaitable[Response]],
+                              refresh: Callable[[], Awaitable[object]]) -> Response:
+    """``answer()``; if what it read changed in the store before its first byte was sent
+    (``DatasetChanged``), ``refresh()`` and answer once more, from the new version. A second
+    change reaches the client as the 409."""
+    try:
+        return await answer()
+    except DatasetChanged:
+        await refresh()
+        return await answer()
+
+
 def count_batch(state: State, route: str, status: str, began: float) -> None:
     """A batch request answered with ``status``, ``began`` at that ``perf_counter``."""
     state.metrics.requests.labels(route, status).inc()
@@ -284,7 +323,7 @@ async def tar_stream_response(state: State, route: str, chunks: AsyncIterator[li
     except BaseException as err:
         await chunks.aclose()
         if isinstance(err, SampleFailed):
-            answer = failed(err)
+            answer = changed(err) if isinstance(err.cause, ObjectChanged) else failed(err)
             finish(str(answer.status))
             raise answer from None
         finish("500")

@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from starlette.responses import Response
 
 from shardfeed.service.api.common import (
-    TAR, AppState, describe, json_body, read_body, served_metrics, tar_stream_response,
+    TAR, AppState, answer_changed_once, describe, json_body, read_body, served_metrics, tar_stream_response,
 )
 from shardfeed.service.cache.disk import dataset_id, shard_id
 from shardfeed.service.datasets.dataset import Dataset
@@ -202,9 +202,11 @@ def _plan(spans: list[Span | None], buckets) -> tuple[Dataset, Members]:
         paths = sorted({s.path for s in spans if s is not None})
         code = {p: i for i, p in enumerate(paths)}
         extents = {s.path: s.extent for s in spans if s is not None}
+        versions = {s.path: s.version for s in spans if s is not None}
         dataset = Dataset(name="getbatch", url="getbatch:s3://", store=buckets, index=_Paths(paths), id=GETBATCH_ID,
                           extents=np.array([extents[p] for p in paths], np.int64),
-                          shard_ids=[shard_id(p) for p in paths], shard_samples=1, owned=False)
+                          shard_ids=[shard_id(p, versions[p], extents[p]) for p in paths], shard_samples=1,
+                          owned=False, versions=[versions[p] for p in paths])
         codes = [code[s.path] if s else -1 for s in spans]
     n = len(spans)
     return dataset, Members(position=np.arange(n, dtype=np.int64), sample=np.arange(n, dtype=np.int64),
@@ -284,21 +286,34 @@ async def _getbatch(request: Request, state: AppState, bucket: str, provider: st
     if bucket and bucket not in state.catalog.buckets.stores:
         raise _not_allowed(PROVIDERS.get(provider.lower(), provider or "ais"), bucket)
     entries = _entries(req, bucket, provider, state.catalog.buckets.stores)
-    spans, errors = await _locate(state, entries, req.coer)
-    view, members = _plan(spans, state.catalog.buckets)
-    names = EntryNames(entries, errors)
-    indices = np.arange(len(entries), dtype=np.int64)
+    views: list[Dataset] = []
 
-    def chunks() -> AsyncIterator[list]:
-        return stream_batch(state.coalescer, view, members, indices, continue_on_error=req.coer,
-                            group_bytes=config.group_bytes, prefetch=config.prefetch_groups,
-                            on_served=served_metrics(state), names=names)
+    async def answer() -> Response:
+        spans, errors = await _locate(state, entries, req.coer)
+        view, members = _plan(spans, state.catalog.buckets)
+        views.append(view)
+        names = EntryNames(entries, errors)
+        indices = np.arange(len(entries), dtype=np.int64)
 
-    if req.strm:
-        return await tar_stream_response(state, "getbatch", fmt.encode(chunks()), media_type=fmt.media_type,
-                                         headers={}, what=f"getbatch entries={len(entries)}",
-                                         failed=_failed(entries))
-    return await _multipart(state, entries, members, fmt, chunks, names)
+        def chunks() -> AsyncIterator[list]:
+            return stream_batch(state.coalescer, view, members, indices, continue_on_error=req.coer,
+                                group_bytes=config.group_bytes, prefetch=config.prefetch_groups,
+                                on_served=served_metrics(state), names=names)
+
+        if req.strm:
+            return await tar_stream_response(state, "getbatch", fmt.encode(chunks()), media_type=fmt.media_type,
+                                             headers={}, what=f"getbatch entries={len(entries)}",
+                                             failed=_failed(entries))
+        return await _multipart(state, entries, members, fmt, chunks, names)
+
+    async def refresh() -> None:
+        """An object changed under the batch: ask the store again what the entries are."""
+        for entry in entries:
+            state.catalog.forget(entry.bucket, entry.objname)
+        if views[-1].owned:  # the entries are shards of a served dataset: reopen it
+            await state.datasets.reload(views[-1].name)
+
+    return await answer_changed_once(answer, refresh)
 
 
 async def _multipart(state, entries: list[Entry], members: Members, fmt: Format, chunks, names: EntryNames):

@@ -4,6 +4,7 @@ a worker's status figures, and the plans it holds (for a restarted sibling, ``pl
 from __future__ import annotations
 
 import json
+import time
 from typing import Annotated, Literal
 
 import numpy as np
@@ -14,10 +15,13 @@ from starlette.responses import Response
 from shardfeed.service.api.common import AppState, json_body, read_json
 from shardfeed.service.api.status import worker_figures
 from shardfeed.service.datasets.index import Members
-from shardfeed.service.http.errors import InvalidRequest, StoreUnavailable
+from shardfeed.service.http.errors import DatasetChanged, InvalidRequest, StoreUnavailable
 from shardfeed.service.stores import StoreError
 
 router = APIRouter(tags=["internal"])
+
+RECHECK = 1.0
+"""Seconds after a listing within which a sender of another version does not cause another."""
 
 
 class RangeRead(BaseModel):
@@ -25,6 +29,8 @@ class RangeRead(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     dataset: str = Field(min_length=1, max_length=256)
+    version: str | None = Field(None, max_length=64, description="The sender's ``Dataset.version``; "
+                                "another version here is a 409 (shard codes and offsets would mean other bytes).")
     # Bounded, so that offset + size cannot overflow int64 and slip past the range check;
     # 2**53, so that a client reading the bound as a JSON double gets it exactly.
     shard: list[Annotated[StrictInt, Field(ge=0, lt=2**31)]]
@@ -40,6 +46,11 @@ async def internal_read(request: Request, state: AppState) -> Response:
     """The members' bytes, concatenated in request order."""
     req = await read_json(request, RangeRead, 4 * state.config.max_body)
     dataset = state.dataset(req.dataset)
+    if req.version is not None and req.version != dataset.version:
+        if time.time() - dataset.checked > RECHECK:  # one of the two is out of date: look at the store
+            state.datasets.changed(dataset)
+        raise DatasetChanged(f"dataset {dataset.name!r} is at version {dataset.version} here, "
+                             f"{req.version} at the sender")
     n = len(req.shard)
     if len(req.offset) != n or len(req.size) != n or n > 4 * state.config.max_batch:
         raise InvalidRequest("shard, offset and size must have the same, bounded length")

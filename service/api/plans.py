@@ -22,8 +22,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from shardfeed.service.api.common import AppState, State, json_body, parse_json, read_body
-from shardfeed.service.cluster.peers import COPIES, COPY_HEADER
+from shardfeed.service.api.common import AppState, json_body, parse_json, read_body, relay, relayed_copy
 from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.datasets.index import UnknownField
 from shardfeed.service.http.errors import ApiError, InvalidRequest
@@ -40,7 +39,7 @@ PLAN_ID_HEADER = "X-Shardfeed-Plan-Id"
 @router.post("/v1/datasets/{name}/plans", status_code=201, openapi_extra=json_body(PlanRequest))
 async def create_plan(name: str, request: Request, state: AppState) -> dict:
     dataset = state.dataset(name)
-    copy = _copy(request)
+    copy = relayed_copy(request)
     plan_id = request.headers.get(PLAN_ID_HEADER) if copy else None
     if plan_id is not None and not re.fullmatch(r"[0-9a-f]{16}", plan_id):
         raise InvalidRequest(f"invalid {PLAN_ID_HEADER} {plan_id[:40]!r}: 16 hexadecimal digits expected")
@@ -65,7 +64,7 @@ async def create_plan(name: str, request: Request, state: AppState) -> dict:
                                    getattr(req, "complete", True), fields, plan_id)
     state.plans.insert(plan)
     state.prefetcher.wake()
-    await _relay(state, request, copy, body, {PLAN_ID_HEADER: plan.id})
+    await relay(state, request, copy, body, {PLAN_ID_HEADER: plan.id})
     return plan.describe()
 
 
@@ -84,7 +83,7 @@ async def get_plan(name: str, plan_id: str, state: AppState) -> dict:
 @router.post("/v1/datasets/{name}/plans/{plan_id}", openapi_extra=json_body(Chunk))
 async def extend_plan(name: str, plan_id: str, request: Request, state: AppState) -> dict:
     dataset = state.dataset(name)
-    copy = _copy(request)
+    copy = relayed_copy(request)
     plan = state.plans.get(dataset, plan_id)
     body = await read_body(request, state.config.max_body)
     chunk = parse_json(body, Chunk)
@@ -98,30 +97,16 @@ async def extend_plan(name: str, plan_id: str, request: Request, state: AppState
     longer.touch()
     state.plans.replace(longer)
     state.prefetcher.wake()
-    await _relay(state, request, copy, body)
+    await relay(state, request, copy, body)
     return longer.describe()
 
 
 @router.delete("/v1/datasets/{name}/plans/{plan_id}", status_code=204)
 async def delete_plan(name: str, plan_id: str, request: Request, state: AppState) -> Response:
-    copy = _copy(request)
+    copy = relayed_copy(request)
     state.plans.remove(state.plans.get(state.dataset(name), plan_id))
-    await _relay(state, request, copy, b"")
+    await relay(state, request, copy, b"")
     return Response(status_code=204)
-
-
-def _copy(request: Request) -> str | None:
-    """Which relayed copy this request is (``peers.COPY_HEADER``); ``None`` from a client."""
-    copy = request.headers.get(COPY_HEADER)
-    if copy is not None and copy not in COPIES:
-        raise InvalidRequest(f"invalid {COPY_HEADER} {copy[:40]!r}: one of {', '.join(COPIES)} expected")
-    return copy
-
-
-async def _relay(state: State, request: Request, copy: str | None, body: bytes, headers: dict | None = None) -> None:
-    """Carry this request, already done here, to the cluster's other nodes."""
-    if state.cluster is not None:
-        await state.cluster.relay(request.method, request.url.path, body, copy, headers)
 
 
 def _fields(dataset: Dataset, fields: list[str] | None) -> list[str] | None:

@@ -10,12 +10,12 @@ import time
 from fastapi import APIRouter
 from starlette.responses import Response
 
-from shardfeed.service.api.common import TAR, AppState, State
+from shardfeed.service.api.common import TAR, AppState, State, answer_changed_once
 from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.datasets.index import UnknownField
-from shardfeed.service.http.errors import ApiError, StoreUnavailable
+from shardfeed.service.http.errors import ApiError, DatasetChanged, StoreUnavailable
 from shardfeed.service.read.warm import held_member as held_bytes
-from shardfeed.service.stores import StoreError
+from shardfeed.service.stores import ObjectChanged, StoreError
 from shardfeed.tar import END_OF_ARCHIVE, frame
 
 log = logging.getLogger("shardfeed.api")
@@ -24,6 +24,10 @@ router = APIRouter(tags=["samples"])
 
 @router.get("/v1/datasets/{name}/samples/{i}/{field}", response_class=Response)
 async def get_member(name: str, i: str, field: str, state: AppState) -> Response:
+    return await answer_changed_once(lambda: _member(state, name, i, field), lambda: state.datasets.reload(name))
+
+
+async def _member(state: State, name: str, i: str, field: str) -> Response:
     dataset = state.dataset(name)
     sample = sample_number(dataset, i)
     try:
@@ -38,6 +42,10 @@ async def get_member(name: str, i: str, field: str, state: AppState) -> Response
 
 @router.get("/v1/datasets/{name}/samples/{i}", response_class=Response)
 async def get_sample(name: str, i: str, state: AppState) -> Response:
+    return await answer_changed_once(lambda: _sample(state, name, i), lambda: state.datasets.reload(name))
+
+
+async def _sample(state: State, name: str, i: str) -> Response:
     dataset = state.dataset(name)
     sample = sample_number(dataset, i)
     parts = await _read_sample(state, dataset, sample, -1)
@@ -90,6 +98,9 @@ async def _read_sample(state: State, dataset: Dataset, sample: int, field: int) 
         parts = await state.batcher.get(dataset, sample, field)
     metrics = state.metrics
     for _, payload in parts:
+        if isinstance(payload, ObjectChanged):
+            metrics.requests.labels("sample", "409").inc()
+            raise DatasetChanged(f"sample {sample} of {dataset.name!r}: {payload}")
         if payload is None or isinstance(payload, StoreError):
             metrics.requests.labels("sample", "503").inc()
             raise StoreUnavailable(f"sample {sample} of {dataset.name!r} could not be read from the store: {payload}")

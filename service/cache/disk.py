@@ -5,6 +5,10 @@ Each block is one checksummed file (``blockfile.py``: a reader verifies only the
 reads); a corrupt or truncated file is dropped, never served. Recently read block files
 stay open (a bounded set), so a warm read is a ``pread`` and no ``open``.
 
+Blocks are named by the version of their shard (``shard_id``: path, ETag, size), so a
+block of a replaced object is never read for the new one; ``retain`` drops them once a
+dataset is opened again.
+
 Crash safety: a block is written to a temporary file and renamed into place, so it
 becomes visible only when complete; after a restart the directory is scanned and the
 blocks are reused. Eviction is LRU over whole blocks, bounded by ``capacity`` bytes,
@@ -68,9 +72,12 @@ def dataset_id(url: str) -> str:
     return hashlib.sha1(url.encode()).hexdigest()[:12]
 
 
-def shard_id(path: str) -> str:
-    """A short stable name for a shard path (part of its blocks' file names)."""
-    return hashlib.sha1(path.encode()).hexdigest()[:20]
+def shard_id(path: str, etag: str | None = None, size: int | None = None) -> str:
+    """A short stable name for a version of a shard (part of its blocks' file names): the
+    path, and the object's ETag and size where known, so the blocks of a replaced object
+    are never taken for the new one's."""
+    name = path if etag is None else f"{path}\0{etag}\0{size}"
+    return hashlib.sha1(name.encode()).hexdigest()[:20]
 
 
 class HeldBlocks:
@@ -236,6 +243,28 @@ class BlockCache:
                 self._bytes -= entry.file_size
         (self.directory / name).unlink(missing_ok=True)
         self._update_gauges()
+
+    def retain(self, dataset: str, shard_ids: Iterable[str]) -> int:
+        """Drop every block of dataset id ``dataset`` whose shard id is not among ``shard_ids``
+        (a replaced object's blocks: their space is reclaimed at once); how many were dropped."""
+        keep = set(shard_ids)
+        prefix = f"{dataset}/"
+        with self._lock:
+            stale = [name for name in self._entries
+                     if name.startswith(prefix) and name[len(prefix):].partition("-")[0] not in keep]
+            for name in stale:
+                entry = self._entries.pop(name)
+                self._open_files.pop(name, None)
+                self._count(name, -1)
+                self._bytes -= entry.file_size
+        for name in stale:
+            self._forget(name)
+            (self.directory / name).unlink(missing_ok=True)
+        if stale:
+            self.metrics.cache_evictions.inc(len(stale))
+            self._update_gauges()
+            log.info("block cache: %d blocks of replaced objects dropped", len(stale))
+        return len(stale)
 
     # -- writes ----------------------------------------------------------------------------
     def write(self, key: BlockKey, payload: bytes | memoryview) -> bool:

@@ -31,6 +31,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.datasets.index import Members
 from shardfeed.service.observe.metrics import Metrics
 
@@ -303,11 +304,14 @@ class PeerReader:
             self._session = aiohttp.ClientSession(connector=connector)
         return self._session
 
-    async def read(self, dataset: str, members: Members) -> list[memoryview]:
-        """The bytes of ``members`` (all found) as read by the node; ``PeerError`` otherwise."""
+    async def read(self, dataset: Dataset, members: Members) -> list[memoryview]:
+        """The bytes of ``members`` (all found) as read by the node; ``PeerError`` otherwise,
+        also when the node holds another version of the dataset (its shard codes and
+        offsets may mean other bytes)."""
         target, metrics = self.target, self.cluster.metrics
         sizes = members.size.tolist()
-        body = json.dumps({"dataset": dataset, "shard": members.shard.tolist(), "scope": self.scope,
+        body = json.dumps({"dataset": dataset.name, "version": dataset.version,
+                           "shard": members.shard.tolist(), "scope": self.scope,
                            "offset": members.offset.tolist(), "size": sizes})
         timeout = self.cluster.timeout + sum(sizes) / 50e6
         try:

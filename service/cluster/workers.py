@@ -21,7 +21,8 @@ siblings find it down and serve its shards: from its block files while they are 
 it), else from the store (``coalescer.py``). Each worker's counters are kept in files in
 the supervisor's run directory, so the host's sums never go down while a worker restarts
 (``keptcounters.py``). SIGTERM or SIGINT is passed on to every worker, which drains its
-connections; the supervisor exits 0 once all are gone.
+connections; the supervisor exits 0 once all are gone. SIGHUP is passed on too: each
+worker reopens its datasets (``datasets/served.py``).
 """
 
 from __future__ import annotations
@@ -140,6 +141,7 @@ def supervise(config: ServiceConfig, serve_worker: Callable[[ServiceConfig], Non
     stop: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, frame: stop.append(signum))
                 for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda signum, frame: _forward(workers, signum))
     log.info("%d workers on %s:%d (own ports %s)", count, config.host, port, ", ".join(map(str, ports)))
     try:
         for worker in workers:
@@ -194,9 +196,18 @@ def _start(worker: _Worker, serve_worker: Callable[[ServiceConfig], None]) -> No
     worker.process, worker.started, worker.restart_at = process, time.monotonic(), None
 
 
+def _forward(workers: list[_Worker], signum: int) -> None:
+    """Pass a signal on to every live worker (SIGHUP: each reopens its datasets)."""
+    for worker in workers:
+        if worker.process is not None and worker.process.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker.process.pid, signum)
+
+
 def _worker_main(serve_worker: Callable[[ServiceConfig], None], config: ServiceConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the supervisor's forwarding is not ours; the app's comes
     with contextlib.suppress(OSError, AttributeError):  # a worker never outlives its supervisor
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     try:

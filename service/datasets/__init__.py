@@ -1,6 +1,8 @@
 """Datasets: what a served dataset is, and every format it is read and written in.
 
-    dataset.py    ``Dataset``: a store, an index and the per-shard facts the read path needs
+    dataset.py    ``Dataset``: a store, an index and the per-shard facts the read path needs,
+                  opened from one listing that names every shard's version
+    served.py     the datasets a service serves, reopened when the store changes
     index.py      ``Index``: sample -> (shard, offset, size), compact arrays in memory
     indexfile.py  ``index.parquet``: the on-disk format and its checks, WebDataset naming
     layouts.py    how objects under a root become an index (tar shards or loose objects)

@@ -1,8 +1,18 @@
-"""A served dataset: its store, its index, and the per-shard facts the coalescer needs."""
+"""A served dataset: its store, its index, and the per-shard facts the coalescer needs.
+
+A dataset is opened from one listing of its root, which names every object's version
+(``ObjectInfo.etag``, ``stores/base.py``): the index is read at the version listed, each
+shard's blocks are cached under a name that includes its version (``cache.shard_id``),
+and every store read of a shard is conditional on that version. A dataset that changes
+in the store is opened again (``served.py``); the old ``Dataset`` keeps reading its own
+versions, or fails, and never mixes the two.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import time
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -10,7 +20,11 @@ import numpy as np
 from shardfeed.service.cache.disk import dataset_id, shard_id
 from shardfeed.service.datasets import layouts
 from shardfeed.service.datasets.index import Index, load_index
-from shardfeed.service.stores import ObjectNotFound, Store, open_store
+from shardfeed.service.datasets.indexfile import INDEX_FILE
+from shardfeed.service.stores import ObjectChanged, ObjectInfo, ObjectNotFound, Store, open_store
+
+OPEN_ATTEMPTS = 3
+"""Listings taken when the index changes between the listing and its read."""
 
 
 @dataclass
@@ -24,17 +38,26 @@ class Dataset:
     extents: np.ndarray
     """Per shard code, the end of its last member's data: reads never go past it."""
     shard_ids: list[str]
-    """Per shard code, the shard's name in the cache (``cache.shard_id``)."""
+    """Per shard code, the shard's name in the cache (``cache.shard_id``: path and version)."""
     shard_samples: int
     """Samples in a typical shard (``Index.shard_samples``)."""
     owned: bool = True
     """Whether replicas split its shards by owner; ``False`` for a view made for one request
     (GetBatch), which the peers do not know: read where it was asked."""
+    versions: list[str | None] = field(default_factory=list)
+    """Per shard code, the version every read of it asks for (``None``: unconditional)."""
+    version: str = ""
+    """The index's and every shard's version, digested: equal on every node that opened the same bytes."""
+    checked: float = 0.0
+    """When (Unix time) the store was last listed for this dataset."""
 
     @cached_property
     def stored_bytes(self) -> int:
         """Bytes of its shards the service may read: the sum of ``extents``."""
         return int(self.extents.sum())
+
+    def shard_version(self, shard: int) -> str | None:
+        return self.versions[shard] if self.versions else None
 
     def info(self) -> dict:
         return {
@@ -45,29 +68,59 @@ class Dataset:
             "bytes": self.index.total_bytes,
             "shard_samples": self.shard_samples,
             "fields": self.index.fields,
+            "version": self.version,
+            "checked": self.checked,
         }
 
 
 async def open_dataset(name: str, url: str, store_options: dict | None = None, *,
-                       index_objects: bool = False) -> Dataset:
-    """Open the store at ``url`` and load its index (``StoreError``/``IndexFormatError`` if bad).
+                       index_objects: bool = False, store: Store | None = None) -> Dataset:
+    """Open the store at ``url`` (or use ``store``, already open there) and load its index at
+    the version listed (``StoreError``/``IndexFormatError`` if bad).
 
     index_objects: without ``index.parquet``, index the loose objects under ``url`` now
-    (the ``objects`` layout, ``layouts.py``), in memory.
+    (the ``objects`` layout, ``layouts.py``), in memory, from the same listing.
     """
-    store = open_store(url, **(store_options or {}))
+    own_store = store is None
+    store = open_store(url, **(store_options or {})) if own_store else store
     try:
-        try:
-            index = await load_index(store)
-        except ObjectNotFound:
-            if not index_objects:
-                raise
-            index = await layouts.index_objects(store)
+        for attempt in range(OPEN_ATTEMPTS):
+            checked = time.time()
+            listing = await layouts.list_objects(store, progress=False)
+            objects = {info.path: info for info in listing}
+            listed = objects.get(INDEX_FILE)
+            try:
+                index = await load_index(store, listed.etag if listed is not None else None)
+            except ObjectChanged:  # rewritten since the listing: list again
+                if attempt == OPEN_ATTEMPTS - 1:
+                    raise
+                continue
+            except ObjectNotFound:
+                if not index_objects:
+                    raise
+                index = await layouts.index_objects(store, listing=listing)
+            break
     except BaseException:
-        await store.close()
+        if own_store:
+            await store.close()
         raise
+    shards = [objects.get(path) for path in index.shards]
     return Dataset(
         name=name, url=url, store=store, index=index, id=dataset_id(url),
         extents=index.shard_extents(),
-        shard_ids=[shard_id(path) for path in index.shards], shard_samples=index.shard_samples(),
+        shard_ids=[shard_id(path, *_version(info)) for path, info in zip(index.shards, shards)],
+        shard_samples=index.shard_samples(),
+        versions=[info.etag if info is not None else None for info in shards],
+        version=_digest(listed, shards), checked=checked,
     )
+
+
+def _version(info: ObjectInfo | None) -> tuple[str | None, int | None]:
+    return (info.etag, info.size) if info is not None else (None, None)
+
+
+def _digest(index: ObjectInfo | None, shards: list[ObjectInfo | None]) -> str:
+    digest = hashlib.sha1()
+    for info in [index, *shards]:
+        digest.update(repr(_version(info)).encode())
+    return digest.hexdigest()[:12]

@@ -301,10 +301,11 @@ def index_from_parquet(data: bytes, name: str = INDEX_FILE) -> Index:
         pa.default_memory_pool().release_unused()  # hand the decode buffers back to the OS
 
 
-async def load_index(store: Store) -> Index:
-    """Read and validate ``index.parquet`` at the store root (parsing runs in a thread)."""
+async def load_index(store: Store, version: str | None = None) -> Index:
+    """Read and validate ``index.parquet`` at the store root (of ``version`` when given,
+    ``Store.read``); parsing runs in a thread."""
     try:
-        data = await store.read(INDEX_FILE)
+        data = await store.read(INDEX_FILE, version)
     except ObjectNotFound as err:
         raise ObjectNotFound(f"{err} (create it with `shardfeed index {store.url}`)") from None
     return await asyncio.to_thread(index_from_parquet, data, f"{store.url}/{INDEX_FILE}")

@@ -46,13 +46,20 @@ def objects_table(infos: list[ObjectInfo]) -> pa.Table:
     return pa.table(rows, schema=SCHEMA.with_metadata({VERSION_KEY: VERSION, LAYOUT_KEY: b"objects"}))
 
 
-async def index_objects(store: Store, *, progress: bool = True) -> Index:
-    """Build (not write) the index of the loose objects under ``store``, from a paged listing."""
+async def list_objects(store: Store, *, progress: bool = True) -> list[ObjectInfo]:
+    """Every object under ``store`` (path, size and version), from a paged listing."""
     infos: list[ObjectInfo] = []
     with tqdm(unit=" objects", desc="list", disable=None if progress else True) as bar:
         async for page in store.list_pages():
             infos.extend(page)
             bar.update(len(page))
+    return infos
+
+
+async def index_objects(store: Store, *, progress: bool = True, listing: list[ObjectInfo] | None = None) -> Index:
+    """Build (not write) the index of the loose objects under ``store``, from ``listing`` or a
+    listing made now."""
+    infos = listing if listing is not None else await list_objects(store, progress=progress)
     table = objects_table(infos)
     if table.num_rows == 0:
         raise IndexFormatError(f"{store.url}: no objects named KEY.FIELD found")

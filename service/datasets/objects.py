@@ -4,14 +4,17 @@ An entry becomes a ``Span``: an object of an allowed bucket, that object's size,
 byte range wanted from it. The coalescer then reads it like a shard member (blocks,
 cache, singleflight), with the object's full size as its extent.
 
-Sizes come from a HEAD per object, remembered in a bounded LRU (``max_objects``). A
+Sizes and versions come from a HEAD per object, remembered in a bounded LRU (``max_objects``)
+for at most ``object_ttl`` seconds (``--object-ttl``), so an object overwritten in the store is
+read at its new version within that time; a read that finds it replaced sooner forgets
+the HEAD at once (``forget``). A
 LIST would answer for a whole prefix, but an entry names one object under any prefix
 and the listing may be huge; a whole-object GET would need no size, but could not be
 planned into blocks, so it would bypass the cache and the coalescing of concurrent
 requests. An object of a served loose-object dataset needs no HEAD: its index has the
-size (``Index.layout`` ``objects``). The size is the read extent of every block of the object, so it must be the same
-for every request (an object is assumed not to change while it is served; the S3 store
-pins ETags and fails a read that sees a new version).
+size (``Index.layout`` ``objects``) and its listing the version. Blocks of an object are
+cached under its version, and every read of them asks for it (``If-Match``): a replaced
+object is never served from its old blocks, nor as a mix of two versions.
 
 A file inside a shard: the shard's member table comes from the index of a served tar
 dataset that holds the shard, else from one scan of the shard's headers (``tarscan.py``'s
@@ -21,8 +24,10 @@ windowed scan), kept in a bounded LRU of member tables (``max_members`` in all).
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 from urllib.parse import urlparse
@@ -45,6 +50,8 @@ class Span:
     home: tuple[Dataset, int] | None = None
     """The served dataset and shard code that index these bytes: read through that dataset,
     they share its cached blocks (and its replica owners)."""
+    version: str | None = None
+    """The object's version (``ObjectInfo.etag``): its blocks are cached under it, and reads ask for it."""
 
     @property
     def path(self) -> str:
@@ -58,32 +65,44 @@ class EntryMissing(LookupError):
 
 class Lru(Generic[K, V]):
     """An async memo of ``load(key)``: one load per key in flight, at most ``capacity`` weight kept
-    (least recently used dropped first). Errors are not remembered."""
+    (least recently used dropped first), each value for at most ``ttl`` seconds. Errors are
+    not remembered."""
 
-    def __init__(self, load: Callable[[K], Awaitable[V]], capacity: int, weight: Callable[[V], int] = lambda v: 1):
+    def __init__(self, load: Callable[[K], Awaitable[V]], capacity: int, weight: Callable[[V], int] = lambda v: 1,
+                 ttl: float = math.inf):
         self._load = load
         self._capacity = capacity
         self._weight = weight
-        self._values: OrderedDict[K, tuple[V, int]] = OrderedDict()
+        self._ttl = ttl
+        self._values: OrderedDict[K, tuple[V, int, float]] = OrderedDict()  # value, weight, loaded at
         self._total = 0
         self._loading: dict[K, asyncio.Future] = {}
 
     def peek(self, key: K) -> V | None:
-        """The value if it is loaded already (counts as a use), else ``None``."""
-        if key not in self._values:
+        """The value if it is loaded already and not expired (counts as a use), else ``None``."""
+        entry = self._values.get(key)
+        if entry is None:
+            return None
+        if time.monotonic() - entry[2] >= self._ttl:
+            self.forget(key)
             return None
         self._values.move_to_end(key)
-        return self._values[key][0]
+        return entry[0]
 
     async def get(self, key: K) -> V:
-        if key in self._values:
-            self._values.move_to_end(key)
-            return self._values[key][0]
+        value = self.peek(key)
+        if value is not None:
+            return value
         pending = self._loading.get(key)
         if pending is None:
             pending = self._loading[key] = asyncio.ensure_future(self._load(key))
             pending.add_done_callback(lambda f: self._loaded(key, f))
         return await asyncio.shield(pending)
+
+    def forget(self, key: K) -> None:
+        entry = self._values.pop(key, None)
+        if entry is not None:
+            self._total -= entry[1]
 
     def _loaded(self, key: K, future: asyncio.Future) -> None:
         self._loading.pop(key, None)
@@ -93,10 +112,11 @@ class Lru(Generic[K, V]):
         weight = self._weight(value)
         if weight > self._capacity:
             return
-        self._values[key] = (value, weight)
+        self.forget(key)
+        self._values[key] = (value, weight, time.monotonic())
         self._total += weight
         while self._total > self._capacity:
-            _, (_, dropped) = self._values.popitem(last=False)
+            _, (_, dropped, _) = self._values.popitem(last=False)
             self._total -= dropped
 
 
@@ -119,13 +139,18 @@ class BucketStores(Store):
             raise InvalidPath(f"bucket {bucket!r} is not served")
         return store, key
 
-    async def read_range(self, path: str, offset: int, size: int) -> bytes:
+    async def read_range(self, path: str, offset: int, size: int, version: str | None = None) -> bytes:
         store, key = self._split(path)
-        return await store.read_range(key, offset, size)
+        return await store.read_range(key, offset, size, version)
 
-    async def read(self, path: str) -> bytes:
+    async def read_pieces(self, path: str, offset: int, size: int, piece: int,
+                          version: str | None = None) -> list[bytes]:
         store, key = self._split(path)
-        return await store.read(key)
+        return await store.read_pieces(key, offset, size, piece, version)
+
+    async def read(self, path: str, version: str | None = None) -> bytes:
+        store, key = self._split(path)
+        return await store.read(key, version)
 
     async def head(self, path: str) -> ObjectInfo:
         store, key = self._split(path)
@@ -146,20 +171,29 @@ class BucketStores(Store):
 class Catalog:
     """Locates entries in the allowed buckets; served datasets lend their indexes."""
 
-    def __init__(self, buckets: BucketStores, datasets: dict[str, Dataset], *, max_objects: int = 1 << 18,
-                 max_members: int = 1 << 20, scan_window: int = 1 << 20, max_lookups: int = 64):
-        """max_objects: sizes remembered (about 200 bytes each); max_members: shard members
-        remembered over all scanned shards (about 150 bytes each); max_lookups: HEADs and
-        scans in flight."""
+    def __init__(self, buckets: BucketStores, datasets: Mapping[str, Dataset], *, max_objects: int = 1 << 18,
+                 max_members: int = 1 << 20, scan_window: int = 1 << 20, max_lookups: int = 64,
+                 object_ttl: float = math.inf):
+        """max_objects: HEADs remembered (about 200 bytes each), each for ``object_ttl``
+        seconds; max_members: shard members remembered over all scanned shards (about 150
+        bytes each); max_lookups: HEADs and scans in flight."""
         self.buckets = buckets
         self.stores = buckets.stores
         self._served = _served_roots(datasets)
         self._scan_window = scan_window
         self._lookups = asyncio.Semaphore(max_lookups)
-        self._sizes: Lru[tuple[str, str], int] = Lru(self._head, max_objects)
-        # (members by name, whether a served index gave them) per shard
-        self._tables: Lru[tuple[str, str], tuple[dict[str, tuple[int, int]], bool]] = Lru(
+        self._objects: Lru[tuple[str, str], ObjectInfo] = Lru(self._head, max_objects, ttl=object_ttl)
+        # (members by name, whether a served index gave them) per version of a shard
+        self._tables: Lru[tuple[str, ObjectInfo], tuple[dict[str, tuple[int, int]], bool]] = Lru(
             self._member_table, max_members, weight=lambda table: max(1, len(table[0])))
+
+    def serve(self, datasets: Mapping[str, Dataset]) -> None:
+        """Lend the indexes of ``datasets`` from now on (a dataset was reopened)."""
+        self._served = _served_roots(datasets)
+
+    def forget(self, bucket: str, key: str) -> None:
+        """Drop what a HEAD said of an object (a read found it replaced): the next entry asks again."""
+        self._objects.forget((bucket, key))
 
     def known(self, bucket: str, key: str, archpath: str) -> Span | None:
         """``locate`` without waiting, when everything it needs is at hand (``None`` otherwise):
@@ -167,38 +201,35 @@ class Catalog:
         loose = self._loose(bucket, key)
         if loose is not None and not archpath:
             return loose
-        size = self._sizes.peek((bucket, key)) if loose is None else loose.size
-        if size is None:
+        info = self._objects.peek((bucket, key)) if loose is None else _info(loose)
+        if info is None:
             return None
         if not archpath:
-            return Span(bucket, key, size, 0, size)
-        table = self._tables.peek((bucket, key))
-        return None if table is None else self._member(bucket, key, size, archpath, table)
+            return _whole(bucket, key, info)
+        table = self._tables.peek((bucket, info))
+        return None if table is None else self._member(bucket, key, info, archpath, table)
 
     async def locate(self, bucket: str, key: str, archpath: str) -> Span:
         """The bytes of an entry; ``EntryMissing``, or ``StoreError`` when the store fails."""
         loose = self._loose(bucket, key)
         if loose is not None and not archpath:
             return loose
-        size = await self._size(bucket, key)
+        info = _info(loose) if loose is not None else await self._objects.get((bucket, key))
         if not archpath:
-            return Span(bucket, key, size, 0, size)
-        span = self._member(bucket, key, size, archpath, await self._tables.get((bucket, key)))
+            return _whole(bucket, key, info)
+        span = self._member(bucket, key, info, archpath, await self._tables.get((bucket, info)))
         if span is None:
             raise EntryMissing(f"{key}/{archpath}")
         return span
 
-    def _member(self, bucket: str, key: str, size: int, archpath: str,
+    def _member(self, bucket: str, key: str, info: ObjectInfo, archpath: str,
                 table: tuple[dict[str, tuple[int, int]], bool]) -> Span | None:
         members, indexed = table
         member = members.get(archpath)
         if member is None:
             return None
-        return Span(bucket, key, size, *member, home=self._home(bucket, key) if indexed else None)
-
-    async def _size(self, bucket: str, key: str) -> int:
-        loose = self._loose(bucket, key)
-        return loose.size if loose is not None else await self._sizes.get((bucket, key))
+        return Span(bucket, key, info.size, *member, home=self._home(bucket, key) if indexed else None,
+                    version=info.etag)
 
     def _home(self, bucket: str, key: str) -> tuple[Dataset, int] | None:
         """The served dataset that has ``key`` as a shard (a loose object: a member), and its code."""
@@ -209,32 +240,31 @@ class Catalog:
         return None
 
     def _loose(self, bucket: str, key: str) -> Span | None:
-        """A loose object of a served dataset, whole: its index has the size."""
+        """A loose object of a served dataset, whole: its index has the size, its listing the version."""
         home = self._home(bucket, key)
         if home is None or home[0].index.layout != "objects":
             return None
         size = int(home[0].extents[home[1]])
-        return Span(bucket, key, size, 0, size, home=home)
+        return Span(bucket, key, size, 0, size, home=home, version=home[0].shard_version(home[1]))
 
-    async def _head(self, where: tuple[str, str]) -> int:
+    async def _head(self, where: tuple[str, str]) -> ObjectInfo:
         bucket, key = where
         async with self._lookups:
             try:
-                return (await self.stores[bucket].head(key)).size
+                return await self.stores[bucket].head(key)
             except ObjectNotFound:
                 raise EntryMissing(key) from None
 
-    async def _member_table(self, where: tuple[str, str]) -> tuple[dict[str, tuple[int, int]], bool]:
-        bucket, key = where
-        home = self._home(bucket, key)
+    async def _member_table(self, where: tuple[str, ObjectInfo]) -> tuple[dict[str, tuple[int, int]], bool]:
+        bucket, info = where
+        home = self._home(bucket, info.path)
         if home is not None and home[0].index.layout == "tar":
             return home[0].index.shard_members(home[0].index.shards[home[1]]), True
-        size = await self._size(bucket, key)
         async with self._lookups:
             try:
-                scan = await scan_shard(self.stores[bucket], ObjectInfo(key, size), self._scan_window)
+                scan = await scan_shard(self.stores[bucket], info, self._scan_window)
             except ValueError as err:  # not a tar file, truncated, corrupt header
-                raise EntryMissing(f"{key}: {err}") from None
+                raise EntryMissing(f"{info.path}: {err}") from None
         table: dict[str, tuple[int, int]] = {}
         for name, offset, size in zip(scan.names, scan.offsets, scan.sizes):
             table.setdefault(name, (offset, size))
@@ -249,7 +279,16 @@ class Catalog:
                 yield dataset, key[len(prefix) + 1:]
 
 
-def _served_roots(datasets: dict[str, Dataset]) -> dict[str, list[tuple[str, Dataset]]]:
+def _whole(bucket: str, key: str, info: ObjectInfo) -> Span:
+    return Span(bucket, key, info.size, 0, info.size, version=info.etag)
+
+
+def _info(span: Span) -> ObjectInfo:
+    """What a HEAD would say of the object of ``span``, a whole loose object of a served dataset."""
+    return ObjectInfo(span.key, span.extent, span.version)
+
+
+def _served_roots(datasets: Mapping[str, Dataset]) -> dict[str, list[tuple[str, Dataset]]]:
     """Served S3 datasets by bucket, with their key prefix."""
     roots: dict[str, list[tuple[str, Dataset]]] = {}
     for dataset in datasets.values():

@@ -138,7 +138,7 @@ async def scan_shard(store: Store, info: ObjectInfo, window: int, bar: tqdm | No
         else:  # small members: a whole window, plus what the opening probe did not cover
             want = 2 * window - probe if base == 0 and len(data) == probe else window
         base = scan.pos
-        data = await store.read_range(info.path, base, min(info.size - base, max(want, need)))
+        data = await store.read_range(info.path, base, min(info.size - base, max(want, need)), info.etag)
         if bar is not None:
             bar.update(base - covered)
         covered = base

@@ -3,6 +3,7 @@
     ApiError(status, code, message)       any error answer; the routes raise it or a subclass
     ├── InvalidRequest    400 invalid_request   malformed JSON, wrong types, bad values
     ├── UnknownDataset    404 unknown_dataset   no dataset of that name
+    ├── DatasetChanged    409 dataset_changed   the data changed in the store while it was read
     ├── Overloaded        429 overloaded        admission refused; carries Retry-After
     └── StoreUnavailable  503 store_unavailable the store failed after retries; carries Retry-After
 """
@@ -35,6 +36,11 @@ class UnknownDataset(ApiError):
     def __init__(self, name: str, known: list[str]):
         super().__init__(404, "unknown_dataset", f"no dataset named {name[:200]!r} "
                                                  f"(datasets: {', '.join(known) or 'none'})")
+
+
+class DatasetChanged(ApiError):
+    def __init__(self, message: str):
+        super().__init__(409, "dataset_changed", message, RETRY_AFTER)
 
 
 class Overloaded(ApiError):

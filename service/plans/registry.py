@@ -9,6 +9,8 @@ eviction policy can rank all the cached blocks on each eviction.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 import secrets
 import threading
@@ -22,6 +24,8 @@ from shardfeed.service.config import ServiceConfig
 from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.http.errors import ApiError, Overloaded
 from shardfeed.service.observe.metrics import Metrics
+
+log = logging.getLogger("shardfeed.plans")
 
 WHOLE_SHARE = 1 / 2
 """A block is fetched whole when a cached copy would serve at least this share of its
@@ -173,7 +177,7 @@ class Plans:
         self.metrics = metrics
         self.block_size = config.block_size
         self._plans: dict[str, Plan] = {}
-        self._geometry: dict[str, Geometry] = {}  # by dataset id
+        self._geometry: dict[tuple[str, str], Geometry] = {}  # by dataset id and version
         self._lock = threading.Lock()  # geometry is built in threads
         self.horizon = math.inf
         """Plan positions ahead within which the cache can keep every block the plans read."""
@@ -184,9 +188,9 @@ class Plans:
     def geometry(self, dataset: Dataset) -> Geometry:
         """The dataset's block geometry, built on first use (blocking: call in a thread)."""
         with self._lock:
-            geometry = self._geometry.get(dataset.id)
+            geometry = self._geometry.get((dataset.id, dataset.version))
             if geometry is None:
-                geometry = self._geometry[dataset.id] = Geometry(dataset, self.block_size)
+                geometry = self._geometry[dataset.id, dataset.version] = Geometry(dataset, self.block_size)
         return geometry
 
     def check_room(self, samples: int, *, new: bool = True) -> None:
@@ -221,6 +225,18 @@ class Plans:
         self._plans[plan.id] = plan
         self._horizon_at = 0.0
         self.metrics.plans.set(len(self._plans))
+
+    def rebind(self, old: Dataset, new: Dataset) -> None:
+        """Move the plans of ``old`` to ``new``, the version that replaced it (blocking: the
+        geometry is built here); a plan whose order no longer fits the dataset is dropped."""
+        for plan in self.live(old):
+            if len(plan.order) and int(plan.order.max()) >= len(new.index):
+                log.warning("plan %s dropped: dataset %s now has %d samples", plan.id, new.name, len(new.index))
+                self.remove(plan)
+            else:
+                self.replace(dataclasses.replace(plan, dataset=new, geometry=self.geometry(new)))
+        with self._lock:
+            self._geometry.pop((old.id, old.version), None)
 
     def get(self, dataset: Dataset, plan_id: str) -> Plan:
         self.expire()

@@ -54,7 +54,7 @@ class Coalescer:
         self.fetcher = BlockFetcher(cache, self.memory, metrics, config, cluster)
         self._sibling_reads: dict[BlockKey, asyncio.Future] = {}  # whole sibling blocks being read
         self._holds_all: dict[str, tuple[tuple, bool]] = {}  # dataset id -> (what it was drawn from, answer)
-        self._own_blocks: dict[str, tuple] = {}  # dataset id -> (ownership, blocks in all, shard ids, blocks of each)
+        self._own_blocks: dict[str, tuple] = {}  # dataset id -> ((ownership, version), blocks in all, shard ids, blocks of each)
         self.ranges = RangeReader(self.fetcher.store_read, gap=config.range_gap, max_read=config.max_fetch,
                                   memory=config.plan_memory)
         self.siblings = None if cluster is None else SiblingBlocks(
@@ -118,7 +118,7 @@ class Coalescer:
     async def _ask(self, node: int, dataset: Dataset, members: Members) -> list:
         """The members from another node; from the store here if it fails."""
         try:
-            return await self.cluster.reader(node).read(dataset.name, members)
+            return await self.cluster.reader(node).read(dataset, members)
         except PeerError as err:
             log.warning("reading %d members from the store instead: %s", len(members), err)
             self.metrics.peer_fallbacks.inc(len(members))
@@ -288,20 +288,20 @@ class Coalescer:
         held = self.cache.held(dataset.id)
         ownership = self.cluster.version() if self.cluster is not None else None
         known = self._holds_all.get(dataset.id)
-        if known is not None and known[0] == (held.changes, ownership):
+        if known is not None and known[0] == (held.changes, ownership, dataset.version):
             return known[1]
         own = self._own_blocks.get(dataset.id)
-        if own is None or own[0] != ownership:
+        if own is None or own[0] != (ownership, dataset.version):
             blocks = -(-dataset.extents.astype(np.int64) // self.block_size)  # per shard code
             codes = np.arange(len(blocks))
             if self.cluster is not None:
                 codes = codes[self._own(dataset, codes)]
             need = blocks[codes]
-            own = self._own_blocks[dataset.id] = (ownership, int(need.sum()),
+            own = self._own_blocks[dataset.id] = ((ownership, dataset.version), int(need.sum()),
                                                   [dataset.shard_ids[c] for c in codes.tolist()], need.tolist())
         _, total, shard_ids, need = own
         answer = held.total >= total and all(held.per_shard.get(shard, 0) >= n for shard, n in zip(shard_ids, need))
-        self._holds_all[dataset.id] = ((held.changes, ownership), answer)
+        self._holds_all[dataset.id] = ((held.changes, ownership, dataset.version), answer)
         return answer
 
     def held_blocks(self, keys, *, all_or_none: bool = False) -> dict[BlockKey, memoryview]:

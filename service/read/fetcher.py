@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from shardfeed.service.cache.disk import BlockCache, BlockKey
@@ -25,7 +26,7 @@ from shardfeed.service.config import ServiceConfig
 from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.observe.metrics import Metrics
 from shardfeed.service.read.planner import merge_blocks
-from shardfeed.service.stores import StoreError
+from shardfeed.service.stores import ObjectChanged, StoreError
 
 log = logging.getLogger("shardfeed.coalescer")
 
@@ -48,6 +49,9 @@ class BlockFetcher:
         self.inflight: dict[BlockKey, asyncio.Future] = {}
         """Per block being read, the future of its bytes (or the ``StoreError`` that ended the read)."""
         self._tasks: set[asyncio.Task] = set()
+        self.on_changed: Callable[[Dataset], None] = lambda dataset: None
+        """Called when a read finds a shard replaced in the store (``ObjectChanged``): the
+        dataset is out of date and should be opened again (``datasets/served.py``)."""
         # Cache writes wait on the disk (``O_DIRECT``, ``blockfile.py``): on threads of their
         # own, so a slow disk never queues the cache reads on the default executor behind them.
         self._writer = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="cache-write")
@@ -142,9 +146,15 @@ class BlockFetcher:
                 self.metrics.inflight_store.inc()
                 began = time.perf_counter()
                 try:
-                    pieces = await dataset.store.read_pieces(path, start, end - start, piece)
+                    pieces = await dataset.store.read_pieces(path, start, end - start, piece,
+                                                             dataset.shard_version(shard))
                 finally:
                     self.metrics.inflight_store.dec()
+        except ObjectChanged as err:
+            self.metrics.store_errors.inc()
+            log.warning("store read %s [%d, %d): %s", path, start, end, err)
+            self.on_changed(dataset)
+            raise
         except StoreError as err:
             self.metrics.store_errors.inc()
             log.warning("store read %s [%d, %d) failed: %s", path, start, end, err)

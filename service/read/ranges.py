@@ -52,11 +52,11 @@ class RangeReader:
 
     def holds(self, dataset: Dataset, spans: list[Span]) -> bool:
         """Whether every span is being read or waits for its reader already."""
-        return all((dataset.id, *span) in self._pending for span in spans)
+        return all(_key(dataset, *span) in self._pending for span in spans)
 
     async def read(self, dataset: Dataset, spans: list[Span]) -> list[bytes | StoreError]:
         """The bytes of each span (or the error that prevented reading it), in order."""
-        keys = [(dataset.id, *span) for span in spans]
+        keys = [_key(dataset, *span) for span in spans]
         missing = [span for span, key in zip(spans, keys) if key not in self._pending]
         self._start(dataset, missing, ahead=False)
         futures = [self._pending[key][0] for key in keys]  # before any wait: a sharer may pop them
@@ -69,7 +69,7 @@ class RangeReader:
 
     def read_ahead(self, dataset: Dataset, spans: list[Span]) -> None:
         """Start reading spans for a reader that comes later (callers stay within ``room()``)."""
-        self._start(dataset, [s for s in spans if (dataset.id, *s) not in self._pending], ahead=True)
+        self._start(dataset, [s for s in spans if _key(dataset, *s) not in self._pending], ahead=True)
 
     def _start(self, dataset: Dataset, spans: list[Span], *, ahead: bool) -> None:
         by_shard: dict[int, list[tuple[int, int]]] = defaultdict(list)
@@ -80,7 +80,7 @@ class RangeReader:
         for shard, ranges in by_shard.items():
             for run in _merge(sorted(ranges), self.gap, self.max_read):
                 for start, end in run:
-                    self._pending[(dataset.id, shard, start, end)] = (loop.create_future(), now)
+                    self._pending[_key(dataset, shard, start, end)] = (loop.create_future(), now)
                     if ahead:
                         self._held += end - start
                 task = asyncio.create_task(self._fetch(dataset, shard, run))
@@ -96,7 +96,7 @@ class RangeReader:
         except BaseException as err:  # cancelled at shutdown: waiters must not hang
             payload = StoreError(f"read of {dataset.index.shards[shard]} aborted: {err!r}")
         for start, end in run:
-            entry = self._pending.get((dataset.id, shard, start, end))
+            entry = self._pending.get(_key(dataset, shard, start, end))
             if entry is not None and not entry[0].done():
                 entry[0].set_result(payload if isinstance(payload, StoreError)
                                     else payload[start - first:end - first])
@@ -117,6 +117,12 @@ class RangeReader:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _key(dataset: Dataset, shard: int, start: int, end: int) -> tuple[str, str, int, int]:
+    """What a range read is shared by: the shard's version (``Dataset.shard_ids``), not its
+    code, which another version of the dataset may give another shard."""
+    return dataset.id, dataset.shard_ids[shard], start, end
 
 
 def _merge(ranges: list[tuple[int, int]], gap: int, max_read: int) -> list[list[tuple[int, int]]]:

@@ -9,11 +9,12 @@ from __future__ import annotations
 from urllib.parse import unquote, urlparse
 
 from shardfeed.service.stores.base import (
-    AccessDenied, InvalidPath, ObjectInfo, ObjectNotFound, ShortRead, Store, StoreError, StoreUnavailable,
+    AccessDenied, InvalidPath, ObjectChanged, ObjectInfo, ObjectNotFound, ShortRead, Store, StoreError,
+    StoreUnavailable,
 )
 
 __all__ = [
-    "AccessDenied", "InvalidPath", "ObjectInfo", "ObjectNotFound", "ShortRead",
+    "AccessDenied", "InvalidPath", "ObjectChanged", "ObjectInfo", "ObjectNotFound", "ShortRead",
     "Store", "StoreError", "StoreUnavailable", "open_store",
 ]
 

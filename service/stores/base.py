@@ -2,6 +2,11 @@
 
 A store is rooted at a dataset URL (``file:///data/train`` or ``s3://bucket/prefix``);
 every path it takes is relative to that root and confined to it.
+
+Objects are mutable. Listings and HEADs name each object's version (``ObjectInfo.etag``),
+and a read given that ``version`` is conditional (S3's ``If-Match``): it returns bytes of
+that version or raises ``ObjectChanged``, never bytes of another. Callers that keep bytes
+(the block cache) key them by the version, so a replaced object is never served stale.
 """
 
 from __future__ import annotations
@@ -36,11 +41,17 @@ class ShortRead(StoreError):
     """A read returned fewer or more bytes than asked for (truncated or mismatched)."""
 
 
+class ObjectChanged(StoreError):
+    """The object is no longer the version a read asked for: it was replaced in the store."""
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     path: str  # relative to the store root, '/'-separated
     size: int
     etag: str | None = None
+    """The object's version as the store names it (S3's ETag; a file's inode, mtime and size).
+    A read given it as ``version`` fails with ``ObjectChanged`` once the object is replaced."""
 
 
 def clean_path(path: str) -> str:
@@ -59,23 +70,25 @@ class Store(ABC):
     url: str
 
     @abstractmethod
-    async def read_range(self, path: str, offset: int, size: int) -> bytes:
-        """Exactly ``size`` bytes of ``path`` from ``offset``; ``ShortRead`` otherwise."""
+    async def read_range(self, path: str, offset: int, size: int, version: str | None = None) -> bytes:
+        """Exactly ``size`` bytes of ``path`` from ``offset``; ``ShortRead`` otherwise.
+        ``version``: only of that version (``ObjectInfo.etag``); ``ObjectChanged`` otherwise."""
 
-    async def read_pieces(self, path: str, offset: int, size: int, piece: int) -> list[bytes]:
+    async def read_pieces(self, path: str, offset: int, size: int, piece: int,
+                          version: str | None = None) -> list[bytes]:
         """``read_range`` as consecutive pieces of ``piece`` bytes (the last may be shorter),
         each an object of its own: a cache can keep any piece without the others' bytes.
         This default splits one read with a copy; backends that can fill the pieces as the
         bytes arrive do so."""
-        data = await self.read_range(path, offset, size)
+        data = await self.read_range(path, offset, size, version)
         if size <= piece:
             return [data]
         view = memoryview(data)
         return [bytes(view[at:at + piece]) for at in range(0, size, piece)]
 
     @abstractmethod
-    async def read(self, path: str) -> bytes:
-        """The whole object."""
+    async def read(self, path: str, version: str | None = None) -> bytes:
+        """The whole object (of ``version`` when given, as ``read_range``)."""
 
     @abstractmethod
     async def write(self, path: str, data: bytes) -> None:

@@ -1,4 +1,7 @@
-"""``file://`` store: the embedded default. File I/O runs in threads, off the event loop."""
+"""``file://`` store: the embedded default. File I/O runs in threads, off the event loop.
+
+A file's version is its inode, modification time and size: writes replace a file (a new
+inode), and a file rewritten in place changes its mtime."""
 
 from __future__ import annotations
 
@@ -8,8 +11,13 @@ import tempfile
 from pathlib import Path
 
 from shardfeed.service.stores.base import (
-    InvalidPath, ObjectInfo, ObjectNotFound, ShortRead, Store, StoreError, clean_path,
+    InvalidPath, ObjectChanged, ObjectInfo, ObjectNotFound, ShortRead, Store, StoreError, clean_path,
 )
+
+
+def file_version(st: os.stat_result) -> str:
+    """The version (``ObjectInfo.etag``) of a file of status ``st``."""
+    return f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"
 
 
 class FileStore(Store):
@@ -24,10 +32,11 @@ class FileStore(Store):
             raise InvalidPath(f"object path {path!r} escapes the dataset root {self.url}")
         return full
 
-    def _read_pieces(self, path: str, offset: int, size: int, piece: int) -> list[bytes]:
+    def _read_pieces(self, path: str, offset: int, size: int, piece: int, version: str | None) -> list[bytes]:
         full = self._resolve(path)
         try:
             with open(full, "rb") as f:
+                self._check(f, path, version)
                 f.seek(offset)
                 pieces = [f.read(min(piece, size - at)) for at in range(0, size, piece)] if size else [b""]
         except FileNotFoundError:
@@ -41,10 +50,17 @@ class FileStore(Store):
             raise ShortRead(f"{self.url}/{path}: wanted {size} bytes at {offset}, got {got}")
         return pieces
 
-    def _read(self, path: str) -> bytes:
+    def _check(self, f, path: str, version: str | None) -> None:
+        """``ObjectChanged`` unless the open file ``f`` is of ``version`` (when given)."""
+        if version is not None and file_version(os.fstat(f.fileno())) != version:
+            raise ObjectChanged(f"{self.url}/{path}: replaced in the store since it was listed")
+
+    def _read(self, path: str, version: str | None) -> bytes:
         full = self._resolve(path)
         try:
-            return full.read_bytes()
+            with open(full, "rb") as f:
+                self._check(f, path, version)
+                return f.read()
         except (FileNotFoundError, IsADirectoryError):
             raise ObjectNotFound(f"{self.url}/{path}: no such object") from None
         except OSError as err:
@@ -78,7 +94,8 @@ class FileStore(Store):
                 full = Path(dirpath, name)
                 rel = full.relative_to(self.root).as_posix()
                 if rel.startswith(prefix):
-                    out.append(ObjectInfo(rel, full.stat().st_size))
+                    st = full.stat()
+                    out.append(ObjectInfo(rel, st.st_size, file_version(st)))
         return sorted(out, key=lambda o: o.path)
 
     def _head(self, path: str) -> ObjectInfo:
@@ -89,16 +106,17 @@ class FileStore(Store):
             raise ObjectNotFound(f"{self.url}/{path}: no such object") from None
         if not full.is_file():
             raise ObjectNotFound(f"{self.url}/{path}: not a file")
-        return ObjectInfo(clean_path(path), st.st_size)
+        return ObjectInfo(clean_path(path), st.st_size, file_version(st))
 
-    async def read_range(self, path: str, offset: int, size: int) -> bytes:
-        return (await asyncio.to_thread(self._read_pieces, path, offset, size, max(size, 1)))[0]
+    async def read_range(self, path: str, offset: int, size: int, version: str | None = None) -> bytes:
+        return (await asyncio.to_thread(self._read_pieces, path, offset, size, max(size, 1), version))[0]
 
-    async def read_pieces(self, path: str, offset: int, size: int, piece: int) -> list[bytes]:
-        return await asyncio.to_thread(self._read_pieces, path, offset, size, piece)
+    async def read_pieces(self, path: str, offset: int, size: int, piece: int,
+                          version: str | None = None) -> list[bytes]:
+        return await asyncio.to_thread(self._read_pieces, path, offset, size, piece, version)
 
-    async def read(self, path: str) -> bytes:
-        return await asyncio.to_thread(self._read, path)
+    async def read(self, path: str, version: str | None = None) -> bytes:
+        return await asyncio.to_thread(self._read, path, version)
 
     async def write(self, path: str, data: bytes) -> None:
         await asyncio.to_thread(self._write, path, data)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter
@@ -97,11 +97,13 @@ class HedgedStore(Store):
         self.hedger = hedger
         self.latencies = _Latencies(hedger.policy)
 
-    async def read_range(self, path: str, offset: int, size: int) -> bytes:
-        return await self._hedged(lambda: self.store.read_range(path, offset, size), path, offset, size)
+    async def read_range(self, path: str, offset: int, size: int, version: str | None = None) -> bytes:
+        return await self._hedged(lambda: self.store.read_range(path, offset, size, version), path, offset, size)
 
-    async def read_pieces(self, path: str, offset: int, size: int, piece: int) -> list[bytes]:
-        return await self._hedged(lambda: self.store.read_pieces(path, offset, size, piece), path, offset, size)
+    async def read_pieces(self, path: str, offset: int, size: int, piece: int,
+                          version: str | None = None) -> list[bytes]:
+        return await self._hedged(lambda: self.store.read_pieces(path, offset, size, piece, version),
+                                  path, offset, size)
 
     async def _timed(self, read: Callable[[], Awaitable[T]]) -> T:
         loop = asyncio.get_running_loop()
@@ -141,14 +143,18 @@ class HedgedStore(Store):
                     task.cancel()
                     task.add_done_callback(_silence)
 
-    async def read(self, path: str) -> bytes:
-        return await self.store.read(path)
+    async def read(self, path: str, version: str | None = None) -> bytes:
+        return await self.store.read(path, version)
 
     async def write(self, path: str, data: bytes) -> None:
         await self.store.write(path, data)
 
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
         return await self.store.list(prefix)
+
+    async def list_pages(self, prefix: str = "") -> AsyncIterator[list[ObjectInfo]]:
+        async for page in self.store.list_pages(prefix):
+            yield page
 
     async def head(self, path: str) -> ObjectInfo:
         return await self.store.head(path)

@@ -15,7 +15,6 @@ else AWS's regional endpoint, path-style addressing, the region from the AWS con
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 from urllib.parse import quote
@@ -33,7 +32,7 @@ from shardfeed.service.stores.base import (
     AccessDenied, ObjectInfo, ShortRead, Store, StoreError, StoreUnavailable, clean_path,
 )
 from shardfeed.service.stores.s3wire import (
-    Overloaded, Truncated, check_range, completed, drain, host_header, parse_listing, raise_for_status, read_body,
+    Overloaded, Truncated, check_range, check_version, completed, drain, host_header, parse_listing, raise_for_status, read_body,
     read_pieces, resolve_endpoint, retryable, upload_id,
 )
 
@@ -43,10 +42,6 @@ _SIGN_IN_THREAD = 1 << 20  # hashing a larger body for the signature would stall
 READ_BUFFER = 1 << 20
 """aiohttp's read buffer per response: a block-sized range arrives in a few large pieces,
 not sixteen 64 KiB ones, each a pass through aiohttp's Python."""
-PINNED_ETAGS = 1 << 18
-"""Objects whose first-read ETag is remembered (least recently read forgotten first): a
-dataset's shards all fit; a GetBatch bucket's objects may not, and one forgotten is pinned
-again at its next read."""
 MIN_PART, MAX_PART = 5 << 20, 5 << 30  # S3's multipart limits (the last part may be smaller)
 
 
@@ -55,8 +50,8 @@ class S3Store(Store):
 
     Counters for observability: ``requests`` (HTTP requests sent, retries included),
     ``retries`` and ``bytes_read`` (payload bytes of successful reads).
-    Range reads of one object are pinned to the ETag of the first: an object replaced
-    while being served fails its reads instead of mixing bytes of two versions.
+    A read given a ``version`` (an ETag) sends ``If-Match`` and checks the answer's ETag:
+    a replaced object fails with ``ObjectChanged`` instead of mixing bytes of two versions.
     The aiohttp session is created lazily in the running event loop; if the store is
     later used from another loop (``asyncio.run`` twice), it opens a fresh session there.
     """
@@ -100,7 +95,6 @@ class S3Store(Store):
         self.requests = 0
         self.retries = 0
         self.bytes_read = 0
-        self._etags: OrderedDict[str, str] = OrderedDict()  # key -> ETag of the first range read of it
         self._botocore = botocore.session.get_session()
         try:
             self.region = region or self._botocore.get_config_variable("region") or "us-east-1"
@@ -241,19 +235,21 @@ class S3Store(Store):
 
     # -- the Store interface ----------------------------------------------------------
 
-    async def read_range(self, path: str, offset: int, size: int) -> bytes:
+    async def read_range(self, path: str, offset: int, size: int, version: str | None = None) -> bytes:
         if size == 0 and offset >= 0:
             return b""
-        return await self._ranged(path, offset, size, lambda resp, name: self._body(resp, name, size))
+        return await self._ranged(path, offset, size, version, lambda resp, name: self._body(resp, name, size))
 
-    async def read_pieces(self, path: str, offset: int, size: int, piece: int) -> list[bytes]:
+    async def read_pieces(self, path: str, offset: int, size: int, piece: int,
+                          version: str | None = None) -> list[bytes]:
         if size <= piece:
-            return [await self.read_range(path, offset, size)]
-        return await self._ranged(path, offset, size, lambda resp, name: self._pieces(resp, name, size, piece))
+            return [await self.read_range(path, offset, size, version)]
+        return await self._ranged(path, offset, size, version,
+                                  lambda resp, name: self._pieces(resp, name, size, piece))
 
-    async def _ranged(self, path: str, offset: int, size: int,
+    async def _ranged(self, path: str, offset: int, size: int, version: str | None,
                       body: Callable[[aiohttp.ClientResponse, str], Awaitable[T]]) -> T:
-        """A ranged GET of ``size`` bytes from ``offset``, its body read by ``body``."""
+        """A ranged GET of ``size`` bytes from ``offset`` (of ``version``), its body read by ``body``."""
         if offset < 0 or size < 0:
             raise ValueError(f"read_range({path!r}, {offset}, {size}): negative offset or size")
         key = self._key(path)
@@ -261,23 +257,21 @@ class S3Store(Store):
 
         async def check(resp: aiohttp.ClientResponse) -> T:
             check_range(resp, object_url, offset, size)
-            data = await body(resp, object_url)
-            etag = resp.headers.get("ETag")
-            if etag:  # every range of an object must come from the version first read
-                pinned = self._etags.setdefault(key, etag)
-                self._etags.move_to_end(key)
-                if len(self._etags) > PINNED_ETAGS:
-                    self._etags.popitem(last=False)
-                if etag != pinned:
-                    raise StoreError(f"{object_url} changed while being served (ETag {pinned} -> {etag}); "
-                                     "re-index the dataset and restart the service")
-            return data
+            check_version(resp, object_url, version)
+            return await body(resp, object_url)
 
-        return await self._call("GET", key, check, headers={"Range": f"bytes={offset}-{offset + size - 1}"})
+        headers = {"Range": f"bytes={offset}-{offset + size - 1}", **_if_match(version)}
+        return await self._call("GET", key, check, headers=headers)
 
-    async def read(self, path: str) -> bytes:
+    async def read(self, path: str, version: str | None = None) -> bytes:
         key = self._key(path)
-        return await self._call("GET", key, lambda resp: self._body(resp, self._object_url(key)))
+        object_url = self._object_url(key)
+
+        async def whole(resp: aiohttp.ClientResponse) -> bytes:
+            check_version(resp, object_url, version)
+            return await self._body(resp, object_url)
+
+        return await self._call("GET", key, whole, headers=_if_match(version))
 
     async def write(self, path: str, data: bytes) -> None:
         async def done(resp: aiohttp.ClientResponse) -> None:
@@ -369,3 +363,7 @@ class S3Store(Store):
                 await session.close()
             else:
                 session.detach()
+
+
+def _if_match(version: str | None) -> dict[str, str]:
+    return {"If-Match": f'"{version}"'} if version is not None else {}

@@ -17,7 +17,14 @@ from urllib.parse import unquote_plus, urlsplit
 
 import aiohttp
 
-from shardfeed.service.stores.base import AccessDenied, ObjectNotFound, ShortRead, StoreError, StoreUnavailable
+from shardfeed.service.stores.base import (
+    AccessDenied,
+    ObjectChanged,
+    ObjectNotFound,
+    ShortRead,
+    StoreError,
+    StoreUnavailable,
+)
 
 CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 ERROR_FIELD = re.compile(r"<(Code|Message)>([^<]*)</\1>")
@@ -84,6 +91,8 @@ async def raise_for_status(resp: aiohttp.ClientResponse, object_url: str, key: s
         raise ObjectNotFound(f"{object_url}: no such object")
     if resp.status == 416:
         raise ShortRead(f"{object_url}: range starts past the end of the object")
+    if resp.status == 412:
+        raise ObjectChanged(f"{object_url}: replaced in the store (If-Match failed: {detail})")
     if resp.status in _TRANSIENT_STATUS or code == "SlowDown":
         raise Overloaded(f"{object_url}: S3 answered HTTP {resp.status} ({detail})",
                           retry_after(resp.headers))
@@ -125,6 +134,13 @@ async def read_pieces(resp: aiohttp.ClientResponse, name: str, size: int, piece:
         reason = getattr(err.__cause__, "message", None) or str(err)
         raise Truncated(f"{name}: body cut short ({' '.join(reason.split())})") from None
     return pieces
+
+def check_version(resp: aiohttp.ClientResponse, object_url: str, version: str | None) -> None:
+    """Refuse an answer of another version than asked for (a server that ignores If-Match)."""
+    etag = resp.headers.get("ETag", "").strip('"')
+    if version is not None and etag and etag != version:
+        raise ObjectChanged(f"{object_url}: replaced in the store (ETag {version} -> {etag})")
+
 
 def check_range(resp: aiohttp.ClientResponse, object_url: str, offset: int, size: int) -> None:
     """Refuse an answer to ``Range: bytes=offset-(offset+size-1)`` that is not exactly that range."""

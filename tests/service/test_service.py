@@ -82,6 +82,7 @@ def test_per_sample_and_whole_sample_gets_return_the_source_bytes(service, s3_da
     whole = httpx.get(f"{service.url}/v1/datasets/train/samples/14")
     assert tar_members(whole.content) == expected(source, [14])
     info = httpx.get(f"{service.url}/v1/datasets/train").json()
+    assert len(info.pop("version")) == 12 and abs(info.pop("checked") - time.time()) < 3600
     assert info == {"name": "train", "url": s3_dataset[0], "samples": SAMPLES, "shards": 4,
                     "bytes": sum(len(v) for v in source.values()), "fields": ["bin", "cls", "json"],
                     "shard_samples": 50, "cache": {"bytes": 10 << 30, "block_size": 64 << 10}}

@@ -223,6 +223,7 @@ def test_with_tokens_the_page_asks_for_one_and_then_shows_the_figures(browser, d
         watched.wait("document.body.dataset.connected === 'yes'")
         doc, figures = watched.rendered()
         check_figures(doc, figures)
-        assert "train" in watched.page.text_content("#datasets")
+        datasets = watched.page.text_content("#datasets")
+        assert "train" in datasets and doc["datasets"][0]["version"] in datasets and " s ago)" in datasets
         assert watched.errors == []
         assert all("401" in line for line in watched.console), watched.console  # the refused tries

@@ -16,7 +16,7 @@ from shardfeed.benchmarks.s3proxy import start_proxy
 from shardfeed.process import free_port
 from shardfeed.retry import Backoff
 from shardfeed.service.stores import (
-    AccessDenied, InvalidPath, ObjectNotFound, ShortRead, StoreError, StoreUnavailable, open_store,
+    AccessDenied, InvalidPath, ObjectChanged, ObjectNotFound, ShortRead, StoreError, StoreUnavailable, open_store,
 )
 
 FAST = Backoff(attempts=4, base=0.01, cap=0.05)
@@ -308,21 +308,21 @@ def test_refreshed_credentials_are_used_on_the_next_request(s3_env, bucket, tmp_
     run(go())
 
 
-def test_an_object_rewritten_while_served_is_refused_and_the_etag_pins_stay_bounded(bucket, monkeypatch):
-    import shardfeed.service.stores.s3 as s3_module
-
-    monkeypatch.setattr(s3_module, "PINNED_ETAGS", 2)
-
+def test_a_read_of_a_version_is_refused_once_the_object_is_replaced(bucket):
     async def main():
         async with s3(bucket) as store:
-            for name in ("a", "b", "c"):
-                await store.write(name, DATA)
-                await store.read_range(name, 0, 10)
-            assert list(store._etags) == ["data/b", "data/c"]  # "a", least recently read, was forgotten
-            await store.write("c", DATA[::-1])
-            with pytest.raises(StoreError, match="changed while being served"):
-                await store.read_range("c", 0, 10)
-            await store.write("a", DATA[::-1])  # not pinned any more: pinned afresh
-            assert await store.read_range("a", 0, 10) == DATA[::-1][:10]
+            await store.write("c", DATA)
+            listed = {info.path: info for info in await store.list()}["c"]
+            head = await store.head("c")
+            assert listed.etag == head.etag and listed.etag
+            assert await store.read_range("c", 0, 10, head.etag) == DATA[:10]
+            assert await store.read("c", head.etag) == DATA
+            await store.write("c", DATA[::-1])  # same size, other bytes
+            for read in (store.read_range("c", 0, 10, head.etag), store.read("c", head.etag),
+                         store.read_pieces("c", 0, 2 * len(DATA) // 3, len(DATA) // 3, head.etag)):
+                with pytest.raises(ObjectChanged, match="replaced in the store"):
+                    await read
+            assert await store.read_range("c", 0, 10) == DATA[::-1][:10]  # no version: whatever is there
+            assert await store.read_range("c", 0, 10, (await store.head("c")).etag) == DATA[::-1][:10]
 
     run(main())

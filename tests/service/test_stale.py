@@ -1,0 +1,222 @@
+"""Never a stale byte: the cache is keyed by the version the store holds (ETag and size, a
+file's inode and mtime), every read asks for that version, and a dataset or object that
+changes is reopened. Real moto over HTTP, the service as a subprocess, byte-exact checks
+against what was put in the store."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from aistore.sdk import Client as AisClient
+
+from shardfeed.client import Client
+from shardfeed.process import start_service
+from shardfeed.service.datasets.dataset import open_dataset
+from shardfeed.service.stores import ObjectChanged, open_store
+
+from common.datasets import dir_put, make_dataset, s3_put
+from common.s3 import point_aws_at
+from common.service import fetch_batch, metrics, tar_members
+
+pytestmark = pytest.mark.slow
+
+SAMPLES = 120
+SAME_LAYOUT = {"samples": SAMPLES, "per_shard": 30, "sizes": (6000, 6000)}
+"""Fixed sizes: two seeds give shards of the same layout and other bytes, so a listing taken
+while shards are being replaced still reads every sample whole, from one version."""
+
+
+def expected(source: dict, indices) -> list[tuple[str, bytes]]:
+    fields = sorted({f for (_, f) in source})
+    return [(f"sample{i:06d}.{f}", source[(i, f)]) for i in indices for f in fields if (i, f) in source]
+
+
+def version(url: str, **kw) -> str:
+    return httpx.get(f"{url}/v1/datasets/train", **kw).json()["version"]
+
+
+def test_a_restart_on_a_kept_cache_after_reseeding_serves_the_new_bytes(moto, tmp_path):
+    moto.create_bucket("reseeded")
+    s3 = moto.client()
+    old = make_dataset(s3_put(s3, "reseeded", "train"), samples=SAMPLES, per_shard=30, seed=1)
+    cache = tmp_path / "cache"
+    every = list(range(SAMPLES))
+    with start_service({"train": "s3://reseeded/train"}, cache_dir=cache, env=moto.env(),
+                       args=["--block-size", "64KiB"]) as svc:
+        assert fetch_batch(svc.url, every) == expected(old, every)
+        assert metrics(svc.url)["shardfeed_cache_blocks"] > 0
+    new = make_dataset(s3_put(s3, "reseeded", "train"), samples=SAMPLES, per_shard=30, seed=2)
+    with start_service({"train": "s3://reseeded/train"}, cache_dir=cache, env=moto.env(),
+                       args=["--block-size", "64KiB"]) as svc:
+        assert metrics(svc.url)["shardfeed_cache_blocks"] == 0  # every shard changed: its blocks dropped
+        order = random.Random(3).sample(every, SAMPLES)
+        assert fetch_batch(svc.url, order) == expected(new, order)
+
+
+def test_getbatch_objects_overwritten_are_never_served_stale(moto, tmp_path):
+    moto.create_bucket("gb-stale")
+    s3 = moto.client()
+    rng = random.Random(5)
+    keys = [f"obj/{i:03d}.bin" for i in range(40)]
+    old = {key: rng.randbytes(rng.randint(1000, 90_000)) for key in keys}
+    for key in keys:
+        s3.put_object(Bucket="gb-stale", Key=key, Body=old[key])
+
+    def getbatch(url: str, wanted: list[str]) -> list[bytes]:
+        batch = AisClient(url).batch(wanted, bucket=AisClient(url).bucket("gb-stale", provider="s3"))
+        return [data for _, data in batch.get()]
+
+    def overwrite(wanted: list[str]) -> dict[str, bytes]:
+        new = {key: bytes(b ^ 0xA5 for b in old[key]) for key in wanted}  # same size, other bytes
+        for key in wanted:
+            s3.put_object(Bucket="gb-stale", Key=key, Body=new[key])
+        return new
+
+    cache = tmp_path / "cache"
+    args = ["--bucket", "gb-stale", "--block-size", "64KiB", "--object-ttl", "1"]
+    with start_service({}, cache_dir=cache, env=moto.env(), args=args) as svc:
+        assert getbatch(svc.url, keys) == [old[k] for k in keys]
+        assert getbatch(svc.url, keys) == [old[k] for k in keys]  # warm, from the cache
+    new = overwrite(keys)  # while the service is stopped: its cache keeps the old blocks
+    with start_service({}, cache_dir=cache, env=moto.env(), args=args) as svc:
+        assert getbatch(svc.url, keys) == [new[k] for k in keys]
+        old.update(new)
+        newer = overwrite(keys[:10])  # while it runs: seen within --object-ttl
+        time.sleep(1.2)
+        assert getbatch(svc.url, keys) == [newer.get(k, new[k]) for k in keys]
+
+
+def test_shards_replaced_mid_epoch_never_yield_a_mixed_sample(moto, tmp_path):
+    """Readers hammer random batches while every shard is replaced one by one; reads of the old
+    versions fail (If-Match), the dataset is reopened, the batch read again. Every sample is
+    wholly one version; after the reload, every sample is the new one."""
+    moto.create_bucket("midepoch")
+    s3 = moto.client()
+    old = make_dataset(s3_put(s3, "midepoch", "train"), seed=1, **SAME_LAYOUT)
+    staged = {}
+    new = make_dataset(lambda path, data: staged.__setitem__(path, data), seed=2, **SAME_LAYOUT)
+    mixed, served, errors = [], [0], []
+    stop = threading.Event()
+    # A cache of a quarter of the dataset: blocks keep being evicted and read again.
+    with start_service({"train": "s3://midepoch/train"}, cache_dir=tmp_path / "cache", cache_size="200KiB",
+                       env=moto.env(), args=["--block-size", "16KiB", "--memory-cache", "0"]) as svc:
+
+        def read(seed: int) -> None:
+            rng = random.Random(seed)
+            with Client(svc.url) as client:
+                while not stop.is_set():
+                    indices = rng.sample(range(SAMPLES), 16)
+                    try:
+                        samples = client.get_batch("train", indices)
+                    except Exception as err:  # noqa: BLE001 - counted, and the test fails on it
+                        errors.append(repr(err))
+                        continue
+                    for i, sample in zip(indices, samples):
+                        versions = {name for name, source in (("old", old), ("new", new))
+                                    if all(sample[f] == source[(i, f)] for f in ("bin", "cls"))}
+                        if not versions:
+                            mixed.append(i)
+                    served[0] += len(indices)
+
+        threads = [threading.Thread(target=read, args=(seed,)) for seed in range(3)]
+        for thread in threads:
+            thread.start()
+        time.sleep(1.0)
+        before = version(svc.url)
+        for path, data in staged.items():  # the shards, then the index, as a writer would
+            if path != "index.parquet":
+                s3.put_object(Bucket="midepoch", Key=f"train/{path}", Body=data)
+                time.sleep(0.3)
+        s3.put_object(Bucket="midepoch", Key="train/index.parquet", Body=staged["index.parquet"])
+        reloaded = httpx.post(f"{svc.url}/v1/datasets/train/reload", timeout=30).json()["dataset"]
+        time.sleep(1.0)
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert reloaded["version"] != before and reloaded["checked"] > time.time() - 30
+        assert not mixed and not errors, (mixed[:5], errors[:3])
+        assert served[0] > 100
+        assert metrics(svc.url)["shardfeed_store_errors_total"] > 0  # old versions were refused
+        assert fetch_batch(svc.url, range(SAMPLES)) == expected(new, range(SAMPLES))
+
+
+def test_sighup_and_the_reload_route_reopen_every_worker(moto, tmp_path):
+    moto.create_bucket("reopened")
+    s3 = moto.client()
+    make_dataset(s3_put(s3, "reopened", "train"), samples=60, per_shard=20, seed=1)
+    auth = {"Authorization": "Bearer sesame"}
+    with start_service({"train": "s3://reopened/train"}, cache_dir=tmp_path / "cache", workers=2,
+                       env={**moto.env(), "SHARDFEED_TOKENS": "sesame"}, args=["--block-size", "64KiB"]) as svc:
+        first = version(svc.url, headers=auth)
+
+        def every_worker_at_a_new_version(than: str) -> str:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                seen = {version(svc.url, headers=auth) for _ in range(12)}  # the port is shared by both
+                if than not in seen and len(seen) == 1:
+                    return seen.pop()
+                time.sleep(0.2)
+            raise AssertionError(f"workers still at {seen}")
+
+        second_source = make_dataset(s3_put(s3, "reopened", "train"), samples=80, per_shard=20, seed=2)
+        os.kill(svc.process.pid, signal.SIGHUP)  # the supervisor passes it on to its workers
+        second = every_worker_at_a_new_version(first)
+        assert svc.process.poll() is None
+        third_source = make_dataset(s3_put(s3, "reopened", "train"), samples=70, per_shard=35, seed=3)
+        refused = httpx.post(f"{svc.url}/v1/datasets/train/reload")
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthorized"
+        unknown = httpx.post(f"{svc.url}/v1/datasets/nope/reload", headers=auth)
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "unknown_dataset"
+        answer = httpx.post(f"{svc.url}/v1/datasets/train/reload", headers=auth, timeout=30).json()["dataset"]
+        assert answer["samples"] == 70 and answer["version"] != second
+        assert every_worker_at_a_new_version(second) == answer["version"]  # relayed to the sibling
+        resp = httpx.post(f"{svc.url}/v1/batch", json={"dataset": "train", "indices": list(range(70))},
+                          headers=auth, timeout=60)
+        assert resp.headers["X-Shardfeed-Dataset-Version"] == answer["version"]
+        assert tar_members(resp.content) == expected(third_source, range(70))
+        assert second_source  # seeded, then replaced
+
+
+def test_opening_a_dataset_lists_its_root_in_pages_and_heads_no_shard(moto, monkeypatch):
+    moto.create_bucket("listed")
+    make_dataset(s3_put(moto.client(), "listed", "train"), samples=31, per_shard=1)  # 31 shards
+    point_aws_at(moto, monkeypatch)
+
+    async def main():
+        store = open_store("s3://listed/train")
+        store.list_page_size = 10  # 32 objects: 4 pages
+        try:
+            dataset = await open_dataset("train", "s3://listed/train", store=store)
+        finally:
+            await store.close()
+        return dataset, store.requests
+
+    dataset, requests = asyncio.run(main())
+    assert len(dataset.index.shards) == 31 and all(dataset.versions)
+    assert requests == 4 + 1  # the pages, and the index: no HEAD per shard
+
+
+def test_a_file_store_read_of_a_version_fails_once_the_file_is_replaced(tmp_path):
+    make_dataset(dir_put(tmp_path), samples=4, per_shard=2)
+
+    async def main():
+        store = open_store(str(tmp_path))
+        infos = {info.path: info for info in await store.list()}
+        shard = infos["shards/part-0000.tar"]
+        assert (await store.head(shard.path)).etag == shard.etag
+        assert len(await store.read_range(shard.path, 0, 512, shard.etag)) == 512
+        await store.write(shard.path, b"x" * shard.size)  # replaced: same size, new inode
+        with pytest.raises(ObjectChanged):
+            await store.read_range(shard.path, 0, 512, shard.etag)
+        with pytest.raises(ObjectChanged):
+            await store.read(shard.path, shard.etag)
+        assert await store.read_range(shard.path, 0, 4) == b"xxxx"
+
+    asyncio.run(main())
