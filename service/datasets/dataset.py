@@ -1,7 +1,8 @@
 """A served dataset: its store, its index, and the per-shard facts the coalescer needs.
 
-A dataset is opened from one listing of its root, which names every object's version
-(``ObjectInfo.etag``, ``stores/base.py``): the index is read at the version listed, each
+A dataset is opened from one listing of its shards' prefix, which names every shard's
+version (``ObjectInfo.etag``, ``stores/base.py``): the index is read at the version its
+HEAD names, each
 shard's blocks are cached under a name that includes its version (``cache.shard_id``),
 and every store read of a shard is conditional on that version. A dataset that changes
 in the store is opened again (``served.py``); the old ``Dataset`` keeps reading its own
@@ -11,6 +12,7 @@ versions, or fails, and never mixes the two.
 from __future__ import annotations
 
 import hashlib
+import posixpath
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -19,12 +21,11 @@ import numpy as np
 
 from shardfeed.service.cache.disk import dataset_id, shard_id
 from shardfeed.service.datasets import layouts
-from shardfeed.service.datasets.index import Index, load_index
-from shardfeed.service.datasets.indexfile import INDEX_FILE
+from shardfeed.service.datasets.index import Index, read_index
 from shardfeed.service.stores import ObjectChanged, ObjectInfo, ObjectNotFound, Store, open_store
 
 OPEN_ATTEMPTS = 3
-"""Listings taken when the index changes between the listing and its read."""
+"""Reads of the index when it changes between its HEAD and its read."""
 
 
 @dataclass
@@ -84,22 +85,7 @@ async def open_dataset(name: str, url: str, store_options: dict | None = None, *
     own_store = store is None
     store = open_store(url, **(store_options or {})) if own_store else store
     try:
-        for attempt in range(OPEN_ATTEMPTS):
-            checked = time.time()
-            listing = await layouts.list_objects(store, progress=False)
-            objects = {info.path: info for info in listing}
-            listed = objects.get(INDEX_FILE)
-            try:
-                index = await load_index(store, listed.etag if listed is not None else None)
-            except ObjectChanged:  # rewritten since the listing: list again
-                if attempt == OPEN_ATTEMPTS - 1:
-                    raise
-                continue
-            except ObjectNotFound:
-                if not index_objects:
-                    raise
-                index = await layouts.index_objects(store, listing=listing)
-            break
+        index, listed, objects = await _index_and_versions(store, index_objects)
     except BaseException:
         if own_store:
             await store.close()
@@ -111,8 +97,30 @@ async def open_dataset(name: str, url: str, store_options: dict | None = None, *
         shard_ids=[shard_id(path, *_version(info)) for path, info in zip(index.shards, shards)],
         shard_samples=index.shard_samples(),
         versions=[info.etag if info is not None else None for info in shards],
-        version=_digest(listed, shards), checked=checked,
+        version=_digest(listed, shards), checked=time.time(),
     )
+
+
+async def _index_and_versions(store: Store, index_objects: bool,
+                              ) -> tuple[Index, ObjectInfo | None, dict[str, ObjectInfo]]:
+    """The index (read at the version a HEAD names), that version, and a listing of the
+    shards' common prefix: one page per 1,000 shards, whatever else the root holds."""
+    for attempt in range(OPEN_ATTEMPTS):
+        try:
+            index, listed = await read_index(store)
+        except ObjectChanged:  # replaced between its HEAD and its read: again
+            if attempt == OPEN_ATTEMPTS - 1:
+                raise
+            continue
+        except ObjectNotFound:
+            if not index_objects:
+                raise
+            listing = await layouts.list_objects(store, progress=False)
+            return await layouts.index_objects(store, listing=listing), None, {i.path: i for i in listing}
+        # A key prefix, not a directory: S3 and the file store both list by string prefix.
+        listing = await layouts.list_objects(store, prefix=posixpath.commonprefix(index.shards), progress=False)
+        return index, listed, {info.path: info for info in listing}
+    raise AssertionError("unreachable")
 
 
 def _version(info: ObjectInfo | None) -> tuple[str | None, int | None]:

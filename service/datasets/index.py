@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from shardfeed.service.datasets.indexfile import (
     INDEX_FILE, LAYOUT_KEY, SCHEMA, VERSION, VERSION_KEY, IndexFormatError, first_row, index_columns,
 )
-from shardfeed.service.stores import ObjectNotFound, Store
+from shardfeed.service.stores import ObjectInfo, ObjectNotFound, Store
 from shardfeed.sizes import format_size
 
 
@@ -301,14 +301,20 @@ def index_from_parquet(data: bytes, name: str = INDEX_FILE) -> Index:
         pa.default_memory_pool().release_unused()  # hand the decode buffers back to the OS
 
 
-async def load_index(store: Store, version: str | None = None) -> Index:
-    """Read and validate ``index.parquet`` at the store root (of ``version`` when given,
-    ``Store.read``); parsing runs in a thread."""
+async def load_index(store: Store) -> Index:
+    """Read and validate ``index.parquet`` at the store root (parsing runs in a thread)."""
+    return (await read_index(store))[0]
+
+
+async def read_index(store: Store) -> tuple[Index, ObjectInfo]:
+    """``load_index``, and the version read: the one its HEAD names, which the read asks for
+    (``ObjectChanged`` if the index was replaced in between)."""
     try:
-        data = await store.read(INDEX_FILE, version)
+        info = await store.head(INDEX_FILE)
+        data = await store.read(INDEX_FILE, info.etag)
     except ObjectNotFound as err:
         raise ObjectNotFound(f"{err} (create it with `shardfeed index {store.url}`)") from None
-    return await asyncio.to_thread(index_from_parquet, data, f"{store.url}/{INDEX_FILE}")
+    return await asyncio.to_thread(index_from_parquet, data, f"{store.url}/{INDEX_FILE}"), info
 
 
 async def write_index(store: Store, table_or_index: pa.Table | Index) -> None:

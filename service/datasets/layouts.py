@@ -46,11 +46,11 @@ def objects_table(infos: list[ObjectInfo]) -> pa.Table:
     return pa.table(rows, schema=SCHEMA.with_metadata({VERSION_KEY: VERSION, LAYOUT_KEY: b"objects"}))
 
 
-async def list_objects(store: Store, *, progress: bool = True) -> list[ObjectInfo]:
-    """Every object under ``store`` (path, size and version), from a paged listing."""
+async def list_objects(store: Store, *, prefix: str = "", progress: bool = True) -> list[ObjectInfo]:
+    """Every object under ``store`` (and ``prefix``): path, size and version, from a paged listing."""
     infos: list[ObjectInfo] = []
     with tqdm(unit=" objects", desc="list", disable=None if progress else True) as bar:
-        async for page in store.list_pages():
+        async for page in store.list_pages(prefix):
             infos.extend(page)
             bar.update(len(page))
     return infos

@@ -200,7 +200,7 @@ def test_opening_a_dataset_lists_its_root_in_pages_and_heads_no_shard(moto, monk
 
     dataset, requests = asyncio.run(main())
     assert len(dataset.index.shards) == 31 and all(dataset.versions)
-    assert requests == 4 + 1  # the pages, and the index: no HEAD per shard
+    assert requests == 1 + 1 + 4  # the index's HEAD and read, the listing of its shards: no HEAD per shard
 
 
 def test_a_file_store_read_of_a_version_fails_once_the_file_is_replaced(tmp_path):
