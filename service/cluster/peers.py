@@ -105,8 +105,10 @@ class Cluster:
         self.timeout = timeout
         self.health_interval = health_interval
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._ranks: dict[tuple[str, str], np.ndarray] = {}
-        self._owners: dict[tuple[str, bool], np.ndarray] = {}
+        # Each kept with the shard list it was drawn from: a reopened dataset (another
+        # version) brings another list, and is ranked anew.
+        self._ranks: dict[tuple[str, str], tuple[list[str], np.ndarray]] = {}
+        self._owners: dict[tuple[str, bool], tuple[list[str], np.ndarray]] = {}
         self._readers: dict[int, PeerReader] = {}
         self.tls = tls
         self._health: asyncio.Task | None = None
@@ -136,11 +138,13 @@ class Cluster:
     # -- ownership ---------------------------------------------------------------------
     def rank(self, dataset_url: str, shards: list[str], level: str = "hosts") -> np.ndarray:
         """Per shard, the hosts (or this host's workers) in preference order (once per dataset)."""
-        ranks = self._ranks.get((level, dataset_url))
-        if ranks is None:
-            members = self.hosts if level == "hosts" else self.workers
-            scores = np.array([[_score(p.id, dataset_url, s) for p in members] for s in shards], dtype=np.uint64)
-            ranks = self._ranks[level, dataset_url] = np.argsort(scores, axis=1)[:, ::-1]
+        kept = self._ranks.get((level, dataset_url))
+        if kept is not None and kept[0] is shards:
+            return kept[1]
+        members = self.hosts if level == "hosts" else self.workers
+        scores = np.array([[_score(p.id, dataset_url, s) for p in members] for s in shards], dtype=np.uint64)
+        ranks = np.argsort(scores, axis=1)[:, ::-1]
+        self._ranks[level, dataset_url] = (shards, ranks)
         return ranks
 
     def owners(self, dataset_url: str, shards: list[str], shard_codes: np.ndarray, *,
@@ -155,9 +159,9 @@ class Cluster:
     def _owner_table(self, dataset_url: str, shards: list[str], within_host: bool) -> np.ndarray:
         """Every shard's live owner, ranked once per dataset until a node goes up or down
         (``mark``): a batch then costs one gather instead of a ranking (about 10 us)."""
-        owner = self._owners.get((dataset_url, within_host))
-        if owner is not None:
-            return owner
+        kept = self._owners.get((dataset_url, within_host))
+        if kept is not None and kept[0] is shards:
+            return kept[1]
         codes = np.arange(len(shards))
         owner = np.empty(len(codes), dtype=np.int64)
         mine = np.ones(len(codes), dtype=bool)
@@ -168,7 +172,7 @@ class Cluster:
         if mine.any():
             ranks = self.rank(dataset_url, shards, "workers")[codes[mine]]
             owner[mine] = _first_live(ranks, self.workers, self.me)
-        self._owners[dataset_url, within_host] = owner
+        self._owners[dataset_url, within_host] = (shards, owner)
         return owner
 
     def down_homes(self, dataset_url: str, shards: list[str], shard_codes: np.ndarray,

@@ -150,11 +150,18 @@ def test_shards_replaced_mid_epoch_never_yield_a_mixed_sample(moto, tmp_path):
 def test_sighup_and_the_reload_route_reopen_every_worker(moto, tmp_path):
     moto.create_bucket("reopened")
     s3 = moto.client()
-    make_dataset(s3_put(s3, "reopened", "train"), samples=60, per_shard=20, seed=1)
+    first_source = make_dataset(s3_put(s3, "reopened", "train"), samples=60, per_shard=20, seed=1)
     auth = {"Authorization": "Bearer sesame"}
     with start_service({"train": "s3://reopened/train"}, cache_dir=tmp_path / "cache", workers=2,
                        env={**moto.env(), "SHARDFEED_TOKENS": "sesame"}, args=["--block-size", "64KiB"]) as svc:
         first = version(svc.url, headers=auth)
+
+        def batch(indices, at: str | None = None) -> list[tuple[str, bytes]]:
+            resp = httpx.post(f"{svc.url}/v1/batch", json={"dataset": "train", "indices": list(indices)},
+                              headers=auth, timeout=60)
+            assert resp.status_code == 200, resp.text
+            assert at is None or resp.headers["X-Shardfeed-Dataset-Version"] == at
+            return tar_members(resp.content)
 
         def every_worker_at_a_new_version(than: str) -> str:
             deadline = time.monotonic() + 20
@@ -165,10 +172,14 @@ def test_sighup_and_the_reload_route_reopen_every_worker(moto, tmp_path):
                 time.sleep(0.2)
             raise AssertionError(f"workers still at {seen}")
 
+        for _ in range(4):  # both workers serve (and rank the shards)
+            assert batch(range(60), first) == expected(first_source, range(60))
         second_source = make_dataset(s3_put(s3, "reopened", "train"), samples=80, per_shard=20, seed=2)
         os.kill(svc.process.pid, signal.SIGHUP)  # the supervisor passes it on to its workers
         second = every_worker_at_a_new_version(first)
         assert svc.process.poll() is None
+        for _ in range(4):  # a shard more than before: each worker routes by the new list
+            assert batch(range(80)) == expected(second_source, range(80))
         third_source = make_dataset(s3_put(s3, "reopened", "train"), samples=70, per_shard=35, seed=3)
         refused = httpx.post(f"{svc.url}/v1/datasets/train/reload")
         assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthorized"
@@ -177,11 +188,7 @@ def test_sighup_and_the_reload_route_reopen_every_worker(moto, tmp_path):
         answer = httpx.post(f"{svc.url}/v1/datasets/train/reload", headers=auth, timeout=30).json()["dataset"]
         assert answer["samples"] == 70 and answer["version"] != second
         assert every_worker_at_a_new_version(second) == answer["version"]  # relayed to the sibling
-        resp = httpx.post(f"{svc.url}/v1/batch", json={"dataset": "train", "indices": list(range(70))},
-                          headers=auth, timeout=60)
-        assert resp.headers["X-Shardfeed-Dataset-Version"] == answer["version"]
-        assert tar_members(resp.content) == expected(third_source, range(70))
-        assert second_source  # seeded, then replaced
+        assert batch(range(70), answer["version"]) == expected(third_source, range(70))
 
 
 def test_opening_a_dataset_lists_its_root_in_pages_and_heads_no_shard(moto, monkeypatch):
