@@ -20,7 +20,7 @@ from shardfeed.service.api.common import (
     TAR, AppState, State, answer_changed_once, count_batch, json_body, parse_json, read_body, served_metrics,
     tar_stream_response,
 )
-from shardfeed.service.api.routing import ROUTING_HEADER
+from shardfeed.service.api.routing import ROUTING_HEADER, routing_version
 from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.datasets.index import Members, SampleOutOfRange, UnknownField
 from shardfeed.service.http.errors import ApiError
@@ -156,5 +156,5 @@ VERSION_HEADER = "X-Shardfeed-Dataset-Version"
 def _headers(state: State, dataset: Dataset, indices: np.ndarray) -> dict[str, str]:
     headers = {"X-Shardfeed-Samples": str(len(indices)), VERSION_HEADER: dataset.version}
     if state.cluster is not None:
-        headers[ROUTING_HEADER] = state.cluster.version()
+        headers[ROUTING_HEADER] = routing_version(state.cluster, dataset)
     return headers

@@ -3,7 +3,8 @@
 A client that sends each owner its own part of a batch saves the hop from the node it
 reached to the owner (another replica, or a sibling worker). The table is advisory: any
 node serves any batch correctly, so a stale table costs a hop or a retry, never a wrong
-sample. ``version`` changes whenever ownership may have (a node went down or came back);
+sample. ``version`` changes whenever ownership may have (a node went down or came back, the
+dataset was reopened at another version);
 every batch answer carries the answering node's version in ``X-Shardfeed-Routing``, so a
 client notices a stale table and fetches a new one.
 
@@ -20,6 +21,7 @@ from starlette.datastructures import URL
 
 from shardfeed.service.api.common import AppState
 from shardfeed.service.cluster.peers import Cluster
+from shardfeed.service.datasets.dataset import Dataset
 
 ROUTING_HEADER = "X-Shardfeed-Routing"
 """Response header of batch answers: the answering node's routing table version."""
@@ -38,8 +40,15 @@ async def routing_table(name: str, request: Request, state: AppState) -> dict:
     starts, shards = dataset.index.shard_runs()
     nodes = cluster.owners(dataset.url, dataset.index.shards, shards)
     used, owner = np.unique(nodes, return_inverse=True)
-    return {"dataset": name, "version": cluster.version(), "starts": starts.tolist(), "owner": owner.tolist(),
+    return {"dataset": name, "version": routing_version(cluster, dataset), "starts": starts.tolist(),
+            "owner": owner.tolist(),
             "urls": [_url(request, cluster, int(node)) for node in used]}
+
+
+def routing_version(cluster: Cluster, dataset: Dataset) -> str:
+    """The version of a dataset's table: ownership's and the dataset's own (a reopened dataset
+    may number its shards and samples anew)."""
+    return f"{cluster.version()}.{dataset.version}"
 
 
 def _url(request: Request, cluster: Cluster, node: int) -> str:
