@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(server.env())
         opens = [asyncio.run(_open(BENCH_DATA)) for _ in range(args.rounds)]
         heads = asyncio.run(_heads(BENCH_DATA))
-    seconds, requests, shards = opens[-1]
+    _, requests, shards = opens[-1]
     print(f"{args.s3}, {shards} shards: opening sent {requests} store requests "
           f"(a HEAD and a GET of index.parquet, {requests - 2} LIST pages of 1000 keys; no HEAD per shard)")
     print(f"  open: median {statistics.median(s for s, _, _ in opens):.2f} s over {args.rounds} rounds "

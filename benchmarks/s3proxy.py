@@ -15,7 +15,9 @@ the next matching requests:
 =========== ===================================================================
 
 ``latency_ms`` adds a fixed delay to every request (to model cloud S3's time to first
-byte on loopback). Two ways to run it:
+byte on loopback). ``outage(True)`` makes S3 unreachable until ``outage(False)``: every
+request, on a new or a kept-alive connection, has its connection reset at once, upstream
+not asked (counted as ``fault:outage``). Two ways to run it:
 
 - in-process: ``proxy = start_proxy(upstream)`` serves from a background thread with its
   own event loop; ``proxy.url``, ``proxy.inject(...)``, ``proxy.counts``, ``proxy.stop()``.
@@ -23,7 +25,8 @@ byte on loopback). Two ways to run it:
   [--latency-ms N]`` prints ``s3proxy listening on URL`` when ready; faults and counts
   are then driven over HTTP: ``POST /_proxy/inject`` (JSON ``{"kind", "count", "match",
   "ms"}``), ``POST /_proxy/clear``, ``POST /_proxy/latency`` (``{"ms"}``),
-  ``GET /_proxy/counts``. (S3 bucket names cannot start with ``_``, so these never clash.)
+  ``POST /_proxy/outage`` (``{"down": true}`` or ``false``), ``GET /_proxy/counts``.
+  (S3 bucket names cannot start with ``_``, so these never clash.)
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ class _Fault:
     ms: float
 
 
+_OUTAGE = _Fault("outage", None, None, 0.0)
+
+
 class FaultProxy:
     """Reverse proxy to ``upstream`` with a thread-safe queue of faults.
 
@@ -70,6 +76,7 @@ class FaultProxy:
         self.upstream = upstream.rstrip("/")
         self.latency_ms = latency_ms
         self.url: str | None = None
+        self.down = False  # an outage: see outage()
         self._lock = threading.Lock()  # inject() comes from test threads, _take() from the loop
         self._faults: list[_Fault] = []
         self._counts: Counter[str] = Counter()
@@ -98,6 +105,11 @@ class FaultProxy:
         with self._lock:
             self._faults.append(fault)
 
+    def outage(self, down: bool) -> None:
+        """Make S3 unreachable (``True``: every request's connection is reset at once, upstream
+        not asked) or reachable again (``False``). Queued faults wait meanwhile."""
+        self.down = down
+
     def clear(self) -> None:
         """Drop every pending fault (counts are kept)."""
         with self._lock:
@@ -115,6 +127,9 @@ class FaultProxy:
         with self._lock:
             self._counts["requests"] += 1
             self._counts[method] += 1
+            if self.down:
+                self._counts["fault:outage"] += 1
+                return _OUTAGE
             for fault in self._faults:
                 if fault.match is None or fault.match.search(label):
                     if fault.remaining is not None:
@@ -132,6 +147,8 @@ class FaultProxy:
             return await self._control(request)
         fault = self._take(request.method, f"{request.method} {request.raw_path}")
         kind = fault.kind if fault else None
+        if kind == "outage":
+            self._cut(request, "reset")
         delay = self.latency_ms + (fault.ms if kind in ("stall", "latency") else 0)
         if delay:
             await asyncio.sleep(delay / 1000)
@@ -193,6 +210,8 @@ class FaultProxy:
                 self.clear()
             elif action == "latency":
                 self.latency_ms = float(args["ms"])
+            elif action == "outage":
+                self.outage(bool(args["down"]))
             else:
                 raise ValueError(f"unknown control action {action!r}")
         except (ValueError, KeyError, TypeError) as err:
