@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from shardfeed.benchmarks.run import _start_proxy
+from shardfeed.benchmarks.s3proxy import start_proxy_process
 from shardfeed.benchmarks.s3server import BENCH_DATA, seeded_s3, seeded_s3_arguments
 from shardfeed.client.sampling import EpochSampler
 from shardfeed.client.shuffles import LOCAL, SHUFFLES, cache_window, shard_samples
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
         s3 = server.env()
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         if args.latency_ms:
-            url, proxy = _start_proxy(s3["AWS_ENDPOINT_URL"], args.latency_ms, tmp / "s3proxy.log")
+            url, proxy = start_proxy_process(s3["AWS_ENDPOINT_URL"], args.latency_ms, tmp / "s3proxy.log")
             stack.callback(stop_process, proxy)
             s3["AWS_ENDPOINT_URL"] = url
 

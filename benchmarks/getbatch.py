@@ -30,7 +30,7 @@ import numpy as np
 from aistore.sdk import Client as AisClient
 
 from shardfeed.benchmarks import scenarios
-from shardfeed.benchmarks.run import _start_proxy
+from shardfeed.benchmarks.s3proxy import start_proxy_process
 from shardfeed.benchmarks.s3server import start_moto
 from shardfeed.client import Client
 from shardfeed.process import start_service, stop_process
@@ -99,7 +99,7 @@ def main() -> None:
         moto = start_moto()
         stack.callback(moto.stop)
         os.environ.update(moto.env())
-        proxy, process = _start_proxy(moto.endpoint, args.latency_ms, tmp / "proxy.log")
+        proxy, process = start_proxy_process(moto.endpoint, args.latency_ms, tmp / "proxy.log")
         stack.callback(stop_process, process)
         pool = stack.enter_context(ThreadPoolExecutor(args.workers))
         s3 = boto3.client("s3", endpoint_url=proxy, config=botocore.config.Config(

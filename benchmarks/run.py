@@ -25,10 +25,7 @@ import asyncio
 import math
 import os
 import platform
-import select
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -43,9 +40,10 @@ import numpy as np
 
 from shardfeed.benchmarks import hotpath, report, scenarios, serverside
 from shardfeed.benchmarks.report import SCENARIOS
+from shardfeed.benchmarks.s3proxy import start_proxy_process
 from shardfeed.benchmarks.s3server import S3_SERVERS, S3Server, default_server, start_s3
 from shardfeed.client import Client
-from shardfeed.process import ServiceProcess, free_port, scrape_metrics, start_service, stop_process
+from shardfeed.process import ServiceProcess, scrape_metrics, start_service, stop_process
 from shardfeed.seeds.synthetic import member_bytes, seed_dataset
 from shardfeed.service.datasets.index import Index
 from shardfeed.service.stores import open_store
@@ -249,21 +247,6 @@ def _median(runs: list[scenarios.Measurement]) -> scenarios.Measurement:
     return sorted(runs, key=lambda m: m.samples / m.seconds)[(len(runs) - 1) // 2]
 
 
-def _start_proxy(upstream: str, latency: float, log: Path) -> tuple[str, subprocess.Popen]:
-    """The delaying S3 proxy as a subprocess (in a thread here it would share our GIL)."""
-    port = free_port()
-    with open(log, "ab") as err:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "shardfeed.benchmarks.s3proxy", "--upstream", upstream,
-             "--port", str(port), "--latency-ms", str(latency)],
-            stdout=subprocess.PIPE, stderr=err, text=True)
-    ready, _, _ = select.select([process.stdout], [], [], 30)
-    if not ready or not process.stdout.readline().startswith("s3proxy listening on"):
-        stop_process(process)
-        raise RuntimeError(f"the S3 latency proxy did not start (see {log})")
-    return f"http://127.0.0.1:{port}", process
-
-
 def _machine() -> dict:
     cpu = platform.processor() or platform.machine()
     try:
@@ -451,7 +434,7 @@ class Bench:
         for latency in s.latencies:
             url = endpoint
             if latency:
-                url, proxy = _start_proxy(endpoint, latency, self.tmp / "s3proxy.log")
+                url, proxy = start_proxy_process(endpoint, latency, self.tmp / "s3proxy.log")
                 self.stack.callback(stop_process, proxy)
             for size in s.sizes:
                 if not s.batches[size]:

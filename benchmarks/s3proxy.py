@@ -21,6 +21,7 @@ not asked (counted as ``fault:outage``). Two ways to run it:
 
 - in-process: ``proxy = start_proxy(upstream)`` serves from a background thread with its
   own event loop; ``proxy.url``, ``proxy.inject(...)``, ``proxy.counts``, ``proxy.stop()``.
+  ``start_proxy_process`` starts the subprocess below and waits until it listens.
 - subprocess: ``python -m shardfeed.benchmarks.s3proxy --upstream URL [--port P]
   [--latency-ms N]`` prints ``s3proxy listening on URL`` when ready; faults and counts
   are then driven over HTTP: ``POST /_proxy/inject`` (JSON ``{"kind", "count", "match",
@@ -34,16 +35,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
+import select
 import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 from yarl import URL
+
+from shardfeed.process import free_port, stop_process
 
 KINDS = ("503", "500", "reset", "truncate", "stall", "latency")
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "upgrade", "trailer",
@@ -295,6 +302,22 @@ def start_proxy(upstream: str, *, latency_ms: float = 0, host: str = "127.0.0.1"
                 port: int = 0) -> FaultProxy:
     """A :class:`FaultProxy` to ``upstream`` serving from a background thread (port 0: any free one)."""
     return FaultProxy(upstream, latency_ms=latency_ms).start(host, port)
+
+
+def start_proxy_process(upstream: str, latency: float, log: Path) -> tuple[str, subprocess.Popen]:
+    """The proxy as a subprocess (in a thread of a busy benchmark it would share its GIL), its
+    output appended to ``log``: its URL and the process (``stop_process`` ends it)."""
+    port = free_port()
+    with open(log, "ab") as err:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "shardfeed.benchmarks.s3proxy", "--upstream", upstream,
+             "--port", str(port), "--latency-ms", str(latency)],
+            stdout=subprocess.PIPE, stderr=err, text=True)
+    ready, _, _ = select.select([process.stdout], [], [], 30)
+    if not ready or not process.stdout.readline().startswith("s3proxy listening on"):
+        stop_process(process)
+        raise RuntimeError(f"the S3 latency proxy did not start (see {log})")
+    return f"http://127.0.0.1:{port}", process
 
 
 async def _main(args: argparse.Namespace) -> None:

@@ -1,0 +1,53 @@
+"""``python -m shardfeed.benchmarks.chaos`` in its short version: a minute of load with every kind
+of fault at least once, and not one sample wrong, lost or delivered twice. Also the proxy's
+outage, which the chaos run uses to cut S3 off."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from shardfeed.benchmarks.chaos import KINDS
+from shardfeed.benchmarks.s3proxy import start_proxy
+
+pytestmark = pytest.mark.slow  # two replicas of two workers, two DataLoaders, SeaweedFS, for a minute
+
+SHORT = ("--duration", "60", "--samples", "2000", "--shard-size", "2MiB", "--worker-kill-every", "10",
+         "--replica-kill-every", "30", "--s3-outage-every", "40", "--s3-outage-for", "8", "--enospc-every", "30",
+         "--enospc-for", "4", "--cache-damage-every", "6", "--overwrite-every", "30")
+"""Every kind strikes at least once in the minute (the first at a fraction of its period)."""
+
+
+@pytest.mark.timeout(420)
+def test_a_minute_of_every_fault_loses_no_sample_and_delivers_none_wrong_or_twice(tmp_path):
+    figures = tmp_path / "chaos.json"
+    done = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.chaos", *SHORT, "--json", str(figures)],
+                          check=False, capture_output=True, text=True, timeout=400)
+    report = f"{done.stdout}\n{done.stderr[-6000:]}"
+    assert done.returncode == 0, report
+    s = json.loads(figures.read_text())
+    assert s["verified"] > 2 * s["samples"], report  # more than an epoch of each loader
+    assert (s["wrong"], s["lost"], s["duplicate"]) == (0, 0, 0), report
+    assert not s["dead"] and not s["hung"] and not s["crashed"] and s["up"] == [0, 1], report
+    for kind in KINDS:
+        if kind == "enospc" and os.geteuid() != 0:
+            assert s["skipped"] and s["skipped"][0].startswith("enospc:"), report
+            continue
+        assert s["faults"][kind]["count"] >= 1, (kind, report)
+    assert "| fault | injected |" in done.stdout and "wrong samples 0, lost 0, duplicate 0" in done.stdout
+
+
+def test_an_outage_resets_every_request_until_it_ends():
+    with start_proxy("http://127.0.0.1:9") as proxy, httpx.Client(base_url=proxy.url, timeout=5) as http:
+        http.post("/_proxy/outage", json={"down": True}).raise_for_status()
+        for _ in range(2):  # a new connection, then again
+            with pytest.raises(httpx.TransportError):
+                http.get("/bucket/key")
+        proxy.outage(False)
+        assert http.get("/bucket/key").status_code == 502  # upstream asked again: nobody on port 9
+        assert proxy.counts["fault:outage"] == 2
