@@ -29,11 +29,11 @@ from yarl import URL
 
 from shardfeed.retry import Backoff, retry_async
 from shardfeed.service.stores.base import (
-    AccessDenied, ObjectInfo, ShortRead, Store, StoreError, StoreUnavailable, clean_path,
+    AccessDenied, ObjectInfo, ObjectNotFound, ShortRead, Store, StoreError, StoreUnavailable, clean_path,
 )
 from shardfeed.service.stores.s3wire import (
-    Overloaded, Truncated, check_range, check_version, completed, drain, host_header, parse_listing, raise_for_status, read_body,
-    read_pieces, resolve_endpoint, retryable, upload_id,
+    Overloaded, Truncated, check_range, check_version, completed, drain, host_header, parse_listing,
+    raise_for_status, read_body, read_pieces, resolve_endpoint, retryable, upload_id,
 )
 
 T = TypeVar("T")
@@ -335,7 +335,15 @@ class S3Store(Store):
             return ObjectInfo(rel, resp.content_length,
                               resp.headers.get("ETag", "").strip('"') or None)
 
-        return await self._call("HEAD", key, info)
+        try:
+            return await self._call("HEAD", key, info)
+        except (ObjectNotFound, StoreUnavailable):
+            raise
+        except StoreError as err:
+            # A HEAD's error answer has no body to say why (a bad token is a bare 400): the same
+            # request as a GET of one byte has one, and raises what it says.
+            await self._call("GET", key, drain, headers={"Range": "bytes=0-0"})
+            raise err
 
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
         out: list[ObjectInfo] = []
