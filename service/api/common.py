@@ -19,6 +19,7 @@ from starlette.responses import Response, StreamingResponse
 from shardfeed.service.cluster.peers import COPIES, COPY_HEADER, Cluster
 from shardfeed.service.config import ServiceConfig
 from shardfeed.service.datasets.dataset import Dataset
+from shardfeed.service.datasets.indexfile import IndexFormatError
 from shardfeed.service.datasets.objects import Catalog
 from shardfeed.service.datasets.served import ServedDatasets
 from shardfeed.service.http.errors import (
@@ -38,7 +39,7 @@ from shardfeed.service.read.coalescer import Coalescer
 from shardfeed.service.read.framing import chunks_of
 from shardfeed.service.read.samples import SampleBatcher
 from shardfeed.service.read.stream import SampleFailed
-from shardfeed.service.stores import ObjectChanged
+from shardfeed.service.stores import ObjectChanged, StoreError
 
 log = logging.getLogger("shardfeed.api")
 
@@ -277,19 +278,20 @@ async def relay(state: State, request: Request, copy: str | None, body: bytes, h
         await state.cluster.relay(request.method, request.url.path, body, copy, headers)
 
 
-def changed(err: SampleFailed) -> DatasetChanged:
-    return DatasetChanged(f"{err}; the dataset was reopened at its new version: send the request again")
-
-
 async def answer_changed_once(answer: Callable[[], Awaitable[Response]],
                               refresh: Callable[[], Awaitable[object]]) -> Response:
     """``answer()``; if what it read changed in the store before its first byte was sent
     (``DatasetChanged``), ``refresh()`` and answer once more, from the new version. A second
-    change reaches the client as the 409."""
+    change, or a refresh that fails (the store cannot be listed now), reaches the client as
+    the 409."""
     try:
         return await answer()
-    except DatasetChanged:
-        await refresh()
+    except DatasetChanged as changed_error:
+        try:
+            await refresh()
+        except (StoreError, IndexFormatError) as err:
+            log.warning("reopening after a change failed: %s", err)
+            raise changed_error from None
         return await answer()
 
 
@@ -323,7 +325,7 @@ async def tar_stream_response(state: State, route: str, chunks: AsyncIterator[li
     except BaseException as err:
         await chunks.aclose()
         if isinstance(err, SampleFailed):
-            answer = changed(err) if isinstance(err.cause, ObjectChanged) else failed(err)
+            answer = DatasetChanged(str(err)) if isinstance(err.cause, ObjectChanged) else failed(err)
             finish(str(answer.status))
             raise answer from None
         finish("500")

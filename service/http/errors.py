@@ -39,8 +39,9 @@ class UnknownDataset(ApiError):
 
 
 class DatasetChanged(ApiError):
-    def __init__(self, message: str):
-        super().__init__(409, "dataset_changed", message, RETRY_AFTER)
+    def __init__(self, what: str):
+        super().__init__(409, "dataset_changed", f"{what}; the dataset is being reopened at its new version: "
+                                                 "send the request again", RETRY_AFTER)
 
 
 class Overloaded(ApiError):

@@ -197,3 +197,20 @@ def test_the_soak_mode_runs_every_phase_and_delivers_no_wrong_byte():
     assert total["requests"] > 20 and total["faults"] > 0 and total["damaged"] > 0, report
     assert total["wrong"] == 0 and total["died"] == 0, report
     assert "| **all** |" in report
+
+
+def test_a_change_that_cannot_be_reopened_now_is_a_409_and_is_read_once_the_store_answers(moto, proxy, tmp_path):
+    url, source = bucket_dataset(moto, "reopen-later", samples=100, per_shard=50)
+    client = moto.client()
+    with serve((url, source), moto, proxy, tmp_path / "cache", "--store-retries", "1",
+               "--block-size", "64KiB") as svc:
+        key = "train/shards/part-0000.tar"
+        old = client.get_object(Bucket="reopen-later", Key=key)["Body"].read()
+        client.put_object(Bucket="reopen-later", Key=key, Body=bytes(b ^ 0x5A for b in old))
+        proxy.inject("503", count=None, match=r"^HEAD .*index\.parquet")  # the reopen cannot read the index
+        resp = httpx.get(f"{svc.url}/v1/datasets/train/samples/7/bin")
+        assert resp.status_code == 409 and resp.json()["error"]["code"] == "dataset_changed"
+        assert "send the request again" in resp.json()["error"]["message"] and resp.headers["Retry-After"]
+        proxy.clear()
+        resp = httpx.get(f"{svc.url}/v1/datasets/train/samples/7/bin")
+        assert resp.status_code == 200 and resp.content == bytes(b ^ 0x5A for b in source[(7, "bin")])
