@@ -30,7 +30,7 @@ from starlette.responses import HTMLResponse, Response
 
 from shardfeed.service.api.common import Admission, AppState, State, on_public_port
 from shardfeed.service.cluster.hoststats import HostRecorder, host_plans, kept_values, sibling_figures
-from shardfeed.service.observe.stats import RATES
+from shardfeed.service.observe.stats import HIT_TIERS, RATES
 
 router = APIRouter(tags=["status"])
 
@@ -116,7 +116,6 @@ def document(state: State) -> dict:
     recorder = state.stats
     latest = recorder.latest
     values = latest.values if latest else {}
-    hits, misses = values.get(RATES["cache_hits"]), values.get(RATES["cache_misses"])
     samples, store_requests = values.get(RATES["samples"]), values.get(RATES["store_requests"])
     recent = recorder.change(RATE_SPAN)
     window = recorder.change(recorder.window)
@@ -131,10 +130,10 @@ def document(state: State) -> dict:
             "blocks": values.get("shardfeed_cache_blocks"),
             "capacity": state.config.cache_size,
             "fill": _ratio(values.get("shardfeed_cache_bytes"), state.config.cache_size),
-            "hit_ratio": _ratio(hits, (hits or 0) + (misses or 0)),
-            "hit_ratio_recent": window and _ratio(window[0].get(RATES["cache_hits"]),
-                                                  window[0].get(RATES["cache_hits"], 0)
-                                                  + window[0].get(RATES["cache_misses"], 0)),
+            "hits": _block_reads(values),
+            "hits_recent": window and _block_reads(window[0]),
+            "hit_ratio": _hit_ratio(values),
+            "hit_ratio_recent": window and _hit_ratio(window[0]),
         },
         "coalescing": {
             "factor": _ratio(samples, store_requests),
@@ -159,6 +158,19 @@ def _rates(recent: tuple[dict[str, float], float] | None) -> dict:
     change, seconds = recent
     return {"span_s": round(seconds, 3),
             **{name: round(change.get(sample, 0.0) / seconds, 3) for name, sample in RATES.items()}}
+
+
+def _block_reads(values: dict[str, float]) -> dict[str, float]:
+    """Blocks that reads needed, by where they came from: each tier of ``HIT_TIERS``, and the store."""
+    return {**{tier: values.get(RATES[rate], 0) for tier, rate in HIT_TIERS.items()},
+            "store": values.get(RATES["cache_misses"], 0)}
+
+
+def _hit_ratio(values: dict[str, float]) -> float | None:
+    """The share of blocks that came from any tier rather than the store."""
+    reads = _block_reads(values)
+    store = reads.pop("store")
+    return _ratio(sum(reads.values()), sum(reads.values()) + store)
 
 
 def _ratio(part: float | None, whole: float | None) -> float | None:

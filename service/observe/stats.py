@@ -38,11 +38,19 @@ RATES = {
     "store_bytes": "shardfeed_store_bytes_total",
     "store_errors": "shardfeed_store_errors_total",
     "cache_hits": "shardfeed_cache_hits_total",
+    "memory_hits": "shardfeed_memory_cache_hits_total",
+    "sibling_hits": 'shardfeed_sibling_blocks_total{result="read"}',
     "cache_misses": "shardfeed_cache_misses_total",
     "cache_evictions": "shardfeed_cache_evictions_total",
     "rejected": "shardfeed_rejected_total",
 }
-"""Series of per-second rates: series name -> counter sample (summed over its labels)."""
+"""Series of per-second rates: series name -> counter sample (summed over its labels, or of
+the labels given)."""
+
+HIT_TIERS = {"ram": "memory_hits", "disk": "cache_hits", "sibling": "sibling_hits"}
+"""Where a block a read needed came from without a store read of this node's, by tier: the
+RAM tier, the block cache on disk, a sibling worker's cache directory (the store's reads
+are ``cache_misses``). A member a peer replica served is counted by that replica."""
 
 LEVELS = {
     "cache_bytes": "shardfeed_cache_bytes",
@@ -72,8 +80,9 @@ class Reading:
 
 def read_registry(registry: CollectorRegistry) -> tuple[dict[str, float], dict[str, tuple[float, ...]],
                                                          dict[str, tuple[float, ...]]]:
-    """``(values, buckets, bounds)``: every sample summed over labels; each histogram's
-    cumulative bucket counts and their upper bounds (``inf`` last)."""
+    """``(values, buckets, bounds)``: every sample summed over labels, and each labelled
+    sample also under ``name{label="value",...}``; each histogram's cumulative bucket
+    counts and their upper bounds (``inf`` last)."""
     values: dict[str, float] = {}
     buckets: dict[str, list[float]] = {}
     bounds: dict[str, list[float]] = {}
@@ -84,6 +93,10 @@ def read_registry(registry: CollectorRegistry) -> tuple[dict[str, float], dict[s
                 bounds.setdefault(family.name, []).append(float(sample.labels["le"]))
             else:
                 values[sample.name] = values.get(sample.name, 0.0) + sample.value
+                if sample.labels:
+                    labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                    labelled = f"{sample.name}{{{labels}}}"
+                    values[labelled] = values.get(labelled, 0.0) + sample.value
     return values, {k: tuple(v) for k, v in buckets.items()}, {k: tuple(v) for k, v in bounds.items()}
 
 

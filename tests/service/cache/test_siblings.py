@@ -5,8 +5,10 @@ instead, so every block is still cached once on the host."""
 from __future__ import annotations
 
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
 from shardfeed.process import start_service
@@ -92,6 +94,13 @@ def test_warm_batches_through_the_public_port_make_no_worker_hop_and_are_exact(d
         assert all(sibling_blocks(u, "read") > 0 for u in urls)
         if memory != "0":  # then on the lean path, from RAM
             assert all(metrics(u)["shardfeed_memory_cache_hits_total"] > 0 for u in urls)
+        # The host's status counts blocks from a sibling's files as hits, beside RAM and disk.
+        deadline = time.monotonic() + 15
+        while (doc := httpx.get(f"{svc.url}/v1/stats").json())["cache"]["hits"]["sibling"] \
+                != sum(sibling_blocks(u, "read") for u in urls):
+            assert time.monotonic() < deadline, doc["cache"]
+            time.sleep(0.2)
+        assert doc["cache"]["hit_ratio"] > 0.7  # one cold pass, then four warm ones
         cache = tmp_path / "cache"
         assert cached_blocks(cache, 0) and cached_blocks(cache, 1)
         assert not cached_blocks(cache, 0) & cached_blocks(cache, 1), "a block cached twice on one host"
