@@ -35,8 +35,8 @@ def test_a_minute_of_every_fault_loses_no_sample_and_delivers_none_wrong_or_twic
     assert (s["wrong"], s["lost"], s["duplicate"]) == (0, 0, 0), report
     assert not s["dead"] and not s["hung"] and not s["crashed"] and s["up"] == [0, 1], report
     for kind in KINDS:
-        if kind == "enospc" and os.geteuid() != 0:
-            assert s["skipped"] and s["skipped"][0].startswith("enospc:"), report
+        if kind == "enospc" and s["skipped"]:  # no tmpfs could be mounted (not root, or not allowed here)
+            assert s["skipped"][0].startswith("enospc:"), report
             continue
         assert s["faults"][kind]["count"] >= 1, (kind, report)
     assert "| fault | injected |" in done.stdout and "wrong samples 0, lost 0, duplicate 0" in done.stdout
