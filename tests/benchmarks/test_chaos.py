@@ -5,7 +5,6 @@ outage, which the chaos run uses to cut S3 off."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
