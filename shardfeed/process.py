@@ -4,6 +4,7 @@ and the benchmarks, which all talk to the real service over a real socket."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -26,10 +27,34 @@ def installed_script(name: str) -> str | None:
     return shutil.which(name, path=sysconfig.get_path("scripts")) or shutil.which(name)
 
 
+LOWEST_PORT = 10000
+"""``free_port`` draws from here up to the ephemeral range (well above the registered services)."""
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port nothing is bound to now, for a server started next. Drawn below the
+    kernel's ephemeral range: the outgoing connections of a busy test or benchmark take
+    their ports from that range, and one could take this port before its server binds it."""
+    first_ephemeral = _ephemeral_range()[0]
+    draw = random.SystemRandom()
+    for _ in range(100 if first_ephemeral > LOWEST_PORT + 1000 else 0):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", draw.randrange(LOWEST_PORT, first_ephemeral)))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    with socket.socket() as s:  # no room below the range: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def ensure_free(port: int, what: str, host: str = "127.0.0.1") -> None:
