@@ -248,10 +248,9 @@ class BlockCache:
         """Drop every block of dataset id ``dataset`` whose shard id is not among ``shard_ids``
         (a replaced object's blocks: their space is reclaimed at once); how many were dropped."""
         keep = set(shard_ids)
-        prefix = f"{dataset}/"
         with self._lock:
-            stale = [name for name in self._entries
-                     if name.startswith(prefix) and name[len(prefix):].partition("-")[0] not in keep]
+            stale = [name for name in self._entries if name.startswith(f"{dataset}/")
+                     and BlockKey.from_filename(name).shard not in keep]
             for name in stale:
                 entry = self._entries.pop(name)
                 self._open_files.pop(name, None)

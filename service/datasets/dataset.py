@@ -108,19 +108,18 @@ async def _index_and_versions(store: Store, index_objects: bool,
     for attempt in range(OPEN_ATTEMPTS):
         try:
             index, listed = await read_index(store)
+            break
         except ObjectChanged:  # replaced between its HEAD and its read: again
             if attempt == OPEN_ATTEMPTS - 1:
                 raise
-            continue
         except ObjectNotFound:
             if not index_objects:
                 raise
             listing = await layouts.list_objects(store, progress=False)
             return await layouts.index_objects(store, listing=listing), None, {i.path: i for i in listing}
-        # A key prefix, not a directory: S3 and the file store both list by string prefix.
-        listing = await layouts.list_objects(store, prefix=posixpath.commonprefix(index.shards), progress=False)
-        return index, listed, {info.path: info for info in listing}
-    raise AssertionError("unreachable")
+    # A key prefix, not a directory: S3 and the file store both list by string prefix.
+    listing = await layouts.list_objects(store, prefix=posixpath.commonprefix(index.shards), progress=False)
+    return index, listed, {info.path: info for info in listing}
 
 
 def _version(info: ObjectInfo | None) -> tuple[str | None, int | None]:

@@ -47,6 +47,9 @@ RATES = {
 """Series of per-second rates: series name -> counter sample (summed over its labels, or of
 the labels given)."""
 
+_LABELLED = frozenset(sample.partition("{")[0] for sample in RATES.values() if "{" in sample)
+"""Counters whose samples ``read_registry`` also keeps label by label (those ``RATES`` name so)."""
+
 HIT_TIERS = {"ram": "memory_hits", "disk": "cache_hits", "sibling": "sibling_hits"}
 """Where a block a read needed came from without a store read of this node's, by tier: the
 RAM tier, the block cache on disk, a sibling worker's cache directory (the store's reads
@@ -80,8 +83,8 @@ class Reading:
 
 def read_registry(registry: CollectorRegistry) -> tuple[dict[str, float], dict[str, tuple[float, ...]],
                                                          dict[str, tuple[float, ...]]]:
-    """``(values, buckets, bounds)``: every sample summed over labels, and each labelled
-    sample also under ``name{label="value",...}``; each histogram's cumulative bucket
+    """``(values, buckets, bounds)``: every sample summed over labels, and the samples of
+    ``_LABELLED`` also under ``name{label="value",...}``; each histogram's cumulative bucket
     counts and their upper bounds (``inf`` last)."""
     values: dict[str, float] = {}
     buckets: dict[str, list[float]] = {}
@@ -93,7 +96,7 @@ def read_registry(registry: CollectorRegistry) -> tuple[dict[str, float], dict[s
                 bounds.setdefault(family.name, []).append(float(sample.labels["le"]))
             else:
                 values[sample.name] = values.get(sample.name, 0.0) + sample.value
-                if sample.labels:
+                if sample.name in _LABELLED:
                     labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
                     labelled = f"{sample.name}{{{labels}}}"
                     values[labelled] = values.get(labelled, 0.0) + sample.value
