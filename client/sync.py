@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -46,6 +47,28 @@ class Client(BaseClient):
     def info(self, dataset: str) -> dict:
         """``GET /v1/datasets/{name}``: ``{"name", "url", "samples", "shards", "bytes", "fields"}``."""
         return self._call("GET", dataset_path(dataset), parse_json)
+
+    def register_dataset(self, name: str, url: str, *, on_progress: Callable[[dict], None] | None = None,
+                         timeout: float | None = None) -> dict:
+        """``POST /v1/datasets``: serve the dataset at ``url`` as ``name`` (tar shards without an
+        index are indexed first: ``on_progress`` gets each 202's ``registering``, about once a
+        second). The dataset's info once served; ``ShardfeedError`` 409 when ``name`` is taken
+        by another URL, ``TimeoutError`` after ``timeout`` seconds (default: none)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            answer = self._call("POST", dataset_path(), lambda r: (r.status_code, parse_json(r)),
+                                json={"name": name, "url": url})
+            if answer[0] != 202:
+                return answer[1]["dataset"]
+            if on_progress is not None:
+                on_progress(answer[1]["registering"])
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"dataset {name!r} ({url}) not registered within {timeout:g} s")
+            time.sleep(1.0)
+
+    def remove_dataset(self, name: str) -> None:
+        """``DELETE /v1/datasets/{name}``: serve it no more."""
+        self._call("DELETE", dataset_path(name), lambda r: None)
 
     def register_plan(self, dataset: str, plan: dict) -> dict:
         """``POST /v1/datasets/{name}/plans``: announce an upcoming order (see ``client/plans.py``)."""

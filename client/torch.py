@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate, get_worker_info
 
 from .decode import Decoder, make_decoder
+from .node import is_dataset_url, node_dataset
 from .plans import PlanHandle
 from .sampling import EpochSampler
 from .shuffles import LOCAL, cache_window, shard_samples
@@ -43,13 +44,18 @@ R = TypeVar("R")
 class _Source:
     """Where samples come from and how they are turned into values (shared by both datasets)."""
 
-    def __init__(self, url: str | Sequence[str] | Client, dataset: str, fields: Sequence[str] | None,
+    def __init__(self, url: str | Sequence[str] | Client, dataset: str | None, fields: Sequence[str] | None,
                  decode: bool | Mapping[str, Decoder], transform: Callable[[dict], Any] | None,
                  continue_on_error: bool, client_options: dict):
         if isinstance(url, Client):
             if client_options:
                 raise TypeError(f"client options {sorted(client_options)} given with a ready Client")
             self.client = url
+        elif dataset is None:
+            if not is_dataset_url(url):
+                raise TypeError(f"{url!r} is a service URL: name the dataset too, or give a dataset URL "
+                                "(s3://bucket/prefix, file:///dir or a path) alone")
+            self.client, dataset = node_dataset(url, client_options)
         else:
             self.client = Client(url, **client_options)
         self.dataset = dataset
@@ -77,9 +83,14 @@ class _Source:
 class ShardfeedDataset(Dataset):
     """Map-style dataset: ``ds[i]`` is sample ``i``; a DataLoader batch is one request.
 
+    ``ShardfeedDataset("s3://bucket/prefix")``: the dataset's URL alone (``file://`` or a
+    path too) reads it through the node's service, started if there is none and shared by
+    every rank and DataLoader worker of the node (:mod:`.node`).
+
     Args:
-        url: service URL(s) (see :class:`shardfeed.client.Client`), or a ready ``Client``.
-        dataset: the dataset's name on the service.
+        url: a dataset URL (then no ``dataset``); or service URL(s) (see
+            :class:`shardfeed.client.Client`), or a ready ``Client``.
+        dataset: the dataset's name on the service (none with a dataset URL).
         fields: fields to fetch, in order (default: all).
         decode: ``False`` for raw bytes, ``True`` for the built-in decoders, or a mapping
             of field name or extension to a decoder (see :mod:`shardfeed.client.decode`).
@@ -90,7 +101,8 @@ class ShardfeedDataset(Dataset):
         **client_options: passed to ``Client`` (token, timeout, backoff, ...).
     """
 
-    def __init__(self, url: str | Sequence[str] | Client, dataset: str, *, fields: Sequence[str] | None = None,
+    def __init__(self, url: str | Sequence[str] | Client, dataset: str | None = None, *,
+                 fields: Sequence[str] | None = None,
                  decode: bool | Mapping[str, Decoder] = False, transform: Callable[[dict], Any] | None = None,
                  continue_on_error: bool = False, **client_options: Any):
         self.source = _Source(url, dataset, fields, decode, transform, continue_on_error, client_options)
@@ -194,7 +206,8 @@ class ShardfeedIterableDataset(IterableDataset):
             its own, the warm epoch ran at two thirds of the rate).
     """
 
-    def __init__(self, url: str | Sequence[str] | Client, dataset: str, *, batch_size: int, seed: int = 0,
+    def __init__(self, url: str | Sequence[str] | Client, dataset: str | None = None, *, batch_size: int,
+                 seed: int = 0,
                  shuffle: bool | str = True, drop_last: bool = False, rank: int | None = None,
                  world_size: int | None = None, shard_window: int | None = None, plan: bool = True,
                  fields: Sequence[str] | None = None, decode: bool | Mapping[str, Decoder] = False,
@@ -215,7 +228,7 @@ class ShardfeedIterableDataset(IterableDataset):
                                     rank=rank, world_size=world_size, locality=locality)
         self.collate_fn = collate_fn
         self.prefetch = prefetch
-        self.plan = PlanHandle(self.source.client, dataset, self.source.fields) if plan else None
+        self.plan = PlanHandle(self.source.client, self.source.dataset, self.source.fields) if plan else None
 
     def announce(self) -> None:
         """Register the rest of this rank's epoch as a plan (replacing the previous one)."""

@@ -37,6 +37,19 @@ def default_memory_cache() -> int:
     return min(1 * GiB, machine_memory() // 8)
 
 
+NODE_IDLE_EXIT = 900.0
+"""``serve --node``'s default ``--idle-exit``: a quarter of an hour, long enough to outlast the
+pause between two jobs (or an evaluation between epochs), short enough that a node's
+service does not hold RAM for long after the last job."""
+
+
+def node_cache_dir() -> Path:
+    """The node service's cache: ``$XDG_CACHE_HOME/shardfeed`` (``~/.cache/shardfeed``), kept
+    across its restarts, so a job after an idle exit still starts warm from disk."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "shardfeed" / "cache"
+
+
 @dataclass(frozen=True)
 class HedgePolicy:
     """When to send a second read for the same range."""
@@ -87,6 +100,9 @@ class WorkerPlace:
     """Per worker, its block cache directory, which its siblings read (``siblings.py``)."""
     counter_dirs: tuple[Path, ...]
     """Per worker, where its counters are kept across its restarts (``keptcounters.py``)."""
+    registry: Path
+    """The datasets registered at runtime (``POST /v1/datasets``), which a restarted worker
+    opens too (``datasets/served.py``)."""
 
 
 @dataclass
@@ -108,6 +124,16 @@ class ServiceConfig:
     finds it replaced. 0: a HEAD for every object of every request. (A served dataset is
     listed when it opens and on ``POST /v1/datasets/{name}/reload`` or SIGHUP.)"""
 
+    node: bool = False
+    """The node service (``serve --node``): the one training scripts find and start by naming a
+    dataset URL alone (``shardfeed/node.py``). It starts with no dataset, takes any free port
+    unless given one, keeps its cache under the user's cache directory, accepts a token of its
+    own (in its address file, which only its user reads) and exits when idle."""
+
+    idle_exit: float = 0.0
+    """Seconds without a data request (anything but health, metrics and status) after which the
+    service stops as on SIGTERM; 0: never. ``serve --node`` defaults to ``NODE_IDLE_EXIT``."""
+
     host: str = "127.0.0.1"
     """Interface to bind. Loopback unless told otherwise: exposing a data service is a decision."""
 
@@ -127,7 +153,8 @@ class ServiceConfig:
     shards: from its block files where they are, else from the store."""
 
     cache_dir: Path = Path(".shardfeed/cache")
-    """Block cache directory, ideally on local NVMe. One service process per directory."""
+    """Block cache directory, ideally on local NVMe. One service process per directory.
+    ``serve --node``: ``node_cache_dir()``."""
 
     cache_size: int = 10 * GiB
     """Most bytes the block cache keeps on disk (least recently used blocks are evicted)."""
@@ -237,6 +264,13 @@ class ServiceConfig:
     """Sample ranges fetched without their block (a block none of whose other samples the
     plans read before it would be evicted) are merged into one read when this close."""
 
+    @property
+    def index_dir(self) -> Path:
+        """Where indexes the service made for tar shards are kept when the store is read-only
+        (``datasets/autoindex.py``): beside the block cache (every worker's, with ``--workers``)."""
+        root = self.worker.cache_dirs[0].parent if self.worker is not None else self.cache_dir
+        return root / "indexes"
+
     def __post_init__(self) -> None:
         most = MAX_WORKERS_PER_CORE * usable_cores()
         if not 1 <= self.workers <= most:
@@ -248,7 +282,7 @@ class ServiceConfig:
         if self.memory_cache > ram:
             raise ValueError(f"--memory-cache {format_size(self.memory_cache)} is more than this machine's "
                              f"RAM ({format_size(ram)})")
-        limits = [("max_plans", 0, 1 << 16), ("max_plan_samples", 1, 1 << 31), ("plan_ttl", 1, 86400 * 7),
+        limits = [("idle_exit", 0, 86400 * 365), ("max_plans", 0, 1 << 16), ("max_plan_samples", 1, 1 << 31), ("plan_ttl", 1, 86400 * 7),
                   ("object_ttl", 0, 86400 * 7),
                   ("plan_ahead", 0, 1 << 40), ("plan_memory", 0, 1 << 40), ("range_gap", 0, 1 << 30),
                   ("restart_pause", 0.01, 3600)]

@@ -12,15 +12,20 @@ import asyncio
 import logging
 import os
 import re
+import secrets
 import signal
+import socket
 import sys
+import time
 from functools import partial
 from pathlib import Path
 
+from shardfeed.node import ServiceRecord, node_service, process_ticks, remove_record, write_record
 from shardfeed.retry import Backoff
 from shardfeed.service.cluster.membership import build_cluster, parse_peers
 from shardfeed.service.cluster.workers import supervise, worker_sockets
-from shardfeed.service.config import HedgePolicy, ServiceConfig
+from shardfeed.service.config import NODE_IDLE_EXIT, HedgePolicy, ServiceConfig, node_cache_dir
+from shardfeed.service.observe.activity import Activity
 from shardfeed.service.stores.hedge import Hedger
 from shardfeed.sizes import format_size, parse_size
 
@@ -34,7 +39,17 @@ _BUCKET = re.compile(r"[a-z0-9][a-z0-9.\-_]{1,253}[a-z0-9]")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = ServiceConfig()
     parser.add_argument("--host", default=defaults.host, help="interface to bind (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=defaults.port, help="port (default: %(default)s)")
+    parser.add_argument("--port", type=int, help=f"port; 0: any free one (default: {defaults.port}, "
+                                                  "with --node 0)")
+    parser.add_argument("--node", action="store_true",
+                        help="be the node service, which training scripts that name only a dataset URL "
+                             "find (and start when there is none): no dataset at start, any free port, "
+                             "the cache under ~/.cache/shardfeed, a token of its own, --idle-exit "
+                             f"{NODE_IDLE_EXIT:g}; listed by `shardfeed ps`")
+    parser.add_argument("--idle-exit", type=float, metavar="SECONDS",
+                        help="stop after this long without a data request (health checks, metrics "
+                             f"and the status page do not count); 0: never (default: 0, with --node "
+                             f"{NODE_IDLE_EXIT:g})")
     parser.add_argument("--workers", type=int, default=defaults.workers, metavar="N",
                         help="processes serving this host, all on --port, each owning a share of the "
                              "shards and of --cache-size; 1 serves from one process (default: the "
@@ -57,8 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
                         help="where the embedded default dataset lives (default: %(default)s)")
-    parser.add_argument("--cache-dir", type=Path, default=defaults.cache_dir,
-                        help="block cache directory, ideally local NVMe (default: %(default)s)")
+    parser.add_argument("--cache-dir", type=Path,
+                        help=f"block cache directory, ideally local NVMe (default: {defaults.cache_dir}, "
+                             f"with --node {node_cache_dir()})")
     parser.add_argument("--cache-size", type=parse_size, default=defaults.cache_size,
                         help="most bytes the block cache keeps, e.g. 20GiB (default: 10GiB)")
     parser.add_argument("--memory-cache", type=parse_size, default=defaults.memory_cache,
@@ -130,12 +146,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert", type=Path, help="serve HTTPS with this certificate (PEM); needs --tls-key")
     parser.add_argument("--tls-key", type=Path, help="private key (PEM) for --tls-cert")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-file", help="append the log to this file instead of stderr (`shardfeed ps` "
+                                           "shows it)")
 
 
 def _check_ranges(args: argparse.Namespace) -> None:
     """Refuse knob values that would make the service misbehave, naming the flag."""
     limits = [
-        ("--port", args.port, 0, 65535),
+        ("--port", args.port or 0, 0, 65535),
         ("--block-size", args.block_size, 4096, 1 << 30),
         ("--merge-gap", args.merge_gap, 0, 1 << 40),
         ("--fetch-window", args.fetch_window, 0, 1 << 30),
@@ -193,11 +211,18 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         store_options["backoff"] = Backoff(attempts=args.store_retries + 1)
     hedge = HedgePolicy(quantile=args.hedge_quantile, min_delay=args.hedge_min_ms / 1e3,
                         max_delay=args.hedge_max_ms / 1e3, budget=args.hedge_budget) if args.hedge else None
+    if args.node and not tokens:  # loopback is open to every user of the machine: only ours may read
+        tokens = {secrets.token_urlsafe(24)}
+    defaults = ServiceConfig(node=args.node)
     return ServiceConfig(
+        node=args.node, idle_exit=(args.idle_exit if args.idle_exit is not None
+                                   else NODE_IDLE_EXIT if args.node else defaults.idle_exit),
         store_options=store_options, hedge=hedge,
         datasets=datasets, index_objects=args.index_objects, buckets=tuple(dict.fromkeys(args.bucket)),
         object_ttl=args.object_ttl,
-        host=args.host, port=args.port, cache_dir=args.cache_dir, cache_size=args.cache_size,
+        host=args.host, port=args.port if args.port is not None else 0 if args.node else defaults.port,
+        cache_dir=args.cache_dir or (node_cache_dir() if args.node else defaults.cache_dir),
+        cache_size=args.cache_size,
         memory_cache=args.memory_cache, direct_writes=args.cache_writes == "direct",
         block_size=args.block_size, merge_gap=args.merge_gap,
         fetch_window=args.fetch_window,
@@ -227,86 +252,140 @@ async def ensure_default_dataset(data_dir: Path) -> str:
     return url
 
 
-async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_level: str = "info") -> None:
+async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_level: str = "info", *,
+                activity: Activity | None = None, sockets: list[socket.socket] | None = None) -> None:
+    """Serve until SIGTERM (or ``config.idle_exit``, for a lone service: a supervisor watches
+    its workers' ``activity`` itself); ``sockets``: a lone service's, bound already."""
     import uvicorn
 
     from shardfeed.service.api import create_app
     from shardfeed.service.cache.disk import BlockCache
     from shardfeed.service.cluster.keptcounters import restore_series
-    from shardfeed.service.datasets.dataset import open_dataset
-    from shardfeed.service.datasets.served import ServedDatasets
+    from shardfeed.service.datasets.autoindex import IndexKeeper
+    from shardfeed.service.datasets.served import Opener, ServedDatasets, read_registry
     from shardfeed.service.http.protocol import BoundedHeadProtocol
     from shardfeed.service.observe.metrics import Metrics
     from shardfeed.service.stores import open_store
 
-    if not config.datasets and not config.buckets:
+    if not config.datasets and not config.buckets and not config.node:
         config.datasets = {DEFAULT_DATASET: await ensure_default_dataset(data_dir)}
+    place = config.worker
+    registry = place.registry if place is not None else None
+    named = {**config.datasets, **(read_registry(registry) if registry is not None else {})}
     metrics = Metrics()
-    if config.worker is not None:  # a restarted worker: its predecessor's counters count on (workers.py)
-        await asyncio.to_thread(restore_series, metrics, config.worker.counter_dirs[config.worker.index])
+    if place is not None:  # a restarted worker: its predecessor's counters count on (workers.py)
+        await asyncio.to_thread(restore_series, metrics, place.counter_dirs[place.index])
     cache = BlockCache(config.cache_dir, config.cache_size, config.block_size, metrics,
                        direct_writes=config.direct_writes)
     await asyncio.to_thread(cache.open)
     opened: dict = {}
     hedger = Hedger(config.hedge, metrics.registry) if config.hedge else None
+    opener = Opener(config.store_options, config.index_objects, IndexKeeper(config.index_dir))
+    if hedger is not None:
+        opener.wrap = hedger.wrap
     buckets = {}
     try:
         for bucket in config.buckets:
-            buckets[bucket] = open_store(f"s3://{bucket}", **config.store_options)
-            if hedger is not None:
-                buckets[bucket] = hedger.wrap(buckets[bucket])
-        for name, url in config.datasets.items():
-            opened[name] = await open_dataset(name, url, config.store_options, index_objects=config.index_objects)
-            if hedger is not None:
-                opened[name].store = hedger.wrap(opened[name].store)
+            buckets[bucket] = opener.wrap(open_store(f"s3://{bucket}", **config.store_options))
+        for name, url in named.items():
+            opened[name] = await opener(name, url)
             log.info("dataset %s: %s (%d samples, %d shards, version %s)", name, url, len(opened[name].index),
                      len(opened[name].index.shards), opened[name].version)
-        datasets = ServedDatasets(opened, cache, store_options=config.store_options,
-                                  index_objects=config.index_objects)
+        datasets = ServedDatasets(opened, cache, opener, registry)
         await asyncio.to_thread(datasets.retain_cached)  # blocks of versions the store no longer holds
         cluster = build_cluster(config, metrics)
         app = create_app(config, datasets, cache, metrics, cluster, buckets)
+        activity = activity or Activity()
+        slot = place.index if place is not None else 0
         server = uvicorn.Server(uvicorn.Config(
             app, host=config.host, port=config.port, log_level=log_level, access_log=False,
             timeout_graceful_shutdown=30, timeout_keep_alive=30, limit_concurrency=None,
-            h11_max_incomplete_event_size=64 * 1024, http=partial(BoundedHeadProtocol, instant=app.instant),
+            h11_max_incomplete_event_size=64 * 1024,
+            http=partial(BoundedHeadProtocol, instant=app.instant, on_request=partial(activity.touch, slot)),
             ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key,
         ))
-        await server.serve(sockets=await worker_sockets(config) if config.worker else None)
+        watch = asyncio.create_task(_exit_when_idle(server, config, activity)) \
+            if config.idle_exit and place is None else None
+        try:
+            await server.serve(sockets=await worker_sockets(config) if place is not None else sockets)
+        finally:
+            if watch is not None:
+                watch.cancel()
     finally:
         for store in [*(d.store for d in opened.values()), *buckets.values()]:
             await store.close()
         cache.close()
 
 
+async def _exit_when_idle(server, config: ServiceConfig, activity: Activity) -> None:
+    while (idle := activity.idle()) < config.idle_exit:
+        await asyncio.sleep(min(1.0, config.idle_exit - idle))
+    log.info("no data request for %.0f s (--idle-exit %g): exiting", idle, config.idle_exit)
+    server.should_exit = True
+
+
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s",
+                        **({"filename": args.log_file} if args.log_file else {"stream": sys.stderr}))
     # botocore's debug output holds each request's signature and canonical request (with
     # any session token): never let it reach the log, whatever the level.
     logging.getLogger("botocore").setLevel(max(logging.getLogger().level, logging.INFO))
     config = config_from_args(args)
-    if config.workers > 1:
-        if not config.datasets:  # seed it once, before the workers race to
-            config.datasets = {DEFAULT_DATASET: asyncio.run(ensure_default_dataset(args.data_dir))}
-        return supervise(config, lambda worker_config: serve_one(worker_config, args.data_dir, args.log_level))
-    serve_one(config, args.data_dir, args.log_level)
-    return 0
+    if config.node and (other := node_service()) is not None:
+        raise ValueError(f"this node already has a node service: pid {other.pid} at {other.url} "
+                         "(`shardfeed stop` stops it)")
+    activity = Activity(config.workers)
+    try:
+        if config.workers > 1:
+            if not config.datasets and not config.node:  # seed it once, before the workers race to
+                config.datasets = {DEFAULT_DATASET: asyncio.run(ensure_default_dataset(args.data_dir))}
+            return supervise(config, lambda worker: serve_one(worker, args.data_dir, args.log_level, activity),
+                             activity, announce=partial(_announce, config, args.log_file))
+        sock = _listening(config)
+        config.port = sock.getsockname()[1]
+        _announce(config, args.log_file, config.port)
+        serve_one(config, args.data_dir, args.log_level, activity, [sock])
+        return 0
+    finally:
+        remove_record(os.getpid())
 
 
-def serve_one(config: ServiceConfig, data_dir: Path, log_level: str) -> None:
+def _listening(config: ServiceConfig) -> socket.socket:
+    """A lone service's socket, bound and listening now: its port is known (``--port 0``), and a
+    client that connects before the app is up waits instead of being refused."""
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    try:
+        return socket.create_server((config.host, config.port), family=family, backlog=2048)
+    except OSError as err:
+        raise ValueError(f"cannot bind {config.host}:{config.port}: {err.strerror}") from None
+
+
+def _announce(config: ServiceConfig, log_file: str | None, port: int) -> None:
+    """Leave this service's address in the node's run directory (``shardfeed ps``)."""
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
+    host = f"[{host}]" if ":" in host else host
+    write_record(ServiceRecord(
+        pid=os.getpid(), url=f"{'https' if config.tls_cert else 'http'}://{host}:{port}", node=config.node,
+        ticks=process_ticks(os.getpid()) or 0, started=time.time(), cache_dir=str(config.cache_dir.resolve()),
+        token=next(iter(config.tokens)) if config.node and config.tokens else None, log=log_file,
+        idle_exit=config.idle_exit))
+
+
+def serve_one(config: ServiceConfig, data_dir: Path, log_level: str, activity: Activity,
+              sockets: list[socket.socket] | None = None) -> None:
     """Serve from this process until SIGTERM or SIGINT (a worker, or the whole service)."""
     # uvicorn drains the connections on SIGTERM, then raises the signal again: by then the
     # shutdown was graceful, so exit 0 (and SIGTERM before serving starts still ends us).
     signal.signal(signal.SIGTERM, _exit_cleanly)
     # SIGHUP reopens the datasets once the app runs (``create_app``); until then it must not end us.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    main = serve(config, data_dir, log_level, activity=activity, sockets=sockets)
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(config, data_dir, log_level))
+        asyncio.run(main)
     else:
-        uvloop.run(serve(config, data_dir, log_level))
+        uvloop.run(main)
 
 
 def _exit_cleanly(signum: int, frame) -> None:

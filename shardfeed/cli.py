@@ -29,6 +29,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("shardfeed.client.demo", "train a small model through the service"),
     "bench": ("shardfeed.benchmarks.run", "benchmark shardfeed against one GET per sample"),
     "stack": ("shardfeed.stack", "run the docker-compose stack as local processes: SeaweedFS, seeder, 3 replicas"),
+    "ps": ("shardfeed.tools.ps", "list the shardfeed services running on this node"),
+    "stop": ("shardfeed.tools.stop", "stop this node's shardfeed services (default: the node service)"),
 }
 
 # Third-party modules -> the extra that installs them, for "missing dependency" errors.

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 
 from shardfeed.benchmarks.s3server import S3Server, start_moto, start_seaweedfs
@@ -8,6 +11,10 @@ from common.s3 import EVERY_SERVER, new_bucket, point_aws_at
 
 
 def pytest_configure(config):
+    # Every service a test starts leaves its address in the run directory (shardfeed/node.py):
+    # one of this session's own (per xdist process), never the user's, so that a node service
+    # of the user's is not found by the tests, nor theirs by the user.
+    os.environ["SHARDFEED_RUN_DIR"] = tempfile.mkdtemp(prefix="shardfeed-test-run-")
     config.addinivalue_line("markers", "slow: several services, S3 servers, a browser or a benchmark: left out of "
                                        "`make check` (`-m 'not slow'`), run by `make test`")
     config.addinivalue_line("markers", "both_s3: run against every S3 server (SeaweedFS and moto) through "

@@ -1,7 +1,7 @@
 """The HTTP API v1 (docs/architecture.md): one route module per group, wired here.
 
     ops        /healthz, /metrics, /v1/cluster
-    datasets   /v1/datasets[/{name}[/reload]]
+    datasets   /v1/datasets[/{name}[/reload]]: listed, added, removed, reopened
     samples    per-sample GETs, coalesced by ``SampleBatcher``
     batch      POST /v1/batch, the ordered tar stream
     getbatch   GET /v1/ml/moss, AIStore's GetBatch for the AIStore SDK
@@ -93,11 +93,15 @@ def create_app(config: ServiceConfig, datasets: ServedDatasets, cache: BlockCach
                   admission, cluster, StatsRecorder(metrics.registry), catalog, plans, prefetcher)
     coalescer.fetcher.on_changed = datasets.changed
 
-    async def reopened(old: Dataset, new: Dataset) -> None:
-        await asyncio.to_thread(plans.rebind, old, new)
+    async def replaced(old: Dataset | None, new: Dataset | None) -> None:
+        if old is not None and new is not None:
+            await asyncio.to_thread(plans.rebind, old, new)
+        elif old is not None:  # removed: its plans go with it
+            for plan in plans.live(old):
+                plans.remove(plan)
         catalog.serve(datasets)
 
-    datasets.listeners.append(reopened)
+    datasets.listeners.append(replaced)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

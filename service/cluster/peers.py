@@ -213,10 +213,11 @@ class Cluster:
         return targets
 
     async def relay(self, method: str, path: str, body: bytes, copy: str | None,
-                    headers: dict[str, str] | None = None) -> None:
+                    headers: dict[str, str] | None = None, timeout: float | None = None) -> None:
         """Send a request this node has carried out on to ``relay_targets(copy)``, at once and
-        within ``timeout`` seconds. Best effort: a node that is down, refuses or is late is
-        logged and left out (it goes on without what the request said)."""
+        within ``timeout`` seconds (default the peers' ``timeout``). Best effort: a node that
+        is down, refuses or is late is logged and left out (it goes on without what the
+        request said)."""
         async def one(node: int, copy_as: str) -> None:
             reader = self.reader(node)
             try:
@@ -224,7 +225,7 @@ class Cluster:
                         method, f"{reader.base}{path}", data=body, ssl=reader.ssl,
                         headers={**self.headers, **(headers or {}), COPY_HEADER: copy_as,
                                  "Content-Type": "application/json"},
-                        timeout=aiohttp.ClientTimeout(total=self.timeout)) as resp:
+                        timeout=aiohttp.ClientTimeout(total=timeout or self.timeout)) as resp:
                     if resp.status >= 300:
                         log.warning("%s %s refused %s %s: %d %s", reader.kind, self.peers[node].id, method, path,
                                     resp.status, (await resp.text())[:200])

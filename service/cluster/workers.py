@@ -46,6 +46,7 @@ from pathlib import Path
 
 from shardfeed.service.cluster.keptcounters import keep_counters
 from shardfeed.service.config import ServiceConfig, WorkerPlace
+from shardfeed.service.observe.activity import Activity
 
 log = logging.getLogger("shardfeed.workers")
 
@@ -118,8 +119,11 @@ class _Worker:
     from. A death by a signal (the OOM killer during a long index build) is a crash."""
 
 
-def supervise(config: ServiceConfig, serve_worker: Callable[[ServiceConfig], None]) -> int:
-    """Run ``config.workers`` workers, each ``serve_worker(its config)``, until SIGTERM/SIGINT."""
+def supervise(config: ServiceConfig, serve_worker: Callable[[ServiceConfig], None], activity: Activity,
+              announce: Callable[[int], None] = lambda port: None) -> int:
+    """Run ``config.workers`` workers, each ``serve_worker(its config)``, until SIGTERM/SIGINT
+    (or ``config.idle_exit`` seconds without a data request in ``activity``, whose slots are
+    the workers'); ``announce(port)`` once the public port is bound (``--port 0``: any)."""
     count = config.workers
     try:
         held = [_bound(config.host, config.port)]
@@ -127,6 +131,7 @@ def supervise(config: ServiceConfig, serve_worker: Callable[[ServiceConfig], Non
     except OSError as err:
         raise ValueError(f"cannot bind {config.host}:{config.port}: {err.strerror}") from None
     port = held[0].getsockname()[1]
+    announce(port)
     ports = tuple(sock.getsockname()[1] for sock in held[1:])
     rundir = tempfile.mkdtemp(prefix="shardfeed-")  # short: a Unix socket path has 107 bytes at most
     sockets = tuple(os.path.join(rundir, f"w{i}.sock") for i in range(count))
@@ -135,7 +140,8 @@ def supervise(config: ServiceConfig, serve_worker: Callable[[ServiceConfig], Non
     counter_dirs = tuple(Path(rundir) / f"w{i}.counters" for i in range(count))
     workers = [_Worker(replace(config, port=port, cache_dir=cache_dirs[i], cache_size=config.cache_size // count,
                                memory_cache=config.memory_cache // count,
-                               worker=WorkerPlace(i, ports, sockets, cache_dirs, counter_dirs)),
+                               worker=WorkerPlace(i, ports, sockets, cache_dirs, counter_dirs,
+                                                  Path(rundir) / "datasets.json")),
                        pause=config.restart_pause)
                for i in range(count)]
     stop: list[int] = []
@@ -146,7 +152,7 @@ def supervise(config: ServiceConfig, serve_worker: Callable[[ServiceConfig], Non
     try:
         for worker in workers:
             _start(worker, serve_worker)
-        failed = _watch(workers, serve_worker, stop)
+        failed = _watch(workers, serve_worker, stop, lambda: _idle(config, activity))
         _stop(workers)
     finally:
         for sig, handler in previous.items():
@@ -159,9 +165,13 @@ def supervise(config: ServiceConfig, serve_worker: Callable[[ServiceConfig], Non
     return 0
 
 
-def _watch(workers: list[_Worker], serve_worker: Callable[[ServiceConfig], None], stop: list[int]) -> int | None:
-    """Restart workers as they die, until asked to stop; the index of a worker that never started."""
+def _watch(workers: list[_Worker], serve_worker: Callable[[ServiceConfig], None], stop: list[int],
+           idle: Callable[[], bool]) -> int | None:
+    """Restart workers as they die, until asked to stop or ``idle()``; the index of a worker
+    that never started."""
     while not stop:
+        if idle():
+            return None
         alive = {w.process.sentinel: w for w in workers if w.process is not None}
         ready = multiprocessing.connection.wait(list(alive), timeout=0.1)
         now = time.monotonic()
@@ -185,6 +195,14 @@ def _watch(workers: list[_Worker], serve_worker: Callable[[ServiceConfig], None]
                 _start(worker, serve_worker)
     log.info("stopping the workers (%s)", signal.Signals(stop[0]).name)
     return None
+
+
+def _idle(config: ServiceConfig, activity: Activity) -> bool:
+    idle = activity.idle()
+    if config.idle_exit and idle >= config.idle_exit:
+        log.info("no data request for %.0f s (--idle-exit %g): exiting", idle, config.idle_exit)
+        return True
+    return False
 
 
 def _start(worker: _Worker, serve_worker: Callable[[ServiceConfig], None]) -> None:

@@ -2,11 +2,13 @@
 
     dataset.py    ``Dataset``: a store, an index and the per-shard facts the read path needs,
                   opened from one listing that names every shard's version
-    served.py     the datasets a service serves, reopened when the store changes
+    served.py     the datasets a service serves: added and removed at runtime, reopened when
+                  the store changes
     index.py      ``Index``: sample -> (shard, offset, size), compact arrays in memory
     indexfile.py  ``index.parquet``: the on-disk format and its checks, WebDataset naming
     layouts.py    how objects under a root become an index (tar shards or loose objects)
     tarscan.py    the tar layout: an index from the shards' headers, read with ranged reads
+    autoindex.py  tar shards without an index, indexed when they open (kept in the store or here)
     shards.py     the shard writer (``shardfeed pack``/``seed`` and the embedded default use it)
     objects.py    GetBatch's catalogue: plain objects by name, files in tar shards by path
     moss.py       GetBatch's wire models, as the AIStore SDK sends and reads them

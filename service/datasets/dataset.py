@@ -21,6 +21,7 @@ import numpy as np
 
 from shardfeed.service.cache.disk import dataset_id, shard_id
 from shardfeed.service.datasets import layouts
+from shardfeed.service.datasets.autoindex import IndexKeeper, IndexProgress
 from shardfeed.service.datasets.index import Index, read_index
 from shardfeed.service.stores import ObjectChanged, ObjectInfo, ObjectNotFound, Store, open_store
 
@@ -75,17 +76,19 @@ class Dataset:
 
 
 async def open_dataset(name: str, url: str, store_options: dict | None = None, *,
-                       index_objects: bool = False, store: Store | None = None) -> Dataset:
+                       index_objects: bool = False, store: Store | None = None,
+                       keeper: IndexKeeper | None = None, progress: IndexProgress | None = None) -> Dataset:
     """Open the store at ``url`` (or use ``store``, already open there) and load its index at
     the version listed (``StoreError``/``IndexFormatError`` if bad).
 
-    index_objects: without ``index.parquet``, index the loose objects under ``url`` now
-    (the ``objects`` layout, ``layouts.py``), in memory, from the same listing.
+    Without ``index.parquet``: with ``index_objects``, index the loose objects under ``url``
+    now (the ``objects`` layout, ``layouts.py``), in memory, from the same listing; else with
+    a ``keeper``, index its tar shards (``autoindex.py``, its advance told to ``progress``).
     """
     own_store = store is None
     store = open_store(url, **(store_options or {})) if own_store else store
     try:
-        index, listed, objects = await _index_and_versions(store, index_objects)
+        index, listed, objects = await _index_and_versions(store, index_objects, keeper, progress)
     except BaseException:
         if own_store:
             await store.close()
@@ -101,7 +104,8 @@ async def open_dataset(name: str, url: str, store_options: dict | None = None, *
     )
 
 
-async def _index_and_versions(store: Store, index_objects: bool,
+async def _index_and_versions(store: Store, index_objects: bool, keeper: IndexKeeper | None,
+                              progress: IndexProgress | None,
                               ) -> tuple[Index, ObjectInfo | None, dict[str, ObjectInfo]]:
     """The index (read at the version a HEAD names), that version, and a listing of the
     shards' common prefix: one page per 1,000 shards, whatever else the root holds."""
@@ -113,10 +117,14 @@ async def _index_and_versions(store: Store, index_objects: bool,
             if attempt == OPEN_ATTEMPTS - 1:
                 raise
         except ObjectNotFound:
-            if not index_objects:
+            if not index_objects and keeper is None:
                 raise
             listing = await layouts.list_objects(store, progress=False)
-            return await layouts.index_objects(store, listing=listing), None, {i.path: i for i in listing}
+            if index_objects:
+                index, listed = await layouts.index_objects(store, listing=listing), None
+            else:
+                index, listed = await keeper.index(store, listing, progress)
+            return index, listed, {i.path: i for i in listing}
     # A key prefix, not a directory: S3 and the file store both list by string prefix.
     listing = await layouts.list_objects(store, prefix=posixpath.commonprefix(index.shards), progress=False)
     return index, listed, {info.path: info for info in listing}

@@ -1,4 +1,5 @@
-"""The datasets a service serves, by name, and their reopening when the store changes.
+"""The datasets a service serves, by name: opened at start, added and removed at runtime,
+and reopened when the store changes.
 
 A dataset is reopened (``reload``: listed again, its index read again) when someone asks
 (``POST /v1/datasets/{name}/reload``, SIGHUP) or when a read finds one of its shards
@@ -8,31 +9,86 @@ on the old one finish on its versions or fail (their reads are conditional), new
 read the new versions, the cache drops the replaced shards' blocks, and the listeners
 (plans, GetBatch's catalog) move to the new dataset. Reloads of one dataset share one
 listing: a burst of changed reads costs one.
+
+A dataset is added (``register``, ``POST /v1/datasets``) under a name not taken by another
+URL; registering the same name and URL again joins the first registration, or finds it
+done. Tar shards without an index are indexed then (``autoindex.py``), which may take a
+while: ``registering`` shows how far each is. With ``--workers N`` the runtime datasets are
+also written to the supervisor's registry file, which a restarted worker opens at start.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import json
 import logging
+import os
 from collections.abc import Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from shardfeed.service.cache.disk import BlockCache
+from shardfeed.service.datasets.autoindex import IndexKeeper, IndexProgress
 from shardfeed.service.datasets.dataset import Dataset, open_dataset
+from shardfeed.service.stores import Store
 
 log = logging.getLogger("shardfeed.datasets")
 
-Reloaded = Callable[[Dataset, Dataset], Awaitable[None]]
-"""A listener told ``(old, new)`` when a dataset is replaced by a changed version."""
+Replaced = Callable[[Dataset | None, Dataset | None], Awaitable[None]]
+"""A listener told ``(old, new)`` when a dataset is replaced by a changed version, added
+(``old`` None) or removed (``new`` None)."""
+
+STORE_LINGER = 60.0
+"""Seconds a removed dataset's store stays open, for the requests that began on it."""
+
+
+class NameTaken(Exception):
+    """The name is served, or being registered, with another URL."""
+
+
+@dataclass
+class Opener:
+    """How this service opens a dataset: store options, hedging, and what to do without an index."""
+
+    store_options: dict = field(default_factory=dict)
+    index_objects: bool = False
+    """Without ``index.parquet``, index the root's loose objects (``layouts.py``)."""
+    keeper: IndexKeeper | None = None
+    """Without ``index.parquet`` (and not ``index_objects``), index the root's tar shards."""
+    wrap: Callable[[Store], Store] = lambda store: store
+    """Applied to every store opened (``hedge.Hedger.wrap``)."""
+
+    async def __call__(self, name: str, url: str, *, store: Store | None = None,
+                       progress: IndexProgress | None = None) -> Dataset:
+        dataset = await open_dataset(name, url, self.store_options, index_objects=self.index_objects, store=store,
+                                     keeper=self.keeper, progress=progress)
+        if store is None:
+            dataset.store = self.wrap(dataset.store)
+        return dataset
+
+
+@dataclass
+class Registration:
+    """A dataset being added: its URL, its opening, and how far its indexing is."""
+
+    url: str
+    task: asyncio.Task
+    progress: IndexProgress = field(default_factory=IndexProgress)
+
+    def info(self, name: str) -> dict:
+        return {"name": name, "url": self.url, "indexing": self.progress.info() if self.progress.bytes else None}
 
 
 class ServedDatasets(Mapping[str, Dataset]):
-    def __init__(self, datasets: dict[str, Dataset], cache: BlockCache, *, store_options: dict | None = None,
-                 index_objects: bool = False):
+    def __init__(self, datasets: dict[str, Dataset], cache: BlockCache, opener: Opener | None = None,
+                 registry: Path | None = None):
         self._datasets = dict(datasets)
         self.cache = cache
-        self.store_options = store_options
-        self.index_objects = index_objects
-        self.listeners: list[Reloaded] = []
+        self.opener = opener or Opener()
+        self.registry = registry
+        self.listeners: list[Replaced] = []
+        self.registering: dict[str, Registration] = {}
         self._reloads: dict[str, asyncio.Task] = {}
 
     def __getitem__(self, name: str) -> Dataset:
@@ -49,6 +105,54 @@ class ServedDatasets(Mapping[str, Dataset]):
         for dataset in self._datasets.values():
             self.cache.retain(dataset.id, dataset.shard_ids)
 
+    # -- runtime registration ----------------------------------------------------------
+    def register(self, name: str, url: str) -> asyncio.Task:
+        """Start serving ``url`` as ``name`` (a task: its ``Dataset``, or the error that stopped
+        it). The same name and URL again: the registration under way, or a done task.
+        ``NameTaken`` when the name is served or being registered with another URL."""
+        served = self._datasets.get(name)
+        pending = self.registering.get(name)
+        if (served or pending) is not None and (served or pending).url != url:
+            raise NameTaken(f"dataset {name!r} is already {'served' if served else 'being registered'} "
+                            f"from {(served or pending).url}")
+        if pending is not None:
+            return pending.task
+        if served is not None:
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(served)
+            return done
+        progress = IndexProgress()
+        task = asyncio.create_task(self._register(name, url, progress))
+        self.registering[name] = Registration(url, task, progress)
+        task.add_done_callback(lambda _: self.registering.pop(name, None))
+        return task
+
+    async def _register(self, name: str, url: str, progress: IndexProgress) -> Dataset:
+        dataset = await self.opener(name, url, progress=progress)
+        self._datasets[name] = dataset
+        await asyncio.to_thread(self._record, name, url)
+        for listener in self.listeners:
+            await listener(None, dataset)
+        log.info("dataset %s registered: %s (%d samples, %d shards, version %s)", name, url, len(dataset.index),
+                 len(dataset.index.shards), dataset.version)
+        return dataset
+
+    async def remove(self, name: str) -> Dataset:
+        """Stop serving ``name`` (``KeyError`` when it is not served). Requests under way finish;
+        its cached blocks stay, for a registration of it again, until evicted."""
+        dataset = self._datasets.pop(name)
+        await asyncio.to_thread(self._record, name, None)
+        for listener in self.listeners:
+            await listener(dataset, None)
+        asyncio.get_running_loop().call_later(STORE_LINGER, lambda: asyncio.ensure_future(dataset.store.close()))
+        log.info("dataset %s removed (%s)", name, dataset.url)
+        return dataset
+
+    def _record(self, name: str, url: str | None) -> None:
+        if self.registry is not None:
+            update_registry(self.registry, name, url)
+
+    # -- reopening ---------------------------------------------------------------------
     async def reload(self, name: str) -> Dataset:
         """The dataset as the store holds it now (``StoreError``/``IndexFormatError`` if it cannot
         be opened: the current one stays). Joins a reload of it already under way."""
@@ -60,8 +164,9 @@ class ServedDatasets(Mapping[str, Dataset]):
 
     async def reload_all(self) -> None:
         """``reload`` every dataset; a failure is logged and leaves that dataset as it was."""
-        results = await asyncio.gather(*(self.reload(name) for name in self._datasets), return_exceptions=True)
-        for name, result in zip(self._datasets, results):
+        names = list(self._datasets)
+        results = await asyncio.gather(*(self.reload(name) for name in names), return_exceptions=True)
+        for name, result in zip(names, results):
             if isinstance(result, Exception):
                 log.warning("dataset %s not reloaded: %s", name, result)
 
@@ -71,11 +176,12 @@ class ServedDatasets(Mapping[str, Dataset]):
             asyncio.ensure_future(self.reload(dataset.name)).add_done_callback(_log_failure)
 
     async def _reload(self, old: Dataset) -> Dataset:
-        new = await open_dataset(old.name, old.url, self.store_options, index_objects=self.index_objects,
-                                 store=old.store)
+        new = await self.opener(old.name, old.url, store=old.store)
         if new.version == old.version:
             old.checked = new.checked
             return old
+        if self._datasets.get(old.name) is not old:  # removed (or replaced) meanwhile
+            return new
         self._datasets[old.name] = new
         await asyncio.to_thread(self.cache.retain, new.id, new.shard_ids)
         for listener in self.listeners:
@@ -83,6 +189,29 @@ class ServedDatasets(Mapping[str, Dataset]):
         log.info("dataset %s changed in the store: version %s -> %s (%d samples, %d shards)", new.name,
                  old.version, new.version, len(new.index), len(new.index.shards))
         return new
+
+
+def read_registry(path: Path) -> dict[str, str]:
+    """The datasets registered at runtime on this host, ``{name: url}`` ({} before the first)."""
+    try:
+        return dict(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return {}
+
+
+def update_registry(path: Path, name: str, url: str | None) -> None:
+    """Record ``name`` as served from ``url`` (None: no longer served), under a lock: every
+    worker of the host records the same registration, each when it carries it out."""
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        datasets = read_registry(path)
+        if url is None:
+            datasets.pop(name, None)
+        else:
+            datasets[name] = url
+        temp = path.with_suffix(f".{os.getpid()}.tmp")
+        temp.write_text(json.dumps(datasets))
+        os.replace(temp, path)
 
 
 def _log_failure(future: asyncio.Future) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import pyarrow as pa
 from tqdm import tqdm
@@ -124,7 +124,22 @@ class ShardScan:
                         schema=SCHEMA)
 
 
-async def scan_shard(store: Store, info: ObjectInfo, window: int, bar: tqdm | None = None) -> ShardScan:
+class Meter(Protocol):
+    """What counts the bytes covered: a tqdm bar, or anything with its ``update``."""
+
+    def update(self, n: int) -> object: ...
+
+
+class _Meters:
+    def __init__(self, *meters: Meter):
+        self.meters = meters
+
+    def update(self, n: int) -> None:
+        for meter in self.meters:
+            meter.update(n)
+
+
+async def scan_shard(store: Store, info: ObjectInfo, window: int, bar: Meter | None = None) -> ShardScan:
     """Walk the headers of one shard (``ShardScan``'s names, offsets and sizes), reading only
     around them; ``bar`` counts the bytes covered."""
     scan = ShardScan(info.path, info.size)
@@ -178,20 +193,25 @@ def _number_samples(tables: list[pa.Table]) -> pa.Table:
     return pa.concat_tables(chunks)
 
 
-async def index_shards(store: Store, shards: Sequence[str] | None = None, *, window: int = 1 << 20,
-                       concurrency: int = 16, progress: bool = True) -> Index:
+async def index_shards(store: Store, shards: Sequence[str] | None = None, *, infos: Sequence[ObjectInfo] = (),
+                       window: int = 1 << 20, concurrency: int = 16, progress: bool = True,
+                       meter: Meter | None = None) -> Index:
     """Build (not write) the index of the tar shards in ``store``, reading only their headers.
 
     shards: shard paths relative to the store root; default every ``*.tar`` under it, sorted.
+    infos: the shards as listed already (path, size, version), instead of ``shards``.
     window: bytes fetched per ranged read; larger means fewer requests on shards of small members.
     concurrency: shards scanned at once.
     progress: show a tqdm bar (bytes of shard covered) on stderr when it is a terminal.
+    meter: told those bytes too (``autoindex.IndexProgress``: the status page's).
     Raises ``IndexFormatError`` naming the shard at fault (not a tar file, truncated,
     duplicate field in a sample) or when there are no samples at all.
     """
     if window < BLOCK:
         raise ValueError(f"window must be at least {BLOCK} bytes, not {window}")
-    if shards is None:
+    if infos:
+        infos = list(infos)
+    elif shards is None:
         infos = [o for o in await store.list() if o.path.endswith(".tar")]
         if not infos:
             raise IndexFormatError(f"{store.url}: no .tar shards found")
@@ -199,8 +219,10 @@ async def index_shards(store: Store, shards: Sequence[str] | None = None, *, win
         infos = await _bounded_map(store.head, sorted(set(shards)), concurrency)
     with tqdm(total=sum(o.size for o in infos), unit="B", unit_scale=True, unit_divisor=1024,
               desc="index", disable=None if progress else True) as bar:
+        meters = _Meters(bar, meter) if meter is not None else bar
+
         async def table(info: ObjectInfo) -> pa.Table:
-            return await asyncio.to_thread((await scan_shard(store, info, window, bar)).table)
+            return await asyncio.to_thread((await scan_shard(store, info, window, meters)).table)
 
         tables = await _bounded_map(table, infos, concurrency)
     if not any(t.num_rows for t in tables):

@@ -81,9 +81,11 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     answers the routes of ``instant`` (``{(method, path): InstantAnswerer}``) without the app
     when it can. uvicorn takes it as ``http=partial(BoundedHeadProtocol, instant=...)``."""
 
-    def __init__(self, *args, instant: dict[tuple[str, str], InstantAnswerer] | None = None, **kwargs):
+    def __init__(self, *args, instant: dict[tuple[str, str], InstantAnswerer] | None = None,
+                 on_request: Callable[[str], None] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.instant = instant or {}
+        self.on_request = on_request  # told each request's path as its head ends (``observe/activity.py``)
         self._in_head = False  # uvicorn is starting the app of a request whose head just ended
         self._waiting = None  # (cycle, app, answerer): a request held until its body is here
 
@@ -100,6 +102,8 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def _start_asgi_task(self, cycle, app) -> None:  # uvicorn starts every request's app here
+        if self.on_request is not None:
+            self.on_request(cycle.scope["path"])
         answerer = self.instant.get((cycle.scope["method"], cycle.scope["path"])) if self._in_head else None
         if answerer is not None and app is self.app and not cycle.waiting_for_100_continue:
             self._waiting = (cycle, app, answerer)  # until on_message_complete, in this read
