@@ -12,7 +12,9 @@ The started service inherits this process's environment (the AWS settings it rea
 store with) and takes its options from ``$SHARDFEED_SERVE_ARGS`` (``serve`` flags, e.g.
 ``--cache-size 200GiB --workers 8``); its log is ``<run dir>/node.log`` (the one before,
 ``node.log.1``). It exits after ``--idle-exit`` (15 minutes by default) without a request;
-``shardfeed ps`` lists it, ``shardfeed stop`` stops it.
+while a process holds a dataset read through it, a thread of that process asks it a
+question every third of that time, so a long evaluation between epochs does not find it
+gone. ``shardfeed ps`` lists it, ``shardfeed stop`` stops it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
 import time
+import weakref
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -87,7 +91,45 @@ def node_dataset(url: str | os.PathLike, client_options: dict) -> tuple[Client, 
                         100 * indexing["fraction"], indexing["shards"], indexing["seconds"])
 
     client.register_dataset(name, url, on_progress=progress)
+    if record.idle_exit:
+        _keep_alive(client, name, record)
     return client, name
+
+
+_kept: weakref.WeakKeyDictionary[Client, tuple[str, str | None, float]] = weakref.WeakKeyDictionary()
+"""The node service's clients this process holds, with what keeps the service alive for them."""
+_keeper: threading.Thread | None = None
+_keeper_lock = threading.Lock()
+_wake = threading.Event()
+
+
+def _keep_alive(client: Client, name: str, record: node.ServiceRecord) -> None:
+    """While ``client`` lives (its dataset is held: between epochs, through a long evaluation),
+    ask the service about ``name`` often enough that ``--idle-exit`` does not stop it."""
+    global _keeper
+    with _keeper_lock:
+        _kept[client] = (f"{record.url}/v1/datasets/{name}", record.token, record.idle_exit / 3)
+        _wake.set()  # its interval may be shorter than the one the thread sleeps out
+        if _keeper is None or not _keeper.is_alive():  # none yet, or this is a fork of the process that had it
+            _keeper = threading.Thread(target=_keep_pinging, name="shardfeed-keep-alive", daemon=True)
+            _keeper.start()
+
+
+def _keep_pinging() -> None:
+    global _keeper
+    while True:
+        with _keeper_lock:
+            kept = list(_kept.values())
+            if not kept:  # every dataset it kept alive is gone
+                _keeper = None
+                return
+        _wake.wait(min(interval for _, _, interval in kept))
+        _wake.clear()
+        for url, token, _ in list(_kept.values()):
+            try:
+                httpx.get(url, headers={"Authorization": f"Bearer {token}"} if token else {}, timeout=10, verify=False)
+            except httpx.HTTPError:
+                pass  # gone: the next batch finds out, and says so
 
 
 def node_service(timeout: float = START_TIMEOUT) -> node.ServiceRecord:

@@ -16,11 +16,10 @@ import secrets
 import signal
 import socket
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
-from shardfeed.node import ServiceRecord, node_service, process_ticks, remove_record, write_record
+from shardfeed.node import announce, node_service, remove_record
 from shardfeed.retry import Backoff
 from shardfeed.service.cluster.membership import build_cluster, parse_peers
 from shardfeed.service.cluster.workers import supervise, worker_sockets
@@ -213,7 +212,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                         max_delay=args.hedge_max_ms / 1e3, budget=args.hedge_budget) if args.hedge else None
     if args.node and not tokens:  # loopback is open to every user of the machine: only ours may read
         tokens = {secrets.token_urlsafe(24)}
-    defaults = ServiceConfig(node=args.node)
+    defaults = ServiceConfig()
     return ServiceConfig(
         node=args.node, idle_exit=(args.idle_exit if args.idle_exit is not None
                                    else NODE_IDLE_EXIT if args.node else defaults.idle_exit),
@@ -262,16 +261,17 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
     from shardfeed.service.cache.disk import BlockCache
     from shardfeed.service.cluster.keptcounters import restore_series
     from shardfeed.service.datasets.autoindex import IndexKeeper
+    from shardfeed.service.datasets.indexfile import IndexFormatError
     from shardfeed.service.datasets.served import Opener, ServedDatasets, read_registry
     from shardfeed.service.http.protocol import BoundedHeadProtocol
     from shardfeed.service.observe.metrics import Metrics
-    from shardfeed.service.stores import open_store
+    from shardfeed.service.stores import StoreError, open_store
 
     if not config.datasets and not config.buckets and not config.node:
         config.datasets = {DEFAULT_DATASET: await ensure_default_dataset(data_dir)}
     place = config.worker
     registry = place.registry if place is not None else None
-    named = {**config.datasets, **(read_registry(registry) if registry is not None else {})}
+    registered = read_registry(registry) if registry is not None else {}  # a restarted worker's
     metrics = Metrics()
     if place is not None:  # a restarted worker: its predecessor's counters count on (workers.py)
         await asyncio.to_thread(restore_series, metrics, place.counter_dirs[place.index])
@@ -287,8 +287,15 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
     try:
         for bucket in config.buckets:
             buckets[bucket] = opener.wrap(open_store(f"s3://{bucket}", **config.store_options))
-        for name, url in named.items():
-            opened[name] = await opener(name, url)
+        for name, url in {**config.datasets, **registered}.items():
+            try:
+                opened[name] = await opener(name, url)
+            except (StoreError, IndexFormatError) as err:
+                if name not in registered:
+                    raise
+                # Its siblings serve it; stopping this worker (and so the service) for it would not help.
+                log.warning("dataset %s (registered at runtime) not opened: %s", name, err)
+                continue
             log.info("dataset %s: %s (%d samples, %d shards, version %s)", name, url, len(opened[name].index),
                      len(opened[name].index.shards), opened[name].version)
         datasets = ServedDatasets(opened, cache, opener, registry)
@@ -304,6 +311,7 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
             http=partial(BoundedHeadProtocol, instant=app.instant, on_request=partial(activity.touch, slot)),
             ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key,
         ))
+        activity.touch(slot, "")  # idle from now: a slow start is not idleness
         watch = asyncio.create_task(_exit_when_idle(server, config, activity)) \
             if config.idle_exit and place is None else None
         try:
@@ -364,11 +372,9 @@ def _announce(config: ServiceConfig, log_file: str | None, port: int) -> None:
     """Leave this service's address in the node's run directory (``shardfeed ps``)."""
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
     host = f"[{host}]" if ":" in host else host
-    write_record(ServiceRecord(
-        pid=os.getpid(), url=f"{'https' if config.tls_cert else 'http'}://{host}:{port}", node=config.node,
-        ticks=process_ticks(os.getpid()) or 0, started=time.time(), cache_dir=str(config.cache_dir.resolve()),
-        token=next(iter(config.tokens)) if config.node and config.tokens else None, log=log_file,
-        idle_exit=config.idle_exit))
+    announce(f"{'https' if config.tls_cert else 'http'}://{host}:{port}", node=config.node,
+             cache_dir=str(config.cache_dir.resolve()), log=log_file, idle_exit=config.idle_exit,
+             token=next(iter(config.tokens)) if config.node and config.tokens else None)
 
 
 def serve_one(config: ServiceConfig, data_dir: Path, log_level: str, activity: Activity,

@@ -110,6 +110,12 @@ def write_record(record: ServiceRecord) -> Path:
     return path
 
 
+def announce(url: str, **fields) -> Path:
+    """Leave this process's record: its ``url`` and the other ``ServiceRecord`` ``fields``."""
+    pid = os.getpid()
+    return write_record(ServiceRecord(pid=pid, url=url, ticks=process_ticks(pid) or 0, started=time.time(), **fields))
+
+
 def remove_record(pid: int) -> None:
     with contextlib.suppress(OSError):
         record_path(pid).unlink()

@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field
 from starlette.responses import JSONResponse
 
 from shardfeed.service.api.common import AppState, json_body, read_json, relay, relayed_copy
+from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.datasets.indexfile import IndexFormatError
 from shardfeed.service.datasets.served import NameTaken
 from shardfeed.service.http.errors import ApiError, InvalidRequest, StoreUnavailable, UnknownDataset
@@ -91,8 +92,12 @@ async def register_dataset(request: Request, state: AppState, wait: float = Quer
     spec = await read_json(request, DatasetSpec, 64 * 1024)
     _check_url(spec.url)
     copy = relayed_copy(request)
+
+    async def spread(dataset: Dataset) -> None:  # part of the registration: done even if nobody waits
+        await relay(state, request, copy, spec.model_dump_json().encode(), timeout=RELAY_TIMEOUT)
+
     try:
-        task = state.datasets.register(spec.name, spec.url)
+        task = state.datasets.register(spec.name, spec.url, then=spread)
     except NameTaken as err:
         raise ApiError(409, "dataset_exists", str(err)) from None
     done, _ = await asyncio.wait([task], timeout=None if copy else wait)
@@ -108,7 +113,6 @@ async def register_dataset(request: Request, state: AppState, wait: float = Quer
         raise StoreUnavailable(f"dataset {spec.name!r} not registered: {err}") from None
     except StoreError as err:
         raise ApiError(422, "no_dataset", f"dataset {spec.name!r} not registered: {err}") from None
-    await relay(state, request, copy, spec.model_dump_json().encode(), timeout=RELAY_TIMEOUT)
     return JSONResponse({"dataset": dataset.info()})
 
 

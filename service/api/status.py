@@ -59,7 +59,8 @@ async def page() -> HTMLResponse:
 @router.get("/v1/stats")
 async def stats(request: Request, state: AppState, since: float | None = Query(
         None, description="only series points newer than this time (seconds since the epoch)")) -> Response:
-    """The status page's figures: recent rates and latencies, cache, admission, datasets, replicas.
+    """The status page's figures: recent rates and latencies, cache, admission, datasets (and
+    those being registered), replicas.
     On the public port of ``--workers N``, the whole host's (every worker's summed, ``hoststats.py``)."""
     if on_public_port(request, state):
         spans = (RATE_SPAN, state.stats.window)
@@ -67,7 +68,7 @@ async def stats(request: Request, state: AppState, since: float | None = Query(
         parts = [worker_figures(state, spans, since), *filter(None, siblings)]
         state = host_state(state, parts, await asyncio.to_thread(kept_values, state.cluster, siblings))
         figures = {**document(state), "plans": host_plans(parts) or None,
-                   "workers_reporting": len(parts)}
+                   "registering": host_registering(parts) or None, "workers_reporting": len(parts)}
     else:
         figures = document(state)
     # The series is spliced in as the recorder serialized it (see ``StatsRecorder.series_json``).
@@ -80,7 +81,7 @@ def worker_figures(state: State, spans: tuple[float, ...], since: float | None) 
     """This worker's part of the host's figures, as JSON-ready data: its latest counter and
     level values, its counters' growth over each of ``spans`` seconds, its latency buckets'
     growth over the window, its series points newer than ``since``, its in-flight requests,
-    cache capacity and plans."""
+    cache capacity, plans and datasets being registered."""
     recorder = state.stats
     latest = recorder.latest
     return {
@@ -95,6 +96,7 @@ def worker_figures(state: State, spans: tuple[float, ...], since: float | None) 
         "capacity": state.config.cache_size,
         "store_limit": state.config.max_store_requests,
         "plans": [plan.describe() for plan in state.plans.live()],
+        "registering": _registering(state),
     }
 
 
@@ -147,8 +149,31 @@ def document(state: State) -> dict:
         "datasets": [dataset.info() for dataset in state.datasets.values()],
         "replicas": _replicas(state),
         "plans": [plan.describe() for plan in state.plans.live()] or None,  # None: the page hides it
+        "registering": _registering(state) or None,  # likewise
         "workers": (state.cluster.describe()["workers"] or None) if state.cluster is not None else None,
     }
+
+
+def _registering(state: State) -> list[dict]:
+    """The datasets being added (``POST /v1/datasets``) and how far each one's indexing is."""
+    return [registration.info(name) for name, registration in list(state.datasets.registering.items())]
+
+
+def host_registering(parts: list[dict]) -> list[dict]:
+    """The datasets the workers of ``parts`` (``worker_figures``) are adding, one entry per name:
+    the one whose indexing is farthest (a host's workers share one indexer: the others wait
+    for its index, showing no indexing of their own)."""
+    out: dict[str, dict] = {}
+    for part in parts:
+        for entry in part.get("registering") or ():  # a worker of another version sends none
+            held = out.get(entry["name"])
+            if held is None or _indexed(entry) > _indexed(held):
+                out[entry["name"]] = entry
+    return list(out.values())
+
+
+def _indexed(entry: dict) -> float:
+    return -1.0 if entry["indexing"] is None else entry["indexing"]["fraction"]
 
 
 def _rates(recent: tuple[dict[str, float], float] | None) -> dict:

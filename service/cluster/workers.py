@@ -170,7 +170,7 @@ def _watch(workers: list[_Worker], serve_worker: Callable[[ServiceConfig], None]
     """Restart workers as they die, until asked to stop or ``idle()``; the index of a worker
     that never started."""
     while not stop:
-        if idle():
+        if all(worker.served for worker in workers) and idle():  # idle from serving on, not while starting
             return None
         alive = {w.process.sentinel: w for w in workers if w.process is not None}
         ready = multiprocessing.connection.wait(list(alive), timeout=0.1)

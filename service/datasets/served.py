@@ -106,10 +106,12 @@ class ServedDatasets(Mapping[str, Dataset]):
             self.cache.retain(dataset.id, dataset.shard_ids)
 
     # -- runtime registration ----------------------------------------------------------
-    def register(self, name: str, url: str) -> asyncio.Task:
+    def register(self, name: str, url: str, then: Callable[[Dataset], Awaitable[None]] | None = None,
+                 ) -> asyncio.Task:
         """Start serving ``url`` as ``name`` (a task: its ``Dataset``, or the error that stopped
-        it). The same name and URL again: the registration under way, or a done task.
-        ``NameTaken`` when the name is served or being registered with another URL."""
+        it), and ``then(dataset)`` as part of it (tell the other nodes). The same name and URL
+        again: the registration under way, or a done task. ``NameTaken`` when the name is
+        served or being registered with another URL."""
         served = self._datasets.get(name)
         pending = self.registering.get(name)
         if (served or pending) is not None and (served or pending).url != url:
@@ -122,12 +124,13 @@ class ServedDatasets(Mapping[str, Dataset]):
             done.set_result(served)
             return done
         progress = IndexProgress()
-        task = asyncio.create_task(self._register(name, url, progress))
+        task = asyncio.create_task(self._register(name, url, progress, then))
         self.registering[name] = Registration(url, task, progress)
         task.add_done_callback(lambda _: self.registering.pop(name, None))
         return task
 
-    async def _register(self, name: str, url: str, progress: IndexProgress) -> Dataset:
+    async def _register(self, name: str, url: str, progress: IndexProgress,
+                        then: Callable[[Dataset], Awaitable[None]] | None) -> Dataset:
         dataset = await self.opener(name, url, progress=progress)
         self._datasets[name] = dataset
         await asyncio.to_thread(self._record, name, url)
@@ -135,6 +138,8 @@ class ServedDatasets(Mapping[str, Dataset]):
             await listener(None, dataset)
         log.info("dataset %s registered: %s (%d samples, %d shards, version %s)", name, url, len(dataset.index),
                  len(dataset.index.shards), dataset.version)
+        if then is not None:
+            await then(dataset)
         return dataset
 
     async def remove(self, name: str) -> Dataset:

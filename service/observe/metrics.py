@@ -56,6 +56,9 @@ class Metrics:
         self.sibling_blocks = Counter(
             "shardfeed_sibling_blocks", "Blocks of sibling workers read from their cache directories: "
             "read, absent (the owner is asked) or bad (not served; the owner is asked)", ["result"], registry=r)
+        self.replica_blocks = Counter(
+            "shardfeed_replica_blocks", "Blocks of members read from their owner replica (that replica "
+            "counts its own cache hits and store reads)", registry=r)
         self.peers_up = Gauge("shardfeed_peers_up", "Replicas believed live, this one included", registry=r)
         self.plans = Gauge("shardfeed_plans", "Plans held (service/plans/)", registry=r)
         self.rejected = Counter("shardfeed_rejected", "Requests refused with 429 (overloaded)", registry=r)

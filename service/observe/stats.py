@@ -40,6 +40,7 @@ RATES = {
     "cache_hits": "shardfeed_cache_hits_total",
     "memory_hits": "shardfeed_memory_cache_hits_total",
     "sibling_hits": 'shardfeed_sibling_blocks_total{result="read"}',
+    "replica_hits": "shardfeed_replica_blocks_total",
     "cache_misses": "shardfeed_cache_misses_total",
     "cache_evictions": "shardfeed_cache_evictions_total",
     "rejected": "shardfeed_rejected_total",
@@ -50,10 +51,12 @@ the labels given)."""
 _LABELLED = frozenset(sample.partition("{")[0] for sample in RATES.values() if "{" in sample)
 """Counters whose samples ``read_registry`` also keeps label by label (those ``RATES`` name so)."""
 
-HIT_TIERS = {"ram": "memory_hits", "disk": "cache_hits", "sibling": "sibling_hits"}
+HIT_TIERS = {"ram": "memory_hits", "disk": "cache_hits", "sibling": "sibling_hits", "replica": "replica_hits"}
 """Where a block a read needed came from without a store read of this node's, by tier: the
-RAM tier, the block cache on disk, a sibling worker's cache directory (the store's reads
-are ``cache_misses``). A member a peer replica served is counted by that replica."""
+RAM tier, the block cache on disk, a sibling worker's cache directory, a peer replica that
+owns its shard (the store's reads are ``cache_misses``). The blocks a replica served another
+node are its own hits or store reads too: summed over the cluster, a block read through a
+peer counts twice, once on each side; each node's ratio counts it once."""
 
 LEVELS = {
     "cache_bytes": "shardfeed_cache_bytes",

@@ -8,11 +8,13 @@ blocks up front (``prefetch``), so they merge across the groups it is streamed i
 
 With replicas or workers, members of shards owned by another replica or sibling worker
 are sent to that owner as one sub-batch, and read from the store here if the owner
-fails (``peers.py``). A sibling worker's blocks are first read from its cache directory
-(``siblings.py``): only the members of blocks it has not cached cross its socket. While a
-sibling is down (restarting), its directory is still read first; what is not there is read
-by the live worker that stands in as the owner of its shards, and cached in that worker's
-own directory: a worker's directory has no other writer.
+fails (``peers.py``); the blocks of those a replica served count as hits here
+(``replica_blocks``; it counts its own cache hits and store reads for them). A sibling
+worker's blocks are first read from its cache directory (``siblings.py``): only the
+members of blocks it has not cached cross its socket. While a sibling is down
+(restarting), its directory is still read first; what is not there is read by the live
+worker that stands in as the owner of its shards, and cached in that worker's own
+directory: a worker's directory has no other writer.
 
 With plans (``service/plans/``), ``fetch_policy`` says which missing blocks are worth
 fetching whole; the members in the others are read as ranges (``ranges.py``).
@@ -118,11 +120,14 @@ class Coalescer:
     async def _ask(self, node: int, dataset: Dataset, members: Members) -> list:
         """The members from another node; from the store here if it fails."""
         try:
-            return await self.cluster.reader(node).read(dataset, members)
+            out = await self.cluster.reader(node).read(dataset, members)
         except PeerError as err:
             log.warning("reading %d members from the store instead: %s", len(members), err)
             self.metrics.peer_fallbacks.inc(len(members))
             return await self._read_local(dataset, members)
+        if self.cluster.reader(node).kind == "replica":  # a sibling's blocks count where it read them
+            self.metrics.replica_blocks.inc(_distinct_blocks(members, self.block_size))
+        return out
 
     async def _read_sibling_files(self, node: int, dataset: Dataset, members: Members) -> list:
         """The members of a sibling's shards, from RAM or its cache directory (``siblings.py``);
@@ -354,6 +359,15 @@ def spans_of(pieces, rows, block_size: int) -> list[tuple[int, int, int]]:
     base = pieces.block[rows] * block_size
     return list(zip(pieces.shard[rows].tolist(), (base + pieces.start[rows]).tolist(),
                     (base + pieces.end[rows]).tolist()))
+
+
+def _distinct_blocks(members: Members, block_size: int) -> int:
+    """How many distinct ``(shard, block)`` pairs the found ``members`` span."""
+    found, offset = members.found, members.offset[members.found]
+    first = offset // block_size
+    spans = (offset + np.maximum(members.size[found], 1) - 1) // block_size - first + 1
+    blocks = np.repeat(first - np.cumsum(spans) + spans, spans) + np.arange(spans.sum())  # each member's, in turn
+    return np.unique(np.stack([np.repeat(members.shard[found].astype(np.int64), spans), blocks]), axis=1).shape[1]
 
 
 _ASK_OWNER = StoreError("not in the sibling's cache directory")

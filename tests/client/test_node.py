@@ -5,6 +5,7 @@ training script would get."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -122,12 +123,16 @@ def test_a_start_that_fails_raises_one_clear_error_with_the_logs_last_line(unind
     assert node.services() == []
 
 
-def test_a_node_service_exits_when_idle_and_health_checks_do_not_keep_it(unindexed, run_dir, tmp_path, monkeypatch):
+def test_a_node_service_lives_while_a_dataset_is_held_and_exits_when_idle(unindexed, run_dir, tmp_path, monkeypatch):
     # Two workers: they health-check each other every second, which is not a request.
     monkeypatch.setenv("SHARDFEED_SERVE_ARGS", f"--cache-dir {tmp_path / 'cache'} --workers 2 --idle-exit 3")
-    ShardfeedDataset(str(unindexed[0]))[0]
+    held = ShardfeedDataset(str(unindexed[0]))
     record = node.services()[0]
     assert record.idle_exit == 3
+    time.sleep(6)  # a long evaluation between epochs: the held dataset keeps its service
+    assert record.alive and held[1]["__index__"] == 1
+    del held
+    gc.collect()
     deadline = time.monotonic() + 30
     while record.alive and time.monotonic() < deadline:
         time.sleep(0.2)

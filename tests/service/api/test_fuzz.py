@@ -244,7 +244,10 @@ def test_the_api_conforms_to_its_openapi_document(service, bystander, mode):
     invalid data refused."""
     # GetBatch is a GET with a JSON body (AIStore's wire protocol), which schemathesis does
     # not send; its body is fuzzed by test_any_getbatch_body_gets_an_archive_or_a_4xx_json_error.
-    schema = schemathesis.openapi.from_url(f"{service.url}/openapi.json").exclude(path_regex="^/v1/ml/moss")
+    # Adding and removing datasets would open any path of this machine (a valid "/" lists it
+    # all) and could remove the bystander's: tests/service/datasets/test_register.py has them.
+    schema = (schemathesis.openapi.from_url(f"{service.url}/openapi.json").exclude(path_regex="^/v1/ml/moss")
+              .exclude(method="POST", path="/v1/datasets").exclude(method="DELETE", path="/v1/datasets/{name}"))
 
     def no_floats(value) -> bool:
         if isinstance(value, (list, dict)):

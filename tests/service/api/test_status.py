@@ -152,7 +152,8 @@ def test_stats_say_unknown_before_anything_happened(service):
     described.pop("cache")  # the dataset's own description adds the cache it is read through
     assert doc["datasets"] == [described]
     assert doc["replicas"] == [{"id": None, "url": None, "up": True, "self": True, "shards": {"train": 8}}]
-    assert doc["plans"] is None and doc["workers"] is None
+    assert doc["plans"] is None and doc["workers"] is None and doc["registering"] is None
+    assert doc["cache"]["hits"] == {"ram": 0, "disk": 0, "sibling": 0, "replica": 0, "store": 0}
     assert doc["inflight"]["batch"] == {"now": 0, "limit": 128}
 
 
@@ -167,7 +168,7 @@ def test_stats_agree_with_the_service_metrics_after_load(service):
     assert doc["cache"]["bytes"] == prom["shardfeed_cache_bytes"] > 0
     ram, disk = prom["shardfeed_memory_cache_hits_total"], prom["shardfeed_cache_hits_total"]
     misses = prom["shardfeed_cache_misses_total"]
-    assert doc["cache"]["hits"] == {"ram": ram, "disk": disk, "sibling": 0, "store": misses}
+    assert doc["cache"]["hits"] == {"ram": ram, "disk": disk, "sibling": 0, "replica": 0, "store": misses}
     assert ram > 0  # the repeated batches came from the RAM tier, and count as hits
     assert doc["cache"]["hit_ratio"] == pytest.approx((ram + disk) / (ram + disk + misses), abs=1e-4)
     assert doc["cache"]["fill"] == pytest.approx(prom["shardfeed_cache_bytes"] / doc["cache"]["capacity"], abs=1e-4)

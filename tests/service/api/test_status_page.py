@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import random
 import re
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -33,25 +32,10 @@ from common.service import metrics
 
 SAMPLES = 400
 ARTIFACTS = REPO / "tests" / "artifacts"
-# The flags a sandboxed CI machine without a network needs; Playwright adds --headless and
-# a fresh profile directory (user data dir) per launch.
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    executable = shutil.which("chromium")
-    if executable is None:
-        pytest.fail("chromium not found: install the Debian package (bash .ci/run does)")
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS, headless=True)
-        yield browser
-        browser.close()
 
 
 @pytest.fixture(scope="module")

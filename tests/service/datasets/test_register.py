@@ -52,11 +52,16 @@ def test_a_registered_dataset_is_served_by_every_worker_and_a_restarted_one_and_
     train_url, _ = datasets["train"]
     extra_url, extra = datasets["extra"]
     with start_service({"train": train_url}, cache_dir=tmp_path / "cache", workers=2, args=ARGS) as svc:
-        answer = register(svc.url, "extra", extra_url)
+        # Answered at once (202); nobody asks again, and every worker gets it all the same.
+        assert register(svc.url, "extra", extra_url, wait=0).status_code == 202
+        workers = worker_urls(svc.url)
+        deadline = time.monotonic() + 30
+        while not all(httpx.get(f"{w}/v1/datasets/extra", timeout=5).status_code == 200 for w in workers):
+            assert time.monotonic() < deadline, "not every worker serves the registered dataset"
+            time.sleep(0.1)
+        answer = register(svc.url, "extra", extra_url)  # the same again: idempotent
         assert answer.status_code == 200, answer.text
         assert answer.json()["dataset"]["samples"] == 60
-        assert register(svc.url, "extra", extra_url).status_code == 200  # the same again: idempotent
-        workers = worker_urls(svc.url)
         for worker in workers:
             assert fetch_batch(worker, [5, 59, 0], "extra") == expected_members(extra, "extra", [5, 59, 0])
 
