@@ -137,7 +137,7 @@ def node_service(timeout: float = START_TIMEOUT) -> node.ServiceRecord:
     with node.node_lock(timeout + 30):
         record = node.node_service()
         if record is not None:
-            if _healthy(record, patience=10.0):
+            if _healthy(record, patience=timeout):  # one started by hand may still be opening datasets
                 return record
             raise ServiceStartError(f"the node's shardfeed service (pid {record.pid}, {record.url}) does not "
                                     f"answer; `shardfeed stop {record.pid}` stops it{_log_hint(record.log)}")

@@ -273,10 +273,11 @@ def relayed_copy(request: Request) -> str | None:
 
 
 async def relay(state: State, request: Request, copy: str | None, body: bytes, headers: dict | None = None,
-                timeout: float | None = None) -> None:
-    """Carry this request, already done here, to the cluster's other nodes (``Cluster.relay``)."""
+                **options) -> None:
+    """Carry this request, already done here, to the cluster's other nodes (``Cluster.relay``
+    with its ``options``)."""
     if state.cluster is not None:
-        await state.cluster.relay(request.method, request.url.path, body, copy, headers, timeout)
+        await state.cluster.relay(request.method, request.url.path, body, copy, headers, **options)
 
 
 async def answer_changed_once(answer: Callable[[], Awaitable[Response]],

@@ -94,7 +94,7 @@ async def register_dataset(request: Request, state: AppState, wait: float = Quer
     copy = relayed_copy(request)
 
     async def spread(dataset: Dataset) -> None:  # part of the registration: done even if nobody waits
-        await relay(state, request, copy, spec.model_dump_json().encode(), timeout=RELAY_TIMEOUT)
+        await relay(state, request, copy, spec.model_dump_json().encode(), timeout=RELAY_TIMEOUT, down_too=True)
 
     try:
         task = state.datasets.register(spec.name, spec.url, then=spread)
@@ -130,7 +130,7 @@ async def remove_dataset(name: str, request: Request, state: AppState) -> dict:
         if copy is not None:  # not (or no longer) served on this node: nothing to do here
             return {"removed": None}
         raise UnknownDataset(name, list(state.datasets)) from None
-    await relay(state, request, copy, b"")
+    await relay(state, request, copy, b"", down_too=True)
     return {"removed": dataset.info()}
 
 

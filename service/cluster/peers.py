@@ -213,11 +213,13 @@ class Cluster:
         return targets
 
     async def relay(self, method: str, path: str, body: bytes, copy: str | None,
-                    headers: dict[str, str] | None = None, timeout: float | None = None) -> None:
+                    headers: dict[str, str] | None = None, timeout: float | None = None,
+                    down_too: bool = False) -> None:
         """Send a request this node has carried out on to ``relay_targets(copy)``, at once and
         within ``timeout`` seconds (default the peers' ``timeout``). Best effort: a node that
         is down, refuses or is late is logged and left out (it goes on without what the
-        request said)."""
+        request said). ``down_too``: also to the nodes believed down (one just restarted may
+        not be known up yet), for what a node must not miss (a dataset added or removed)."""
         async def one(node: int, copy_as: str) -> None:
             reader = self.reader(node)
             try:
@@ -234,7 +236,7 @@ class Cluster:
                             type(err).__name__)
 
         await asyncio.gather(*(one(node, copy_as) for node, copy_as in self.relay_targets(copy)
-                               if self.peers[node].up))
+                               if down_too or self.peers[node].up))
 
     # -- health ------------------------------------------------------------------------
     def mark(self, node: int, *, up: bool, why: str = "") -> None:
