@@ -30,6 +30,8 @@ class PlanHandle:
         self.dataset = dataset
         self.fields = fields
         self.id: str | None = None
+        self.held: dict[str, Any] | None = None
+        """The order ``id`` stands for: the last plan registered, how far its reader got aside."""
         self._checked = 0.0
 
     def register(self, plan: dict[str, Any]) -> None:
@@ -37,9 +39,17 @@ class PlanHandle:
         self.drop()
         try:
             self.id = self.client.register_plan(self.dataset, {**plan, "fields": self.fields})["id"]
+            self.held = _order(plan)
         except ShardfeedError as err:
             log.warning("plan not registered, reading without read-ahead: %s", err)
         self._checked = time.monotonic()
+
+    def ensure(self, plan: dict[str, Any]) -> None:
+        """``register(plan)`` unless its order is the one held (by this handle, or by the copy
+        it was made from: a DataLoader worker's copy of a dataset that announced in the
+        training process)."""
+        if self.held != _order(plan):
+            self.register(plan)
 
     def refresh(self, plan: Callable[[], dict[str, Any]]) -> None:
         """Every ``CHECK_EVERY`` seconds: register ``plan()`` again if the service lost ours."""
@@ -61,4 +71,9 @@ class PlanHandle:
                 self.client.delete_plan(self.dataset, self.id)
             except ShardfeedError:
                 pass  # gone already; it expires anyway
-            self.id = None
+            self.id = self.held = None
+
+
+def _order(plan: dict[str, Any]) -> dict[str, Any]:
+    """What names a plan's order: everything but how far its reader got."""
+    return {key: value for key, value in plan.items() if key != "consumed"}

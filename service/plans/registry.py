@@ -37,6 +37,11 @@ blocks; at 1/4 the random order read 1.3x the dataset in ``tests/service/plans/t
 HORIZON_EVERY = 0.1
 """Seconds between recomputations of the cache horizon (cheap, but not per request)."""
 
+FINISHED_TTL = 30.0
+"""Seconds a plan is kept once its reader got to its end (other DataLoader workers' last
+batches may still come): a reader that registers a plan per pass, and never deletes the
+last (the first worker of a plain DataLoader), does not fill ``--max-plans``."""
+
 
 class Geometry:
     """Where each sample of a dataset lies in blocks, numbered densely over all shards."""
@@ -121,8 +126,13 @@ class Plan:
     def length(self) -> int:
         return max(1, len(self.order))
 
+    @property
+    def finished(self) -> bool:
+        """Whether its reader got to its end."""
+        return self.complete and self.position + self.batch >= len(self.order)
+
     def touch(self) -> None:
-        self.deadline = time.monotonic() + self.ttl
+        self.deadline = time.monotonic() + (min(self.ttl, FINISHED_TTL) if self.finished else self.ttl)
 
     def next_use(self, gids: np.ndarray, start: int) -> np.ndarray:
         """Per block, its first position at or after ``start`` (``inf`` if none)."""
