@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="10KiB")
     parser.add_argument("--cache-share", type=float, default=0.25, help="the block cache, as a share of the dataset")
     parser.add_argument("--recipes", default="iterable-plain,iterable-loader,map-sampler")
+    parser.add_argument("--service-workers", type=int, default=os.cpu_count() or 1,
+                        help="serve --workers (default: every core, as serve's own default)")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="shardfeed-recipes-"))
     sizes = parse_sizes(args.size)
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{'recipe':<26}{'S3 bytes/dataset':>17}{'S3 requests/sample':>20}{'plans':>7}{'samples/s':>11}")
         for recipe in args.recipes.split(","):
             with start_service({"data": url}, cache_dir=work / recipe / "cache", cache_size=str(cache),
-                               env={**s3.env(), "AWS_ENDPOINT_URL": proxy}, workers=os.cpu_count() or 1,
+                               env={**s3.env(), "AWS_ENDPOINT_URL": proxy}, workers=args.service_workers,
                                args=["--memory-cache", "0"]) as svc:
                 before = _counts(proxy).get("GET", 0)
                 began = time.perf_counter()
