@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="10KiB")
     parser.add_argument("--cache-share", type=float, default=0.25, help="the block cache, as a share of the dataset")
     parser.add_argument("--recipes", default="iterable-plain,iterable-loader,map-sampler")
+    parser.add_argument("--serve-args", default="", help="more `serve` flags, e.g. '--plan-memory 0'")
     parser.add_argument("--service-workers", type=int, default=os.cpu_count() or 1,
                         help="serve --workers (default: every core, as serve's own default)")
     args = parser.parse_args(argv)
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         for recipe in args.recipes.split(","):
             with start_service({"data": url}, cache_dir=work / recipe / "cache", cache_size=str(cache),
                                env={**s3.env(), "AWS_ENDPOINT_URL": proxy}, workers=args.service_workers,
-                               args=["--memory-cache", "0"]) as svc:
+                               args=["--memory-cache", "0", *shlex.split(args.serve_args)]) as svc:
                 before = _counts(proxy).get("GET", 0)
                 began = time.perf_counter()
                 seen = run(recipe, svc.url, sizes)

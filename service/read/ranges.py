@@ -27,6 +27,11 @@ from shardfeed.service.stores import StoreError
 STALE = 30.0
 """Seconds a range read ahead waits for its reader before it is dropped."""
 
+TAKEN_KEPT = 1 << 16
+"""Ranges a reader took lately that are remembered, so that reading ahead, which may lag
+behind a reader whose DataLoader workers run a few batches ahead of the position the plan
+saw last, does not read them again (the same sample is not wanted twice in an epoch)."""
+
 Span = tuple[int, int, int]
 """``(shard code, start, end)``: absolute byte range of a member piece in a shard."""
 
@@ -43,6 +48,7 @@ class RangeReader:
         self.memory = memory
         self._pending: OrderedDict[tuple, tuple[asyncio.Future, float]] = OrderedDict()  # key -> (bytes, when)
         self._held = 0  # bytes of ranges read ahead, in flight or waiting for their reader
+        self._taken: OrderedDict[tuple, None] = OrderedDict()  # the latest TAKEN_KEPT a reader took
         self._tasks: set[asyncio.Task] = set()
 
     def room(self) -> int:
@@ -65,11 +71,16 @@ class RangeReader:
             entry = self._pending.pop(key, None)
             if entry is not None and entry[1] > 0:  # read ahead: its memory is free now
                 self._held -= key[3] - key[2]
+            self._taken[key] = None
+            self._taken.move_to_end(key)
+        while len(self._taken) > TAKEN_KEPT:
+            self._taken.popitem(last=False)
         return out
 
     def read_ahead(self, dataset: Dataset, spans: list[Span]) -> None:
         """Start reading spans for a reader that comes later (callers stay within ``room()``)."""
-        self._start(dataset, [s for s in spans if _key(dataset, *s) not in self._pending], ahead=True)
+        self._start(dataset, [s for s in spans if (key := _key(dataset, *s)) not in self._pending
+                              and key not in self._taken], ahead=True)
 
     def _start(self, dataset: Dataset, spans: list[Span], *, ahead: bool) -> None:
         by_shard: dict[int, list[tuple[int, int]]] = defaultdict(list)

@@ -1,0 +1,51 @@
+"""Sample ranges read without their block (service/read/ranges.py), over a real file:// dataset:
+reads merged when near, shared while in flight, and a range a reader took lately never read
+ahead again (reading ahead may lag behind a reader whose workers run ahead of its plan)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from shardfeed.service.datasets.dataset import open_dataset
+from shardfeed.service.read.ranges import RangeReader
+
+from common.datasets import dir_put, make_dataset
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ranges")
+    make_dataset(dir_put(root), samples=40, per_shard=20, sizes=(900, 1100))
+    return asyncio.run(open_dataset("d", root.as_uri()))
+
+
+def spans_of(dataset, indices) -> list[tuple[int, int, int]]:
+    members = dataset.index.lookup(indices)
+    return [(int(s), int(o), int(o + n)) for s, o, n in zip(members.shard, members.offset, members.size)]
+
+
+def test_a_range_a_reader_took_is_not_read_ahead_again(dataset):
+    reads: list[tuple[int, int, int]] = []
+
+    async def store_read(ds, shard: int, start: int, end: int) -> bytes:
+        reads.append((shard, start, end))
+        return await ds.store.read_range(ds.index.shards[shard], start, end - start, ds.shard_version(shard))
+
+    taken = spans_of(dataset, [0, 1, 25])  # two samples of shard 0, one of shard 1
+
+    async def main() -> list:
+        ranges = RangeReader(store_read, gap=16 * 1024, max_read=1 << 20, memory=1 << 20)
+        got = await ranges.read(dataset, taken)
+        assert len(reads) == 2  # one read per shard: the members of shard 0 merged
+        ranges.read_ahead(dataset, taken)  # a plan's read-ahead lagging behind its reader
+        ranges.read_ahead(dataset, spans_of(dataset, [30]))
+        await asyncio.sleep(0.1)
+        await ranges.close()
+        return got
+
+    got = asyncio.run(main())
+    assert len(reads) == 3  # only sample 30 was read ahead
+    for data, (shard, start, end) in zip(got, taken):
+        assert data == (dataset.store.root / dataset.index.shards[shard]).read_bytes()[start:end]
