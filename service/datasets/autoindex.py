@@ -83,7 +83,7 @@ class IndexKeeper:
         except StoreError as err:  # a read-only prefix: keep it ourselves
             log.info("index of %s kept in %s (the store did not take it: %s)", store.url, kept, err)
         data = await asyncio.to_thread(parquet_bytes, index.to_table())
-        await asyncio.to_thread(_write_atomically, kept, data)
+        await asyncio.to_thread(write_atomically, kept, data)
         return index, None
 
 
@@ -112,7 +112,8 @@ def _versions_digest(shards: list[ObjectInfo]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
+def write_atomically(path: Path, data: bytes) -> None:
+    """``path`` holds ``data`` whole or keeps what it held: readers never see half of it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     with os.fdopen(fd, "wb") as out:

@@ -23,13 +23,12 @@ import asyncio
 import fcntl
 import json
 import logging
-import os
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardfeed.service.cache.disk import BlockCache
-from shardfeed.service.datasets.autoindex import IndexKeeper, IndexProgress
+from shardfeed.service.datasets.autoindex import IndexKeeper, IndexProgress, write_atomically
 from shardfeed.service.datasets.dataset import Dataset, open_dataset
 from shardfeed.service.stores import Store
 
@@ -114,9 +113,9 @@ class ServedDatasets(Mapping[str, Dataset]):
         served or being registered with another URL."""
         served = self._datasets.get(name)
         pending = self.registering.get(name)
-        if (served or pending) is not None and (served or pending).url != url:
-            raise NameTaken(f"dataset {name!r} is already {'served' if served else 'being registered'} "
-                            f"from {(served or pending).url}")
+        taken = served.url if served is not None else pending.url if pending is not None else url
+        if taken != url:
+            raise NameTaken(f"dataset {name!r} is already {'served' if served else 'being registered'} from {taken}")
         if pending is not None:
             return pending.task
         if served is not None:
@@ -214,9 +213,7 @@ def update_registry(path: Path, name: str, url: str | None) -> None:
             datasets.pop(name, None)
         else:
             datasets[name] = url
-        temp = path.with_suffix(f".{os.getpid()}.tmp")
-        temp.write_text(json.dumps(datasets))
-        os.replace(temp, path)
+        write_atomically(path, json.dumps(datasets).encode())
 
 
 def _log_failure(future: asyncio.Future) -> None:
