@@ -260,7 +260,6 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
     from shardfeed.service.api import create_app
     from shardfeed.service.cache.disk import BlockCache
     from shardfeed.service.cluster.keptcounters import restore_series
-    from shardfeed.service.datasets.autoindex import IndexKeeper
     from shardfeed.service.datasets.indexfile import IndexFormatError
     from shardfeed.service.datasets.served import Opener, ServedDatasets, read_registry
     from shardfeed.service.http.protocol import BoundedHeadProtocol
@@ -280,7 +279,7 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
     await asyncio.to_thread(cache.open)
     opened: dict = {}
     hedger = Hedger(config.hedge, metrics.registry) if config.hedge else None
-    opener = Opener(config.store_options, config.index_objects, IndexKeeper(config.index_dir))
+    opener = Opener.of(config)
     if hedger is not None:
         opener.wrap = hedger.wrap
     buckets = {}

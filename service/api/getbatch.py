@@ -34,7 +34,7 @@ from starlette.responses import Response
 from shardfeed.service.api.common import (
     TAR, AppState, answer_changed_once, describe, json_body, read_body, served_metrics, tar_stream_response,
 )
-from shardfeed.service.cache.disk import dataset_id, shard_id
+from shardfeed.service.cache.names import dataset_id, shard_id
 from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.datasets.index import Members
 from shardfeed.service.datasets.moss import PROVIDERS, MossIn, MossOut, MossReq, MossResp

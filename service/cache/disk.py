@@ -5,15 +5,19 @@ Each block is one checksummed file (``blockfile.py``: a reader verifies only the
 reads); a corrupt or truncated file is dropped, never served. Recently read block files
 stay open (a bounded set), so a warm read is a ``pread`` and no ``open``.
 
-Blocks are named by the version of their shard (``shard_id``: path, ETag, size), so a
+Blocks are named by the version of their shard (``names.py``: path, ETag, size), so a
 block of a replaced object is never read for the new one; ``retain`` drops them once a
 dataset is opened again.
 
-Crash safety: a block is written to a temporary file and renamed into place, so it
-becomes visible only when complete; after a restart the directory is scanned and the
-blocks are reused. Eviction is LRU over whole blocks, bounded by ``capacity`` bytes,
-unless a ``victims`` policy orders the candidates (plans: the block used farthest in the
-future goes first, ``service/plans/``).
+Which blocks are held, and when each was last read, is the catalogue's (``catalog.py``): a
+few dozen bytes a block in numpy arrays, and records on disk that a restart reads in one go
+(a kept cache of 10^7 blocks opens in seconds, without a look at its files). Crash
+safety: a block is written to a temporary file, recorded, then renamed into place, so it
+becomes visible only when complete; every read verifies what it reads, and files no
+record lists are removed while serving. Eviction is LRU over whole blocks, bounded by
+``capacity`` bytes, unless a ``victims`` policy orders the candidates (plans: the block
+used farthest in the future goes first, ``service/plans/``); either ranks 64 blocks drawn
+at random rather than all of them, so an eviction costs the same at any size.
 LRU fits the access pattern: a random epoch touches every block once, and a block
 read by one batch is likely to be read again by the next samples of the same shard,
 while the blocks of the batch being served are already in memory and eviction cannot
@@ -28,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import logging
 import os
 import threading
@@ -36,48 +39,24 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import NamedTuple
+
+import numpy as np
 
 from shardfeed.service.cache.blockfile import BadBlock, BlockFile, file_size, write_file
+from shardfeed.service.cache.catalog import Catalog, block_key
+from shardfeed.service.cache.names import BlockKey
 from shardfeed.service.observe.metrics import Metrics
 
 log = logging.getLogger("shardfeed.cache")
 
 _OPEN_FILES = 512  # block files kept open for reads
-_SUFFIX = ".blk"
+_CANDIDATES = 64
+"""Blocks drawn at random per eviction and ranked (all of them in a cache of fewer): the one
+least recently used, or the ``victims`` policy's first, goes."""
 
 
 class CacheLocked(RuntimeError):
     """Another process already uses this cache directory."""
-
-
-class BlockKey(NamedTuple):
-    dataset: str  # dataset_id() of the dataset URL
-    shard: str  # shard_id() of the shard path
-    block: int
-
-    def filename(self, block_size: int) -> str:
-        return f"{self.dataset}/{self.shard}-{block_size:x}-{self.block:08x}{_SUFFIX}"
-
-    @classmethod
-    def from_filename(cls, name: str) -> BlockKey:
-        """The key of a file name made by ``filename``."""
-        dataset, _, rest = name.partition("/")
-        shard, _, rest = rest.partition("-")
-        return cls(dataset, shard, int(rest.partition("-")[2][:-len(_SUFFIX)], 16))
-
-
-def dataset_id(url: str) -> str:
-    """A short stable name for a dataset URL (a directory of the cache)."""
-    return hashlib.sha1(url.encode()).hexdigest()[:12]
-
-
-def shard_id(path: str, etag: str | None = None, size: int | None = None) -> str:
-    """A short stable name for a version of a shard (part of its blocks' file names): the
-    path, and the object's ETag and size where known, so the blocks of a replaced object
-    are never taken for the new one's."""
-    name = path if etag is None else f"{path}\0{etag}\0{size}"
-    return hashlib.sha1(name.encode()).hexdigest()[:20]
 
 
 class HeldBlocks:
@@ -91,14 +70,6 @@ class HeldBlocks:
         self.total = 0
         self.per_shard: dict[str, int] = {}
         self.changes = 0
-
-
-class _Entry:
-    __slots__ = ("file_size", "file")
-
-    def __init__(self, file_size: int):
-        self.file_size = file_size
-        self.file: BlockFile | None = None  # open while among the recently read, shared by readers
 
 
 class BlockCache:
@@ -122,48 +93,54 @@ class BlockCache:
         self.metrics = metrics
         self.direct_writes = direct_writes
         self.writable = True
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()
-        self._open_files: OrderedDict[str, None] = OrderedDict()
-        self._bytes = 0
+        self._catalog = Catalog(self.directory)
+        self._open_files: OrderedDict[int, BlockFile] = OrderedDict()  # by block key, recently read
         self._held: dict[str, HeldBlocks] = {}
         self._lock = threading.Lock()
         self._lock_file = None
         self._last_warning = -1e9
+        self._random = np.random.default_rng()
         self.on_forget: Callable[[BlockKey], None] = lambda key: None
         """Called with the key of every block evicted, replaced or dropped as corrupt."""
-        self.victims: Callable[[list[str]], Iterable[str]] | None = None
-        """Orders eviction candidates, given as file names least recently used first (the
-        first returned goes first); ``None`` keeps LRU. Called with the lock held."""
+        self.victims: Callable[[list[BlockKey]], list[BlockKey]] | None = None
+        """Orders eviction candidates, given least recently used first (the first returned
+        goes first); ``None`` keeps LRU. Called with the lock held."""
 
     # -- lifecycle ---------------------------------------------------------------------
     def open(self) -> None:
-        """Lock the directory and index the blocks a previous run left behind."""
+        """Lock the directory and take up the blocks a previous run left behind: from the
+        catalogue (``catalog.py``), else (a directory without one) by looking at every file."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._lock_directory()
         except OSError as err:
             self._disable(f"cache directory {self.directory} is not usable ({err.strerror})")
             return
-        found = []
-        for path in self.directory.glob(f"*/*{_SUFFIX}"):
-            try:
-                st = path.stat()
-            except FileNotFoundError:
-                continue
-            found.append((st.st_atime, str(path.relative_to(self.directory)), st.st_size))
-        for path in self.directory.glob("*/.tmp-*"):  # a crash mid-write leaves these
-            path.unlink(missing_ok=True)
+        began = time.time()
         with self._lock:
-            for _, name, size in sorted(found):
-                self._entries[name] = _Entry(size)
-                self._count(name, 1)
-                self._bytes += size
-            evicted = self._evict_locked()
-        for victim in evicted:  # the capacity may have shrunk since the last run
-            self._forget(victim)
-            (self.directory / victim).unlink(missing_ok=True)
+            listed = self._catalog.load()
+            if not listed:
+                self._catalog.scan()
+            for stream, count in enumerate(self._catalog.stream_counts().tolist()):
+                if count:
+                    self._count(stream, count)
+            try:
+                self._catalog.start()
+            except OSError as err:
+                self._disable(f"cache catalogue in {self.directory} is not writable ({err.strerror})")
+            victims = self._catalog.oldest(self.bytes - self.capacity).tolist()
+            evicted = [self._catalog.key(slot) for slot in victims]
+            for slot in victims:
+                self._remove_locked(slot)
+            if evicted:
+                self.metrics.cache_evictions.inc(len(evicted))
+        self._unlink(evicted)  # the capacity may have shrunk since the last run
         self._update_gauges()
-        log.info("block cache %s: %d blocks, %d bytes reused", self.directory, len(found), self._bytes)
+        log.info("block cache %s: %d blocks, %d bytes reused", self.directory, self._catalog.count,
+                 self._catalog.bytes)
+        if listed:  # files the catalogue does not vouch for: removed while serving
+            threading.Thread(target=self._catalog.remove_orphans, args=(began, self._lock), name="cache-orphans",
+                             daemon=True).start()
 
     def _lock_directory(self) -> None:
         """Hold the directory's exclusive lock; ``CacheLocked`` if another process has it."""
@@ -179,6 +156,8 @@ class BlockCache:
         self._lock_file = lock_file
 
     def close(self) -> None:
+        with self._lock:
+            self._catalog.close()
         if self._lock_file is not None:
             self._lock_file.close()
             self._lock_file = None
@@ -188,9 +167,28 @@ class BlockCache:
             log.warning("%s: serving straight from the store", why)
         self.writable = False
 
+    # -- names -----------------------------------------------------------------------------
+    def _key_of(self, key: BlockKey, *, make: bool = False) -> int | None:
+        """The catalogue's key of a block of this block size (None: a stream never seen)."""
+        if make:
+            return block_key(self._catalog.stream(key.dataset, key.shard, self.block_size), key.block)
+        code = self._catalog.stream_code.get((key.dataset, key.shard, self.block_size))
+        return None if code is None else block_key(code, key.block)
+
+    def _block_of(self, key: int) -> tuple[BlockKey, int]:
+        """The ``BlockKey`` and block size of a catalogue key."""
+        dataset, shard, block_size = self._catalog.streams[key >> 32]
+        return BlockKey(dataset, shard, key & 0xFFFFFFFF), block_size
+
+    def _file(self, key: int) -> str:
+        block, block_size = self._block_of(key)
+        return block.filename(block_size)
+
     # -- reads -----------------------------------------------------------------------------
     def __contains__(self, key: BlockKey) -> bool:
-        return key.filename(self.block_size) in self._entries
+        with self._lock:
+            code = self._key_of(key)
+            return code is not None and self._catalog.find(code) >= 0
 
     def held(self, dataset: str) -> HeldBlocks:
         """What the cache holds of dataset id ``dataset`` (read without the lock: a moment's view)."""
@@ -199,48 +197,43 @@ class BlockCache:
     def read(self, key: BlockKey, ranges: list[tuple[int, int]] | None) -> list[bytes] | None:
         """Bytes ``[start, end)`` of the block for each range (``None``: the whole block), verified;
         ``None`` if absent or bad."""
-        name = key.filename(self.block_size)
         with self._lock:
-            entry = self._entries.get(name)
-            if entry is None:
+            code = self._key_of(key)
+            slot = -1 if code is None else self._catalog.find(code)
+            if slot < 0:
                 return None
-            self._entries.move_to_end(name)
-            file = entry.file
+            self._catalog.touch(slot)
+            size = self._catalog.size(slot)
+            file = self._open_files.get(code)
+            if file is not None:
+                self._open_files.move_to_end(code)
         try:
             if file is None:
-                file = self._open(name, entry)
+                file = self._open(code, size)
             return file.read(ranges)
         except (OSError, BadBlock) as err:
-            self._drop(name, str(err))
+            self._drop(code, str(err))
             return None
 
-    def _open(self, name: str, entry: _Entry) -> BlockFile:
+    def _open(self, code: int, size: int) -> BlockFile:
         """Open a block file, checked, and keep it open for the next reads."""
-        file = BlockFile(self.directory / name, entry.file_size)
+        file = BlockFile(self.directory / self._file(code), size)
         with self._lock:
-            if self._entries.get(name) is entry:
-                entry.file = file
-                self._open_files[name] = None
-                self._open_files.move_to_end(name)
+            if self._catalog.find(code) >= 0:
+                self._open_files[code] = file
                 while len(self._open_files) > _OPEN_FILES:
-                    victim = self._entries.get(self._open_files.popitem(last=False)[0])
-                    if victim is not None:
-                        victim.file = None
+                    self._open_files.popitem(last=False)
         return file
 
-    def _forget(self, name: str) -> None:
-        self.on_forget(BlockKey.from_filename(name))
-
-    def _drop(self, name: str, why: str) -> None:
+    def _drop(self, code: int, why: str) -> None:
+        name = self._file(code)
         log.warning("cache block %s %s: dropped, will refetch", name, why)
         self.metrics.cache_corrupt.inc()
-        self._forget(name)
+        self.on_forget(self._block_of(code)[0])
         with self._lock:
-            entry = self._entries.pop(name, None)
-            self._open_files.pop(name, None)
-            if entry is not None:
-                self._count(name, -1)
-                self._bytes -= entry.file_size
+            slot = self._catalog.find(code)
+            if slot >= 0:
+                self._remove_locked(slot)
         (self.directory / name).unlink(missing_ok=True)
         self._update_gauges()
 
@@ -249,16 +242,13 @@ class BlockCache:
         (a replaced object's blocks: their space is reclaimed at once); how many were dropped."""
         keep = set(shard_ids)
         with self._lock:
-            stale = [name for name in self._entries if name.startswith(f"{dataset}/")
-                     and BlockKey.from_filename(name).shard not in keep]
-            for name in stale:
-                entry = self._entries.pop(name)
-                self._open_files.pop(name, None)
-                self._count(name, -1)
-                self._bytes -= entry.file_size
-        for name in stale:
-            self._forget(name)
-            (self.directory / name).unlink(missing_ok=True)
+            stale_streams = np.array([code for code, (d, shard, _) in enumerate(self._catalog.streams)
+                                      if d == dataset and shard not in keep], np.int64)
+            stale = []
+            for slot in self._catalog.stream_slots(stale_streams).tolist():
+                stale.append(self._catalog.key(slot))
+                self._remove_locked(slot)
+        self._unlink(stale)
         if stale:
             self.metrics.cache_evictions.inc(len(stale))
             self._update_gauges()
@@ -278,17 +268,14 @@ class BlockCache:
             return False
         # Make room first, so the files on disk never exceed the capacity, even briefly.
         with self._lock:
-            old = self._entries.pop(name, None)
-            self._open_files.pop(name, None)
-            if old is not None:
-                self._count(name, -1)
-            self._bytes += size - (old.file_size if old is not None else 0)
-            evicted = self._evict_locked()
-        if old is not None:
-            self._forget(name)
-        for victim in evicted:
-            self._forget(victim)
-            (self.directory / victim).unlink(missing_ok=True)
+            code = self._key_of(key, make=True)
+            old = self._catalog.find(code)
+            if old >= 0:
+                self._remove_locked(old)
+            evicted = self._evict_locked(size)
+        if old >= 0:
+            self.on_forget(key)
+        self._unlink(evicted)
         try:
             try:
                 direct = write_file(tmp, payload, direct=self.direct_writes)
@@ -296,21 +283,26 @@ class BlockCache:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 if not (self.directory / ".lock").exists():  # removed with the directory: lock anew
                     self._lock_directory()
+                    with self._lock:
+                        self._catalog.renew()
                 direct = write_file(tmp, payload, direct=self.direct_writes)
             if self.direct_writes and not direct:
                 self.direct_writes = False
                 log.info("the cache's filesystem refuses O_DIRECT: block files are written buffered")
+            with self._lock:  # the record first: a crash after it leaves a file a read verifies
+                self._catalog.add(code, size)
+                self._count(code >> 32, 1)
             os.replace(tmp, path)
         except CacheLocked as err:  # another process took the recreated directory
-            with self._lock:
-                self._bytes -= size
             self._disable(str(err))
             return False
         except OSError as err:
             with contextlib.suppress(OSError):  # the directory itself may be what is broken
                 tmp.unlink(missing_ok=True)
             with self._lock:
-                self._bytes -= size
+                slot = self._catalog.find(code)
+                if slot >= 0:
+                    self._remove_locked(slot)
             self._update_gauges()
             self.metrics.cache_write_errors.inc()
             now = time.monotonic()
@@ -318,35 +310,44 @@ class BlockCache:
                 self._last_warning = now
                 log.warning("cannot write cache block %s (%s): serving from the store", path, err.strerror)
             return False
-        with self._lock:
-            self._entries[name] = _Entry(size)
-            self._count(name, 1)
         self._update_gauges()
         return True
 
-    def _evict_locked(self) -> list[str]:
+    def _evict_locked(self, incoming: int = 0) -> list[int]:
+        """Let go of blocks until ``incoming`` more bytes fit; their keys, to unlink. Each goes
+        first among ``_CANDIDATES`` drawn at random (LRU, or the ``victims`` policy), so an
+        eviction costs the same with 10^4 blocks as with 10^7 (docs/benchmarks.md, scale)."""
         evicted = []
-        if self._bytes <= self.capacity:
-            return evicted
-        names = list(self._entries)
-        for name in names if self.victims is None else self.victims(names):
-            if self._bytes <= self.capacity:
-                break
-            entry = self._entries.pop(name)
-            self._open_files.pop(name, None)
-            self._count(name, -1)
-            self._bytes -= entry.file_size
-            evicted.append(name)
+        catalog = self._catalog
+        while catalog.count and catalog.bytes + incoming > self.capacity:
+            slots = catalog.candidates(self._random, _CANDIDATES)
+            victim = int(slots[0])
+            if self.victims is not None:
+                keys = [self._block_of(catalog.key(s))[0] for s in slots.tolist()]
+                victim = int(slots[keys.index(self.victims(keys)[0])])
+            evicted.append(catalog.key(victim))
+            self._remove_locked(victim)
         if evicted:
             self.metrics.cache_evictions.inc(len(evicted))
         return evicted
 
-    def _count(self, name: str, step: int) -> None:
-        """Count block file ``name`` in (``step`` 1) or out (-1) of its dataset's ``HeldBlocks``;
-        called with the lock held. Files of another block size (a previous run's) are not counted."""
-        dataset, _, rest = name.partition("/")
-        shard, size, _ = rest.split("-", 2)
-        if int(size, 16) != self.block_size:
+    def _remove_locked(self, slot: int) -> None:
+        code = self._catalog.key(slot)
+        self._count(code >> 32, -1)
+        self._open_files.pop(code, None)
+        self._catalog.remove(slot)
+
+    def _unlink(self, codes: list[int]) -> None:
+        """Forget and remove the files of blocks let go of (their records already written)."""
+        for code in codes:
+            self.on_forget(self._block_of(code)[0])
+            (self.directory / self._file(code)).unlink(missing_ok=True)
+
+    def _count(self, stream: int, step: int) -> None:
+        """Count ``step`` blocks of a stream in (or out, negative) of its dataset's ``HeldBlocks``;
+        called with the lock held. Blocks of another block size (a previous run's) are not counted."""
+        dataset, shard, block_size = self._catalog.streams[stream]
+        if block_size != self.block_size:
             return
         held = self._held.get(dataset)
         if held is None:
@@ -356,9 +357,9 @@ class BlockCache:
         held.changes += 1
 
     def _update_gauges(self) -> None:
-        self.metrics.cache_bytes.set(self._bytes)
-        self.metrics.cache_blocks.set(len(self._entries))
+        self.metrics.cache_bytes.set(self._catalog.bytes)
+        self.metrics.cache_blocks.set(self._catalog.count)
 
     @property
     def bytes(self) -> int:
-        return self._bytes
+        return self._catalog.bytes

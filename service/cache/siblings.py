@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from shardfeed.service.cache.blockfile import BadBlock, BlockFile
-from shardfeed.service.cache.disk import BlockKey
+from shardfeed.service.cache.names import BlockKey
 from shardfeed.service.observe.metrics import Metrics
 
 log = logging.getLogger("shardfeed.siblings")

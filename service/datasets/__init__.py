@@ -5,7 +5,9 @@
     served.py     the datasets a service serves: added and removed at runtime, reopened when
                   the store changes
     index.py      ``Index``: sample -> (shard, offset, size), compact arrays in memory
-    indexfile.py  ``index.parquet``: the on-disk format and its checks, WebDataset naming
+    indexfile.py  ``index.parquet``: the on-disk format and its checks, WebDataset naming;
+                  ``IndexStats``, what is computed once over a whole index
+    mapped.py     one copy of an index per host: memory-mapped from a file its workers share
     layouts.py    how objects under a root become an index (tar shards or loose objects)
     tarscan.py    the tar layout: an index from the shards' headers, read with ranged reads
     autoindex.py  tar shards without an index, indexed when they open (kept in the store or here)

@@ -22,10 +22,13 @@ import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
-from shardfeed.service.cache.disk import dataset_id
-from shardfeed.service.datasets.index import Index, index_from_parquet, parquet_bytes, read_index, write_index
+from shardfeed.service.cache.names import dataset_id
+from shardfeed.service.datasets.index import (
+    Index, Share, index_from_parquet, index_version, parquet_bytes, read_index, unshared, write_index,
+)
 from shardfeed.service.datasets.indexfile import INDEX_FILE
 from shardfeed.service.datasets.tarscan import index_shards
 from shardfeed.service.stores import ObjectInfo, ObjectNotFound, Store, StoreError
@@ -53,8 +56,10 @@ class IndexProgress:
 class IndexKeeper:
     """Indexes tar shards that have no index, keeping the result in the store or ``directory``."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, share: Share = unshared):
         self.directory = directory
+        self.share = share
+        """Kept indexes are read through it (``mapped.py``: once per host)."""
 
     async def index(self, store: Store, listing: list[ObjectInfo], progress: IndexProgress | None = None,
                     ) -> tuple[Index, ObjectInfo | None]:
@@ -65,11 +70,11 @@ class IndexKeeper:
             raise ObjectNotFound(f"{store.url} holds neither {INDEX_FILE} nor .tar shards (index loose objects "
                                  "with `shardfeed index --objects`, or pack files with `shardfeed pack`)")
         kept = self.directory / f"{dataset_id(store.url)}-{_versions_digest(shards)}.parquet"
-        async with _locked(kept.with_suffix(".lock")):  # one indexer per host; the others read its index
+        async with locked(kept.with_suffix(".lock")):  # one indexer per host; the others read its index
             if kept.exists():
-                return await asyncio.to_thread(lambda: index_from_parquet(kept.read_bytes(), str(kept))), None
+                return await self.share(store.url, kept.name, partial(asyncio.to_thread, read_kept, kept)), None
             with contextlib.suppress(ObjectNotFound):
-                return await read_index(store)
+                return await read_index(store, self.share)
             return await self._index(store, shards, kept, progress or IndexProgress())
 
     async def _index(self, store: Store, shards: list[ObjectInfo], kept: Path, progress: IndexProgress,
@@ -77,18 +82,28 @@ class IndexKeeper:
         progress.shards, progress.bytes = len(shards), sum(info.size for info in shards)
         log.info("indexing %s: %d tar shards, %d bytes, headers only", store.url, len(shards), progress.bytes)
         index = await index_shards(store, infos=shards, progress=False, meter=progress)
+
+        async def built() -> Index:
+            return index
+
         try:
             await write_index(store, index)
-            return index, await store.head(INDEX_FILE)
+            listed = await store.head(INDEX_FILE)
         except StoreError as err:  # a read-only prefix: keep it ourselves
             log.info("index of %s kept in %s (the store did not take it: %s)", store.url, kept, err)
+        else:
+            return await self.share(store.url, index_version(listed), built), listed
         data = await asyncio.to_thread(parquet_bytes, index.to_table())
         await asyncio.to_thread(write_atomically, kept, data)
-        return index, None
+        return await self.share(store.url, kept.name, built), None
+
+
+def read_kept(kept: Path) -> Index:
+    return index_from_parquet(kept.read_bytes(), str(kept))
 
 
 @contextlib.asynccontextmanager
-async def _locked(path: Path) -> AsyncIterator[None]:
+async def locked(path: Path) -> AsyncIterator[None]:
     """Hold an ``flock`` on ``path`` (polled: no thread waits on it), released by the kernel
     should this process die."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -19,10 +19,10 @@ from functools import cached_property
 
 import numpy as np
 
-from shardfeed.service.cache.disk import dataset_id, shard_id
+from shardfeed.service.cache.names import dataset_id, shard_id
 from shardfeed.service.datasets import layouts
 from shardfeed.service.datasets.autoindex import IndexKeeper, IndexProgress
-from shardfeed.service.datasets.index import Index, read_index
+from shardfeed.service.datasets.index import Index, Share, read_index, unshared
 from shardfeed.service.stores import ObjectChanged, ObjectInfo, ObjectNotFound, Store, open_store
 
 OPEN_ATTEMPTS = 3
@@ -77,18 +77,20 @@ class Dataset:
 
 async def open_dataset(name: str, url: str, store_options: dict | None = None, *,
                        index_objects: bool = False, store: Store | None = None,
-                       keeper: IndexKeeper | None = None, progress: IndexProgress | None = None) -> Dataset:
+                       keeper: IndexKeeper | None = None, progress: IndexProgress | None = None,
+                       share: Share = unshared) -> Dataset:
     """Open the store at ``url`` (or use ``store``, already open there) and load its index at
     the version listed (``StoreError``/``IndexFormatError`` if bad).
 
     Without ``index.parquet``: with ``index_objects``, index the loose objects under ``url``
     now (the ``objects`` layout, ``layouts.py``), in memory, from the same listing; else with
     a ``keeper``, index its tar shards (``autoindex.py``, its advance told to ``progress``).
+    An ``index.parquet`` is read through ``share`` (``mapped.py``: once per host).
     """
     own_store = store is None
     store = open_store(url, **(store_options or {})) if own_store else store
     try:
-        index, listed, objects = await _index_and_versions(store, index_objects, keeper, progress)
+        index, listed, objects = await _index_and_versions(store, index_objects, keeper, progress, share)
     except BaseException:
         if own_store:
             await store.close()
@@ -105,13 +107,13 @@ async def open_dataset(name: str, url: str, store_options: dict | None = None, *
 
 
 async def _index_and_versions(store: Store, index_objects: bool, keeper: IndexKeeper | None,
-                              progress: IndexProgress | None,
+                              progress: IndexProgress | None, share: Share,
                               ) -> tuple[Index, ObjectInfo | None, dict[str, ObjectInfo]]:
     """The index (read at the version a HEAD names), that version, and a listing of the
     shards' common prefix: one page per 1,000 shards, whatever else the root holds."""
     for attempt in range(OPEN_ATTEMPTS):
         try:
-            index, listed = await read_index(store)
+            index, listed = await read_index(store, share)
             break
         except ObjectChanged:  # replaced between its HEAD and its read: again
             if attempt == OPEN_ATTEMPTS - 1:

@@ -8,15 +8,16 @@ In memory there is no Python object per row: members are stored sorted by sample
 their stored order within a sample, as narrow numpy arrays (field and shard as codes
 into sorted lists, offsets and sizes as int32 where they fit), plus one member
 start per sample and the keys as one Arrow string array. That is roughly 12 bytes per
-member plus 4 bytes and the key per sample, so a 10M-sample index with two fields per
-sample stays well under 100 bytes per sample.
+member plus 4 bytes and the key per sample: 42 bytes a sample with two fields and 10-byte
+keys. A service maps these arrays from one file per host (``mapped.py``), so that is all
+its workers hold together (``python -m shardfeed.benchmarks.scale``).
 """
 
 from __future__ import annotations
 
 import asyncio
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shardfeed.service.datasets.indexfile import (
-    INDEX_FILE, LAYOUT_KEY, SCHEMA, VERSION, VERSION_KEY, IndexFormatError, first_row, index_columns,
+    INDEX_FILE, LAYOUT_KEY, SCHEMA, VERSION, VERSION_KEY, IndexFormatError, IndexStats, first_row, index_columns,
 )
 from shardfeed.service.stores import ObjectInfo, ObjectNotFound, Store
 from shardfeed.sizes import format_size
@@ -56,7 +57,8 @@ class Members:
 
 
 class Index:
-    """Sample -> (shard, offset, size) for every member of a dataset. Build with ``from_table`` or ``load_index``."""
+    """Sample -> (shard, offset, size) for every member of a dataset. Build with ``from_table`` or
+    ``load_index``; ``mapped.py`` maps one from a file that a host's processes share."""
 
     shards: list[str]
     fields: list[str]
@@ -64,7 +66,8 @@ class Index:
 
     def __init__(self, *, keys: pa.Array, starts: np.ndarray, shard: np.ndarray,
                  field: np.ndarray, offset: np.ndarray, size: np.ndarray,
-                 shards: list[str], fields: list[str], layout: str = "tar"):
+                 shards: list[str], fields: list[str], layout: str = "tar",
+                 stats: IndexStats | None = None):
         # Internal: callers use from_table(), which validates.
         self.layout = layout
         self._keys = keys
@@ -76,11 +79,11 @@ class Index:
         self.shards = shards
         self.fields = fields
         self._field_code = {name: code for code, name in enumerate(fields)}
-        counts = np.diff(starts)
-        self._per_sample = int(counts[0]) if len(counts) and (counts == counts[0]).all() else 0
-        """Members of every sample when all have as many (the usual dataset), else 0: ``lookup``
-        then finds a batch's rows with half the numpy calls (about 4 us a batch)."""
-        self.total_bytes = int(size.sum(dtype=np.int64))
+        self.stats = stats or IndexStats.of(starts, shard, offset, size, len(shards))
+        self._per_sample = self.stats.per_sample
+        """``lookup`` finds a batch's rows with half the numpy calls when every sample has as
+        many members (about 4 us a batch)."""
+        self.total_bytes = self.stats.total_bytes
 
     def __len__(self) -> int:
         return len(self._starts) - 1
@@ -90,34 +93,46 @@ class Index:
         """Number of members (rows of ``index.parquet``)."""
         return len(self._field)
 
+    def arrays(self) -> dict[str, np.ndarray | pa.Array]:
+        """The per-sample and per-member arrays, by name (what ``mapped.py`` writes)."""
+        return {"keys": self._keys, "starts": self._starts, "shard": self._shard, "field": self._field,
+                "offset": self._offset, "size": self._size}
+
     @property
     def nbytes(self) -> int:
         """Memory held by the index arrays, in bytes."""
-        arrays = (self._starts, self._shard, self._field, self._offset, self._size)
-        return sum(a.nbytes for a in arrays) + self._keys.nbytes
+        return sum(a.nbytes for a in self.arrays().values())
 
     def shard_samples(self) -> int:
         """Samples in a typical shard (the median count): what locality shuffles cut by."""
-        if not len(self):
-            return 0
-        counts = np.bincount(self._shard[self._starts[:-1]])  # a sample's first member names its shard
-        return int(np.median(counts[counts > 0]))
+        return self.stats.shard_samples
 
     def shard_extents(self) -> np.ndarray:
-        """int64 per shard: the end offset of its last member's data (0 for none), vectorised."""
-        ends = self._offset.astype(np.int64) + self._size
-        extents = np.zeros(len(self.shards), np.int64)
-        np.maximum.at(extents, self._shard, ends)
-        return extents
+        """int64 per shard: the end offset of its last member's data (0 for none)."""
+        return self.stats.extents
 
     def shard_runs(self) -> tuple[np.ndarray, np.ndarray]:
         """The first sample of each run of consecutive samples in one shard, and that shard's code
         (one run per shard when samples are numbered shard by shard, as ``tarscan.py`` does)."""
-        if not len(self):
-            return np.zeros(0, np.int64), np.zeros(0, np.int32)
-        sample_shard = self._shard[self._starts[:-1]]  # a sample's first member names its shard
-        starts = np.concatenate(([0], np.flatnonzero(np.diff(sample_shard)) + 1)).astype(np.int64)
-        return starts, sample_shard[starts]
+        return self.stats.run_starts, self.stats.run_shards
+
+    def sample_extents(self, chunk: int = 1 << 22) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per sample: its first member's shard code (int32), and where its members' data
+        starts and ends in it (int64; the lowest offset and the highest end), ``chunk`` samples
+        at a time so that no per-member temporary outgrows a chunk."""
+        n = len(self)
+        shard = np.empty(n, np.int32)
+        start = np.empty(n, np.int64)
+        end = np.empty(n, np.int64)
+        for low in range(0, n, chunk):
+            high = min(n, low + chunk)
+            first, last = int(self._starts[low]), int(self._starts[high])
+            bounds = self._starts[low:high] - first
+            shard[low:high] = self._shard[self._starts[low:high]]
+            start[low:high] = np.minimum.reduceat(self._offset[first:last], bounds)
+            end[low:high] = np.maximum.reduceat(self._offset[first:last].astype(np.int64)
+                                                + self._size[first:last], bounds)
+        return shard, start, end
 
     def summary(self) -> str:
         """One line for CLI output: samples, members, fields, shards, bytes."""
@@ -301,20 +316,38 @@ def index_from_parquet(data: bytes, name: str = INDEX_FILE) -> Index:
         pa.default_memory_pool().release_unused()  # hand the decode buffers back to the OS
 
 
+Share = Callable[[str, str, Callable[[], Awaitable[Index]]], Awaitable[Index]]
+"""How an index read from a store is kept for the host's other processes (``mapped.py``'s
+``SharedIndexes.share``): called with the dataset URL, the version read, and how to build it."""
+
+
+def index_version(info: ObjectInfo) -> str:
+    """The name a ``Share`` knows an ``index.parquet`` version by."""
+    return f"{info.etag}\0{info.size}"
+
+
+async def unshared(url: str, version: str, build: Callable[[], Awaitable[Index]]) -> Index:
+    """The ``Share`` of a process on its own: it builds every index it opens."""
+    return await build()
+
+
 async def load_index(store: Store) -> Index:
     """Read and validate ``index.parquet`` at the store root (parsing runs in a thread)."""
     return (await read_index(store))[0]
 
 
-async def read_index(store: Store) -> tuple[Index, ObjectInfo]:
+async def read_index(store: Store, share: Share = unshared) -> tuple[Index, ObjectInfo]:
     """``load_index``, and the version read: the one its HEAD names, which the read asks for
-    (``ObjectChanged`` if the index was replaced in between)."""
+    (``ObjectChanged`` if the index was replaced in between); ``share`` may find it already read."""
+    async def parse() -> Index:
+        data = await store.read(INDEX_FILE, info.etag)
+        return await asyncio.to_thread(index_from_parquet, data, f"{store.url}/{INDEX_FILE}")
+
     try:
         info = await store.head(INDEX_FILE)
-        data = await store.read(INDEX_FILE, info.etag)
+        return await share(store.url, index_version(info), parse), info
     except ObjectNotFound as err:
         raise ObjectNotFound(f"{err} (create it with `shardfeed index {store.url}`)") from None
-    return await asyncio.to_thread(index_from_parquet, data, f"{store.url}/{INDEX_FILE}"), info
 
 
 async def write_index(store: Store, table_or_index: pa.Table | Index) -> None:

@@ -10,6 +10,8 @@ every writer of an index (the shard writer, ``pack``, the layouts).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -45,7 +47,7 @@ def split_member_name(name: str) -> tuple[str, str] | None:
     return name[:len(name) - len(base)] + stem, field.lower()
 
 
-def _narrow(values: np.ndarray) -> np.ndarray:
+def narrow(values: np.ndarray) -> np.ndarray:
     """int32 when every (non-negative) value fits, else int64: halves the common case."""
     if len(values) == 0 or int(values.max()) < 2**31:
         return values.astype(np.int32)
@@ -154,12 +156,49 @@ def index_columns(table: pa.Table) -> dict:
         sample_keys = sample_keys.cast(pa.large_string()).combine_chunks()
     return dict(
         keys=sample_keys,
-        starts=_narrow(starts),
+        starts=narrow(starts),
         shard=shard.astype(np.int16 if len(shards) < 2**15 else np.int32),
         field=field.astype(np.int16 if len(fields) < 2**15 else np.int32),
-        offset=_narrow(offset),
-        size=_narrow(size),
+        offset=narrow(offset),
+        size=narrow(size),
         shards=shards,
         fields=fields,
         layout=layout,
     )
+
+
+@dataclass(frozen=True)
+class IndexStats:
+    """What an index's consumers ask of all of it, computed once (``of``) or read from a map
+    (``mapped.py``): opening a memory-mapped index then touches none of its per-sample pages."""
+
+    total_bytes: int
+    per_sample: int
+    """Members of every sample when all have as many (the usual dataset), else 0."""
+    shard_samples: int
+    """Samples in a typical shard (the median count): what locality shuffles cut by."""
+    extents: np.ndarray
+    """int64 per shard: the end offset of its last member's data (0 for none)."""
+    run_starts: np.ndarray
+    """int64: the first sample of each run of consecutive samples in one shard."""
+    run_shards: np.ndarray
+    """int32: each run's shard code."""
+
+    @classmethod
+    def of(cls, starts: np.ndarray, shard: np.ndarray, offset: np.ndarray, size: np.ndarray,
+           shards: int) -> IndexStats:
+        counts = np.diff(starts)
+        per_sample = int(counts[0]) if len(counts) and (counts == counts[0]).all() else 0
+        del counts
+        extents = np.zeros(shards, np.int64)
+        np.maximum.at(extents, shard, offset.astype(np.int64) + size)
+        sample_shard = shard[starts[:-1]]  # a sample's first member names its shard
+        per_shard = np.bincount(sample_shard, minlength=shards)
+        run_starts = np.flatnonzero(np.diff(sample_shard)) + 1
+        if len(sample_shard):
+            run_starts = np.concatenate(([0], run_starts))
+        run_starts = run_starts.astype(np.int64)
+        return cls(total_bytes=int(size.sum(dtype=np.int64)), per_sample=per_sample,
+                   shard_samples=int(np.median(per_shard[per_shard > 0])) if len(sample_shard) else 0,
+                   extents=extents, run_starts=run_starts,
+                   run_shards=sample_shard[run_starts].astype(np.int32))

@@ -28,8 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardfeed.service.cache.disk import BlockCache
+from shardfeed.service.config import ServiceConfig
 from shardfeed.service.datasets.autoindex import IndexKeeper, IndexProgress, write_atomically
 from shardfeed.service.datasets.dataset import Dataset, open_dataset
+from shardfeed.service.datasets.index import Share, unshared
+from shardfeed.service.datasets.mapped import SharedIndexes
 from shardfeed.service.stores import Store
 
 log = logging.getLogger("shardfeed.datasets")
@@ -57,11 +60,19 @@ class Opener:
     """Without ``index.parquet`` (and not ``index_objects``), index the root's tar shards."""
     wrap: Callable[[Store], Store] = lambda store: store
     """Applied to every store opened (``hedge.Hedger.wrap``)."""
+    share: Share = unshared
+    """How an ``index.parquet`` read is kept for the host's other processes (``mapped.py``)."""
+
+    @classmethod
+    def of(cls, config: ServiceConfig) -> Opener:
+        """A service's: its store options; indexes kept, and mapped once per host, in its index directory."""
+        share = SharedIndexes(config.index_dir / "mapped").share
+        return cls(config.store_options, config.index_objects, IndexKeeper(config.index_dir, share), share=share)
 
     async def __call__(self, name: str, url: str, *, store: Store | None = None,
                        progress: IndexProgress | None = None) -> Dataset:
         dataset = await open_dataset(name, url, self.store_options, index_objects=self.index_objects, store=store,
-                                     keeper=self.keeper, progress=progress)
+                                     keeper=self.keeper, progress=progress, share=self.share)
         if store is None:
             dataset.store = self.wrap(dataset.store)
         return dataset

@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shardfeed.service.cache.disk import BlockCache, BlockKey
+from shardfeed.service.cache.disk import BlockCache
+from shardfeed.service.cache.names import BlockKey
 from shardfeed.service.config import ServiceConfig
 from shardfeed.service.datasets.dataset import Dataset
+from shardfeed.service.datasets.indexfile import narrow
 from shardfeed.service.http.errors import ApiError, Overloaded
 from shardfeed.service.observe.metrics import Metrics
 
@@ -47,19 +49,14 @@ class Geometry:
     """Where each sample of a dataset lies in blocks, numbered densely over all shards."""
 
     def __init__(self, dataset: Dataset, block_size: int):
-        index = dataset.index
-        n = len(index)
-        members = index.lookup(np.arange(n, dtype=np.int64))
-        bounds = np.searchsorted(members.position, np.arange(n))
-        start = np.minimum.reduceat(members.offset.astype(np.int64), bounds)
-        end = np.maximum.reduceat(members.offset.astype(np.int64) + members.size, bounds)
-        shard = members.shard[bounds].astype(np.int64)
+        shard, start, end = dataset.index.sample_extents()
         per_shard = -(-dataset.extents.astype(np.int64) // block_size)
         self.base = np.concatenate([[0], np.cumsum(per_shard)[:-1]]).astype(np.int64)
         self.blocks = int(per_shard.sum())
-        self.first = self.base[shard] + start // block_size
-        self.span = np.maximum(end - 1, start) // block_size - start // block_size + 1
-        self.sample_bytes = end - start
+        # Narrow where the values fit: 12 bytes a sample rather than 24 (docs/benchmarks.md, scale).
+        self.first = narrow(self.base[shard] + start // block_size)
+        self.span = narrow(np.maximum(end - 1, start) // block_size - start // block_size + 1)
+        self.sample_bytes = narrow(end - start)
         self.mean_bytes = max(1.0, float(self.sample_bytes.mean()))
         self.shard_code = {sid: code for code, sid in enumerate(dataset.shard_ids)}
 
@@ -192,7 +189,6 @@ class Plans:
         self.horizon = math.inf
         """Plan positions ahead within which the cache can keep every block the plans read."""
         self._horizon_at = 0.0
-        self._parsed: dict[str, tuple[str, str, int]] = {}  # cache file name -> its key
 
     # -- the registry --------------------------------------------------------------------
     def geometry(self, dataset: Dataset) -> Geometry:
@@ -348,44 +344,38 @@ class Plans:
         size = np.minimum(self.block_size, plan.dataset.extents[shards] - blocks * self.block_size)
         return ~covered | (uses * geometry.mean_bytes >= size * WHOLE_SHARE)
 
-    def victim_order(self, names: list[str]) -> list[str]:
-        """Cache file names (least recently used first) in the order to evict them: blocks
-        no plan reads again (least recently used first), then the farthest next use first."""
+    def victim_order(self, keys: list[BlockKey]) -> list[BlockKey]:
+        """Cached blocks (least recently used first) in the order to evict them: blocks no
+        plan reads again (least recently used first), then the farthest next use first. The
+        cache asks about a few blocks drawn at random, never all (``disk.py``)."""
         groups = self._by_dataset()
         if not groups:
-            return names
-        never: list[str] = []
-        planned: dict[str, tuple[list[str], list[int]]] = {}
-        if len(self._parsed) > 4 * len(names):  # names of evicted blocks pile up
-            self._parsed.clear()
-        for name in names:
-            parsed = self._parsed.get(name)
-            if parsed is None:
-                key = BlockKey.from_filename(name)
-                parsed = self._parsed[name] = (key.dataset, key.shard, key.block)
-            dataset_id, shard, block = parsed
-            plans = groups.get(dataset_id)
-            code = plans[0].geometry.shard_code.get(shard) if plans else None
+            return keys
+        never: list[BlockKey] = []
+        planned: dict[str, tuple[list[BlockKey], list[int]]] = {}
+        for key in keys:
+            plans = groups.get(key.dataset)
+            code = plans[0].geometry.shard_code.get(key.shard) if plans else None
             if code is None:
-                never.append(name)
+                never.append(key)
                 continue
-            entry = planned.setdefault(dataset_id, ([], []))
-            entry[0].append(name)
-            entry[1].append(int(plans[0].geometry.base[code]) + block)
-        ranked: list[tuple[float, int, str]] = []
-        for dataset_id, (dataset_names, gids) in planned.items():
+            entry = planned.setdefault(key.dataset, ([], []))
+            entry[0].append(key)
+            entry[1].append(int(plans[0].geometry.base[code]) + key.block)
+        ranked: list[tuple[float, int, BlockKey]] = []
+        for dataset_id, (dataset_keys, gids) in planned.items():
             gids_array = np.array(gids, dtype=np.int64)
             until = np.full(len(gids), np.inf)
             for plan in groups[dataset_id]:
                 until = np.minimum(until, np.maximum(0, plan.next_use(gids_array, plan.position)
                                                      - plan.position - plan.batch))
-            for i, (name, d) in enumerate(zip(dataset_names, until.tolist())):
+            for i, (key, d) in enumerate(zip(dataset_keys, until.tolist())):
                 if d == math.inf:
-                    never.append(name)
+                    never.append(key)
                 else:
-                    ranked.append((-d, i, name))
+                    ranked.append((-d, i, key))
         ranked.sort()
-        return never + [name for _, _, name in ranked]
+        return never + [key for _, _, key in ranked]
 
     def _by_dataset(self) -> dict[str, list[Plan]]:
         groups: dict[str, list[Plan]] = {}

@@ -1,10 +1,10 @@
 """The coalescer: every read of sample bytes, from a batch or from per-sample GETs, comes here.
 
-For a set of requested members it finds the blocks that hold them, takes the blocks held
-in RAM (``memtier.py``: no thread hop, no copy), reads other cached blocks from disk (one
-thread hop per call; whole blocks, which then enter the RAM tier), and has the missing ones fetched from the store (``fetcher.py``: one ranged read per run of
-nearby blocks, at most one read in flight per block). A batch plans the store reads of all its
-blocks up front (``prefetch``), so they merge across the groups it is streamed in.
+For a set of requested members it finds their blocks: those held in RAM are taken (``memtier.py``:
+no thread hop, no copy), other cached ones read from disk (a thread hop a call; whole blocks, which
+enter the RAM tier), missing ones fetched from the store (``fetcher.py``: one ranged read per run
+of nearby blocks, one read in flight per block). A batch plans its store reads up front
+(``prefetch``), so they merge across the groups it is streamed in.
 
 With replicas or workers, members of shards owned by another replica or sibling worker
 are sent to that owner as one sub-batch, and read from the store here if the owner
@@ -16,8 +16,7 @@ members of blocks it has not cached cross its socket. While a sibling is down
 worker that stands in as the owner of its shards, and cached in that worker's own
 directory: a worker's directory has no other writer.
 
-With plans (``service/plans/``), ``fetch_policy`` says which missing blocks are worth
-fetching whole; the members in the others are read as ranges (``ranges.py``).
+With plans (``service/plans/``), ``fetch_policy`` says which missing blocks to fetch whole (others: ``ranges.py``).
 """
 
 from __future__ import annotations
@@ -28,8 +27,9 @@ from collections import defaultdict
 
 import numpy as np
 
-from shardfeed.service.cache.disk import BlockCache, BlockKey
+from shardfeed.service.cache.disk import BlockCache
 from shardfeed.service.cache.memtier import MemoryTier
+from shardfeed.service.cache.names import BlockKey
 from shardfeed.service.cache.siblings import SiblingBlocks
 from shardfeed.service.cluster.peers import Cluster, PeerError
 from shardfeed.service.config import ServiceConfig

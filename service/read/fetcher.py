@@ -19,8 +19,9 @@ from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from shardfeed.service.cache.disk import BlockCache, BlockKey
+from shardfeed.service.cache.disk import BlockCache
 from shardfeed.service.cache.memtier import MemoryTier
+from shardfeed.service.cache.names import BlockKey
 from shardfeed.service.cluster.peers import Cluster
 from shardfeed.service.config import ServiceConfig
 from shardfeed.service.datasets.dataset import Dataset

@@ -21,9 +21,10 @@ from functools import cached_property
 
 import numpy as np
 
-from shardfeed.service.cache.disk import BlockKey
+from shardfeed.service.cache.names import BlockKey
 from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.datasets.index import Index, Members
+from shardfeed.service.datasets.mapped import member_scratch
 from shardfeed.service.read.coalescer import Coalescer
 from shardfeed.tar import BLOCK, names_member
 
@@ -34,7 +35,9 @@ class HeaderMemo:
     """Per index member: whether the shard's own header names it ``<key>.<field>`` exactly.
 
     One byte per member of the index (bounded by it), learnt the first time a member is
-    framed from RAM; it lives as long as its ``Index``, so a reloaded dataset starts afresh.
+    framed from RAM, by any worker of the host for all of them when the index is mapped
+    (``mapped.member_scratch``); one per ``Index`` and dataset version, so a reloaded dataset
+    starts afresh.
     """
 
     _memos: weakref.WeakKeyDictionary[Index, np.ndarray] = weakref.WeakKeyDictionary()
@@ -50,7 +53,7 @@ class HeaderMemo:
         index = dataset.index
         memo = cls._memos.get(index)
         if memo is None:
-            memo = cls._memos[index] = np.zeros(index.members, np.uint8)
+            memo = cls._memos[index] = member_scratch(index, f"headers-{dataset.version}")
         state = np.where(candidate, memo[members.row], _BUILT)  # row -1 reads a state masked out here
         unknown = np.flatnonzero(state == _UNKNOWN)
         if len(unknown):

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from shardfeed.process import free_port, start_all, start_service, stop_all
-from shardfeed.service.cache.disk import dataset_id
+from shardfeed.service.cache.names import dataset_id
 from shardfeed.service.cluster.peers import _score
 from shardfeed.service.datasets.autoindex import _versions_digest
 from shardfeed.service.stores import open_store

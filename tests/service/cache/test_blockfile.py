@@ -9,7 +9,8 @@ import os
 import pytest
 
 from shardfeed.service.cache.blockfile import CHUNK, BadBlock, BlockFile, file_size, write_file
-from shardfeed.service.cache.disk import BlockCache, BlockKey
+from shardfeed.service.cache.disk import BlockCache
+from shardfeed.service.cache.names import BlockKey
 from shardfeed.service.observe.metrics import Metrics
 
 # Around every alignment the direct writer cares about: the 4 KiB page, the 16 KiB checksum

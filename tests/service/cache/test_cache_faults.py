@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from shardfeed.process import start_service
-from shardfeed.service.cache.disk import dataset_id
+from shardfeed.service.cache.names import dataset_id
 
 from common.datasets import bucket_dataset
 from common.reliability import SteadyClient, damage_block_file, expected_members, received_members

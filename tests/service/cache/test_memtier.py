@@ -12,8 +12,9 @@ import httpx
 import pytest
 
 from shardfeed.process import start_service
-from shardfeed.service.cache.disk import BlockCache, BlockKey, dataset_id
+from shardfeed.service.cache.disk import BlockCache
 from shardfeed.service.cache.memtier import MemoryTier
+from shardfeed.service.cache.names import BlockKey, dataset_id
 from shardfeed.service.config import machine_memory
 from shardfeed.service.observe.metrics import Metrics
 from shardfeed.sizes import format_size
@@ -78,7 +79,7 @@ def test_a_block_found_corrupt_on_disk_leaves_the_tier(tmp_path):
     data = bytearray(path.read_bytes())
     data[10] ^= 0xFF
     path.write_bytes(bytes(data))
-    cache._entries[name].file = None  # reopen, as after the open-file set turned over
+    cache._open_files.clear()  # reopen, as after the open-file set turned over
     assert cache.read(key, [(0, 100)]) is None
     assert t.get(key) is None and key not in cache
 

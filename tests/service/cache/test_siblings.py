@@ -13,7 +13,8 @@ import pytest
 
 from shardfeed.process import start_service
 from shardfeed.service.cache.blockfile import BlockFile
-from shardfeed.service.cache.disk import BlockCache, BlockKey
+from shardfeed.service.cache.disk import BlockCache
+from shardfeed.service.cache.names import BlockKey
 from shardfeed.service.cache.siblings import SiblingBlocks
 from shardfeed.service.observe.metrics import Metrics
 

@@ -171,3 +171,11 @@ def test_webdataset_names_split_at_the_first_dot_of_the_file_name():
     assert split_member_name("dir/README") is None
     assert split_member_name("dir/.hidden") is None
     assert split_member_name("dir/x.") is None
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 1 << 22])
+def test_sample_extents_are_each_samples_shard_and_span_whatever_the_chunk(index, chunk):
+    shard, start, end = index.sample_extents(chunk=chunk)
+    assert [index.shards[s] for s in shard] == ["s0.tar", "s0.tar", "s1.tar"]
+    assert start.tolist() == [512, 3584, 512]
+    assert end.tolist() == [2580, 4808, 2561]

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from shardfeed.client.sampling import EpochSampler
-from shardfeed.service.cache.disk import BlockCache, BlockKey
+from shardfeed.service.cache.disk import BlockCache
+from shardfeed.service.cache.names import BlockKey
 from shardfeed.service.config import ServiceConfig
 from shardfeed.service.datasets.dataset import open_dataset
 from shardfeed.service.observe.metrics import Metrics
