@@ -31,6 +31,14 @@ def keys(n: int, shard: str = "s1") -> list[BlockKey]:
     return [BlockKey("d1", shard, i) for i in range(n)]
 
 
+def kept(directory, blocks: list[BlockKey]) -> None:
+    """A cache left behind by a run that wrote ``blocks``."""
+    cache = cache_at(directory)
+    for key in blocks:
+        assert cache.write(key, payload(key.block))
+    cache.close()
+
+
 def test_a_kept_cache_reopens_from_its_catalogue_with_every_block_and_their_order(tmp_path):
     cache = cache_at(tmp_path, capacity_blocks=10)
     for key in keys(8):
@@ -48,10 +56,7 @@ def test_a_kept_cache_reopens_from_its_catalogue_with_every_block_and_their_orde
 
 
 def test_a_crash_at_any_point_leaves_nothing_unverified_served_and_orphans_are_removed(tmp_path):
-    cache = cache_at(tmp_path)
-    for key in keys(6):
-        cache.write(key, payload(key.block))
-    cache.close()
+    kept(tmp_path, keys(6))
     directory = tmp_path / "d1"
     name = keys(6)[0].filename(BLOCK).split("/")[1]
     # A block whose file is cut short (a disk that lost a tail), one whose file is gone (a
@@ -85,10 +90,7 @@ def test_a_crash_at_any_point_leaves_nothing_unverified_served_and_orphans_are_r
 
 
 def test_a_torn_streams_file_loses_only_the_blocks_of_the_torn_line(tmp_path):
-    cache = cache_at(tmp_path)
-    for key in keys(2, "a") + keys(2, "b"):
-        cache.write(key, payload(key.block))
-    cache.close()
+    kept(tmp_path, keys(2, "a") + keys(2, "b"))
     lines = (tmp_path / STREAMS).read_text().splitlines(keepends=True)
     assert len(lines) == 2
     (tmp_path / STREAMS).write_text(lines[0] + lines[1][:7])
@@ -99,10 +101,7 @@ def test_a_torn_streams_file_loses_only_the_blocks_of_the_torn_line(tmp_path):
 
 
 def test_a_directory_without_a_catalogue_is_scanned_once_and_then_catalogued(tmp_path):
-    cache = cache_at(tmp_path)
-    for key in keys(4):
-        cache.write(key, payload(key.block))
-    cache.close()
+    kept(tmp_path, keys(4))
     (tmp_path / CATALOG).write_bytes(b"not a catalogue")  # or an older shardfeed's directory
     (tmp_path / STREAMS).unlink()
     again = cache_at(tmp_path)
