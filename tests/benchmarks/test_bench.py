@@ -202,3 +202,30 @@ def test_the_restart_benchmark_sees_no_counter_of_the_host_go_down():
     # What the killed worker was sending when it died was counted there, then sent again by
     # the other: at most the batches in flight, one per client thread (2) of 32 samples.
     assert 0 <= int(counted[1]) - int(counted[2]) <= 2 * 32, out.stdout
+
+
+@pytest.mark.timeout(120)
+def test_the_scale_benchmark_prints_the_index_and_cache_figures(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.scale", "--sizes", "1e5", "--cache-blocks",
+                          "1e4", "--service-sizes", "", "--processes", "2", "--json", str(tmp_path / "f.json")],
+                         capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stderr[-2000:]
+    figures = json.loads((tmp_path / "f.json").read_text())
+    index, cache = figures["index"][0], figures["cache"][0]
+    assert index["samples"] == 100_000 and 40 < index["map_bytes_per_sample"] < 44, index
+    assert index["host_bytes_per_sample"] > 0 and index["plan_bytes_per_position"] > 8, index
+    assert cache["blocks"] == 10_000 and 20 < cache["catalog_bytes_per_block"] < 100, cache
+    assert cache["evict_lru_us"] > 0 and cache["evict_plans_us"] > 0, cache
+    assert "100,000" in out.stdout and "10,000" in out.stdout
+
+
+@pytest.mark.timeout(120)
+def test_the_stores_benchmark_reads_every_range_with_every_installed_client():
+    out = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.stores", "--object", "4MiB", "--bytes", "1MiB",
+                          "--sizes", "64KiB", "--inflight", "4", "--rounds", "1"],
+                         capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stderr[-2000:]
+    header, row = out.stdout.splitlines()[-2:]
+    for client in ("shardfeed", "pyarrow", "boto3"):
+        assert f"{client} MB/s" in header
+    assert row.split()[:2] == ["64KiB", "4"] and all(float(v.replace(",", "")) > 0 for v in row.split()[2:]), row
