@@ -15,7 +15,8 @@ per-round ratios show how often. Every batch is
 checked: each sample's ``bin`` is compared with the bytes seeded. A Streaming round that
 raises (its reader once failed here with "Relative sample index ... is not present" on a
 cold local directory) is printed and left out of the medians; the run goes on.
-Each epoch also reports the CPU it cost per sample, in microseconds, by party: the
+Each epoch also reports the seconds to its first batch (cold / warm: the DataLoader's
+workers starting, then the first reads) and the CPU it cost per sample, in microseconds, by party: the
 training process (which checks the samples), the DataLoader workers and, for shardfeed,
 the service. On a shared machine, these move less with the load than samples/s do.
 
@@ -56,7 +57,7 @@ from torch.utils.data import DataLoader
 from shardfeed.benchmarks.s3server import BENCH_DATA, seeded_s3, seeded_s3_arguments
 from shardfeed.benchmarks.serverside import tree_cpu
 from shardfeed.client.torch import ShardfeedDataset, ShardfeedIterableDataset, ShardfeedLoader
-from shardfeed.process import start_service
+from shardfeed.process import scrape_metrics, start_service
 from shardfeed.seeds.synthetic import member_bytes, parse_sizes
 from shardfeed.sizes import parse_size
 
@@ -106,10 +107,12 @@ PARTIES = ("main", "workers", "service")
 
 @dataclass
 class Epoch:
-    """One epoch: samples/s, and microseconds of CPU per sample for each of ``PARTIES``."""
+    """One epoch: samples/s, microseconds of CPU per sample for each of ``PARTIES``, and the
+    seconds from the loader's first ``next`` to its first batch (workers started, first reads)."""
 
     rate: float
     cpu: dict[str, float]
+    first: float = 0.0
 
 
 def _cpu(service_pid: int | None) -> dict[str, float]:
@@ -124,12 +127,13 @@ def _epochs(loader, sizes, key: str, service_pid: int | None = None, epochs: int
     """Each epoch's samples/s and CPU per sample, every sample checked."""
     out = []
     for _ in range(epochs):
-        cpu, began, n = _cpu(service_pid), time.perf_counter(), 0
+        cpu, began, n, first = _cpu(service_pid), time.perf_counter(), 0, 0.0
         for batch in loader:
+            first = first or time.perf_counter() - began
             n += _check(batch, sizes, key)
         rate = n / (time.perf_counter() - began)
         cpu = {party: (spent - cpu[party]) * 1e6 / n for party, spent in _cpu(service_pid).items()}
-        out.append(Epoch(rate, cpu))
+        out.append(Epoch(rate, cpu, first))
     return out
 
 
@@ -218,6 +222,9 @@ def main(argv=None) -> int:
         os.environ.update(server.env())
         os.environ["S3_ENDPOINT_URL"] = server.endpoint  # Streaming's name for a custom endpoint
         remote = write_mds(streaming, server, args.samples, sizes, shard_size, tmp) if streaming else None
+        bucket, _, prefix = BENCH_DATA.removeprefix("s3://").partition("/")
+        shard_bytes = sum(o["Size"] for o in server.client().list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]
+                          if o["Key"].endswith(".tar"))
         results: dict[str, list[list[Epoch] | None]] = {k: [] for k in kinds}
         for r in range(args.rounds):
             for kind in (kinds if r % 2 == 0 else kinds[::-1]):
@@ -230,6 +237,7 @@ def main(argv=None) -> int:
                                            workers=args.service_workers,
                                            args=args.baseline_serve_arg if kind == BASELINE else args.serve_arg) as svc:
                             rates = in_fresh_process(shardfeed_round, kind, svc.url, sizes, r, svc.process.pid)
+                            read = scrape_metrics(svc.url)["shardfeed_store_bytes_total"] / shard_bytes
                 except Exception as err:  # noqa: BLE001 - Streaming's fault ends its round, not the run
                     if kind != "streaming":
                         raise
@@ -240,7 +248,10 @@ def main(argv=None) -> int:
                 finally:  # the next rounds start with as much free memory as this one did
                     shutil.rmtree(scratch, ignore_errors=True)
                 results[kind].append(rates)
+                store = f"S3 {read:.2f}x the shards   " if kind != "streaming" else ""
                 print(f"round {r + 1} {kind:20s} cold {rates[0].rate:8.0f}  warm {rates[1].rate:8.0f} samples/s   "
+                      f"{store}"
+                      f"first batch {rates[0].first:5.2f} / {rates[1].first:5.2f} s   "
                       f"CPU us/sample cold {_parts(rates[0].cpu)}, warm {_parts(rates[1].cpu)}", flush=True)
     print(f"\n{args.samples} x {args.size} samples, DataLoader(batch_size={BATCH}, num_workers={LOADER_WORKERS}), "
           f"shuffled, medians of {args.rounds} rounds, {server.kind} S3; shardfeed serve --workers "
@@ -259,7 +270,9 @@ def main(argv=None) -> int:
         if kind == "shardfeed-map" and BASELINE in medians:
             base = medians[BASELINE]
             ratio += f"   {cold / base[0]:.2f}x / {warm / base[1]:.2f}x the baseline"
-        print(f"{kind:20s} cold {cold:8.0f}  warm {warm:8.0f} samples/s{ratio}")
+        firsts = [statistics.median(r[e].first for r in done[kind]) for e in range(2)]
+        print(f"{kind:20s} cold {cold:8.0f}  warm {warm:8.0f} samples/s   first batch {firsts[0]:.2f} / "
+              f"{firsts[1]:.2f} s{ratio}")
     print(f"\nCPU per sample, us ({' + '.join(PARTIES)}), medians:")
     for kind, rounds in done.items():
         cpu = [{p: statistics.median(r[e].cpu[p] for r in rounds) for p in PARTIES} for e in range(2)]

@@ -89,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fetch-window", type=parse_size, default=defaults.fetch_window,
                         help="a miss in a dataset the cache holds whole fetches its aligned window "
                              "of this many shard bytes in one read (default: 8MiB)")
+    parser.add_argument("--ranges-first", choices=["on", "off"], default="off",
+                        help="on: a read needing an eighth of an uncached block or less reads its members' ranges, "
+                             "the block fetched behind (a faster first cold batch, a slower cold epoch; default: off)")
     parser.add_argument("--max-store-requests", type=int, default=defaults.max_store_requests,
                         help="store reads in flight at once (default: %(default)s)")
     parser.add_argument("--store-timeout", type=float, metavar="SECONDS",
@@ -224,7 +227,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         cache_size=args.cache_size,
         memory_cache=args.memory_cache, direct_writes=args.cache_writes == "direct",
         block_size=args.block_size, merge_gap=args.merge_gap,
-        fetch_window=args.fetch_window,
+        fetch_window=args.fetch_window, ranges_first=args.ranges_first == "on",
         max_store_requests=args.max_store_requests, sample_window=args.sample_window_ms / 1e3,
         max_batch=args.max_batch, max_inflight_batches=args.max_inflight_batches,
         max_inflight_samples=args.max_inflight_samples, tokens=frozenset(tokens),

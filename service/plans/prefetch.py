@@ -23,7 +23,7 @@ import numpy as np
 
 from shardfeed.service.config import ServiceConfig
 from shardfeed.service.plans.registry import Plan, Plans
-from shardfeed.service.read.coalescer import Coalescer, spans_of
+from shardfeed.service.read.coalescer import Coalescer
 from shardfeed.service.read.planner import plan_pieces, take
 
 log = logging.getLogger("shardfeed.plans")
@@ -117,7 +117,7 @@ class Prefetcher:
         """Read ahead the ranges of the pieces outside the ``whole`` blocks."""
         rows = [i for i, pair in enumerate(zip(pieces.shard.tolist(), pieces.block.tolist())) if pair not in whole]
         if rows:
-            self.coalescer.ranges.read_ahead(plan.dataset, spans_of(pieces, rows, self.config.block_size))
+            self.coalescer.ranges.read_ahead(plan.dataset, pieces.spans(rows, self.config.block_size))
 
     def _pieces(self, plan: Plan, start: int, stop: int):
         """The block pieces of plan positions ``[start, stop)`` this replica reads."""

@@ -37,11 +37,16 @@ from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.datasets.index import Members
 from shardfeed.service.observe.metrics import Metrics
 from shardfeed.service.read.fetcher import BlockFetcher
-from shardfeed.service.read.planner import plan_pieces, take
+from shardfeed.service.read.planner import assemble, distinct_blocks, plan_pieces, take
 from shardfeed.service.read.ranges import RangeReader
 from shardfeed.service.stores import StoreError
 
 log = logging.getLogger("shardfeed.coalescer")
+
+RANGES_FIRST_SHARE = 1 / 8
+"""``ranges_first`` reads the ranges of a cold block of which a read needs this share at most
+(one 100 KiB sample of a 1 MiB block): the ranges cost their bytes again when the block
+follows, so at most an eighth more on a block's first touch."""
 
 
 class Coalescer:
@@ -62,6 +67,7 @@ class Coalescer:
         self.siblings = None if cluster is None else SiblingBlocks(
             {node: p.cache_dir for node, p in enumerate(cluster.workers) if p.cache_dir is not None
              and node != cluster.me}, config.block_size, metrics)
+        self.ranges_first = config.ranges_first
         self.fetch_policy = None
         """``whole_blocks(dataset, shards, blocks) -> bool array``: which missing blocks to
         fetch and cache whole (``plans.Plans``); ``None``: all of them."""
@@ -126,7 +132,7 @@ class Coalescer:
             self.metrics.peer_fallbacks.inc(len(members))
             return await self._read_local(dataset, members)
         if self.cluster.reader(node).kind == "replica":  # a sibling's blocks count where it read them
-            self.metrics.replica_blocks.inc(_distinct_blocks(members, self.block_size))
+            self.metrics.replica_blocks.inc(distinct_blocks(members, self.block_size))
         return out
 
     async def _read_sibling_files(self, node: int, dataset: Dataset, members: Members) -> list:
@@ -142,7 +148,7 @@ class Coalescer:
             for key in remaining:
                 if key not in found:
                     pieces.bytes.update((i, _ASK_OWNER) for i in pieces.blocks[key])
-        return _assemble(members, pieces.plan.member, pieces.bytes)
+        return assemble(members, pieces.plan.member, pieces.bytes)
 
     async def _read_sibling_blocks(self, node: int, wanted: dict) -> dict[BlockKey, list[bytes]]:
         """``SiblingBlocks.read`` in a thread; a whole block wanted by several groups at once
@@ -224,24 +230,33 @@ class Coalescer:
             done = set(waiting)
             remaining = [k for k in remaining if k not in done]
 
-        return _assemble(members, pieces.plan.member, piece_bytes)
+        return assemble(members, pieces.plan.member, piece_bytes)
 
     async def _read_ranges(self, dataset: Dataset, pieces, blocks: dict[BlockKey, list[int]],
                            keys: list[BlockKey], piece_bytes: dict) -> list[BlockKey]:
-        """Read the pieces of the blocks not worth fetching whole as ranges; the other keys."""
+        """Read as ranges the pieces of the blocks not worth fetching whole, and (``ranges_first``)
+        of those worth it that nobody reads yet and of which this read needs a little: those
+        are fetched whole behind it. The other keys."""
         idle = [k for k in keys if k not in self.fetcher.inflight]  # a block being read is cheaper to wait for
-        if self.fetch_policy is None or not idle:
+        if not idle or (self.fetch_policy is None and not self.ranges_first):
             return keys
         shards = pieces.shard[[blocks[k][0] for k in idle]]
-        whole = self.fetch_policy.whole_blocks(dataset, shards, np.array([k.block for k in idle]))
-        spans = {k: spans_of(pieces, blocks[k], self.block_size) for k in idle}
+        whole = (self.fetch_policy.whole_blocks(dataset, shards, np.array([k.block for k in idle]))
+                 if self.fetch_policy is not None else np.ones(len(idle), dtype=bool))
+        spans = {k: pieces.spans(blocks[k], self.block_size) for k in idle}
+        cold = self.cold_pairs(dataset, pieces)
+        first = {k for k, shard in zip(idle, shards.tolist()) if (shard, k.block) in cold}
         # Ranges read ahead are used whatever the policy says now.
-        partial = [k for k, w in zip(idle, whole.tolist()) if not w or self.ranges.holds(dataset, spans[k])]
+        partial = [k for k, w in zip(idle, whole.tolist())
+                   if not w or k in first or self.ranges.holds(dataset, spans[k])]
         if not partial:
             return keys
         rows = [i for k in partial for i in blocks[k]]
         read = await self.ranges.read(dataset, [span for k in partial for span in spans[k]])
         piece_bytes.update(zip(rows, read))
+        behind = [(shard, k.block) for k, shard, w in zip(idle, shards.tolist(), whole.tolist()) if w and k in first]
+        if behind:
+            self.fetch_ahead(dataset, behind)
         done = set(partial)
         return [k for k in keys if k not in done]
 
@@ -263,15 +278,32 @@ class Coalescer:
 
         The batch is then served group by group, but its store reads are planned at
         once, so a shard's blocks come in one or two reads instead of one per group.
-        Skipped when the cache could not keep the blocks until they are served.
+        Skipped when the cache could not keep the blocks until they are served. Blocks
+        read ranges first are left to the groups, which fetch them behind their ranges.
         """
         if not self.cache.writable:
             return
         if self.cluster is not None and dataset.owned:
             members = take(members, self.own_rows(dataset, members))
-        pairs = self.whole_blocks_wanted(dataset, plan_pieces(members, self.block_size))
+        pieces = plan_pieces(members, self.block_size)
+        pairs = self.whole_blocks_wanted(dataset, pieces)
         if len(pairs) * self.block_size <= self.cache.capacity // 4:
-            self.fetcher.start(dataset, pairs, skip_cached=True)
+            cold = self.cold_pairs(dataset, pieces)
+            rows = [i for i, pair in enumerate(zip(pieces.shard.tolist(), pieces.block.tolist())) if pair in cold]
+            spans = pieces.spans(rows, self.block_size)
+            if spans and sum(end - start for _, start, end in spans) <= self.ranges.room():
+                self.ranges.read_ahead(dataset, spans)  # the batch's ranges first, at once: its groups take them
+            self.fetcher.start(dataset, pairs - cold, skip_cached=True)
+
+    def cold_pairs(self, dataset: Dataset, pieces) -> set[tuple[int, int]]:
+        """With ``ranges_first``, the ``(shard, block)`` pairs of ``pieces`` that are neither
+        cached nor being read and of which the pieces need ``RANGES_FIRST_SHARE`` at most."""
+        if not self.ranges_first:
+            return set()
+        ids = dataset.shard_ids
+        return {pair for pair, size in pieces.needs().items() if size <= RANGES_FIRST_SHARE * self.block_size
+                and (key := BlockKey(dataset.id, ids[pair[0]], pair[1])) not in self.fetcher.inflight
+                and key not in self.cache}
 
     def own_rows(self, dataset: Dataset, members: Members) -> np.ndarray:
         """The found rows of ``members`` that this node owns and reads from the store: not
@@ -354,47 +386,5 @@ class _Pieces:
             self.bytes[i] = block[starts[i]:ends[i]]
 
 
-def spans_of(pieces, rows, block_size: int) -> list[tuple[int, int, int]]:
-    """``(shard, start, end)`` in the shard of the pieces in ``rows`` (a list or slice)."""
-    base = pieces.block[rows] * block_size
-    return list(zip(pieces.shard[rows].tolist(), (base + pieces.start[rows]).tolist(),
-                    (base + pieces.end[rows]).tolist()))
-
-
-def _distinct_blocks(members: Members, block_size: int) -> int:
-    """How many distinct ``(shard, block)`` pairs the found ``members`` span."""
-    found, offset = members.found, members.offset[members.found]
-    first = offset // block_size
-    spans = (offset + np.maximum(members.size[found], 1) - 1) // block_size - first + 1
-    blocks = np.repeat(first - np.cumsum(spans) + spans, spans) + np.arange(spans.sum())  # each member's, in turn
-    return np.unique(np.stack([np.repeat(members.shard[found].astype(np.int64), spans), blocks]), axis=1).shape[1]
-
-
 _ASK_OWNER = StoreError("not in the sibling's cache directory")
 """Marks the pieces, then the members, that a sibling's files did not give: its owner is asked."""
-
-
-def _assemble(members: Members, piece_member: np.ndarray, piece_bytes: dict) -> list:
-    """Join each member's pieces; a member with a failed piece becomes that error."""
-    out: list = [None] * len(members.found)
-    found = members.found
-    for row in np.flatnonzero(found & (members.size == 0)).tolist():
-        out[row] = b""
-    parts: list = []
-    current = -1
-    for i, row in enumerate(piece_member.tolist()):
-        if row != current:
-            if parts:
-                out[current] = _join(parts)
-            parts, current = [], row
-        parts.append(piece_bytes[i])
-    if parts:
-        out[current] = _join(parts)
-    return out
-
-
-def _join(parts: list):
-    for part in parts:
-        if isinstance(part, StoreError):
-            return part
-    return parts[0] if len(parts) == 1 else b"".join(parts)

@@ -1,16 +1,19 @@
-"""The planner: requested members -> the block pieces that hold their bytes -> merged store reads.
+"""The planner: requested members -> the block pieces that hold their bytes -> merged store reads,
+and back: each member's pieces joined (``assemble``).
 
 Pure, vectorised functions; the coalescer runs the plan.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from shardfeed.service.datasets.index import Members
+from shardfeed.service.stores import StoreError
 
 
 @dataclass
@@ -25,6 +28,19 @@ class Pieces:
 
     def __len__(self) -> int:
         return len(self.member)
+
+    def needs(self) -> dict[tuple[int, int], int]:
+        """Bytes wanted of each ``(shard, block)``."""
+        out: dict[tuple[int, int], int] = defaultdict(int)
+        for shard, block, size in zip(self.shard.tolist(), self.block.tolist(), (self.end - self.start).tolist()):
+            out[shard, block] += size
+        return out
+
+    def spans(self, rows, block_size: int) -> list[tuple[int, int, int]]:
+        """``(shard, start, end)`` in the shard of the pieces in ``rows`` (a list or slice)."""
+        base = self.block[rows] * block_size
+        return list(zip(self.shard[rows].tolist(), (base + self.start[rows]).tolist(),
+                        (base + self.end[rows]).tolist()))
 
 
 def plan_pieces(members: Members, block_size: int) -> Pieces:
@@ -66,3 +82,38 @@ def merge_blocks(blocks: list[int], gap_blocks: int, max_blocks: int,
 def take(members: Members, rows: np.ndarray | slice) -> Members:
     """The given rows of ``members`` (a boolean mask, row numbers, or a slice)."""
     return Members(**{name: array[rows] for name, array in vars(members).items()})
+
+
+def distinct_blocks(members: Members, block_size: int) -> int:
+    """How many distinct ``(shard, block)`` pairs the found ``members`` span."""
+    found, offset = members.found, members.offset[members.found]
+    first = offset // block_size
+    spans = (offset + np.maximum(members.size[found], 1) - 1) // block_size - first + 1
+    blocks = np.repeat(first - np.cumsum(spans) + spans, spans) + np.arange(spans.sum())  # each member's, in turn
+    return np.unique(np.stack([np.repeat(members.shard[found].astype(np.int64), spans), blocks]), axis=1).shape[1]
+
+
+def assemble(members: Members, piece_member: np.ndarray, piece_bytes: dict) -> list:
+    """Join each member's pieces; a member with a failed piece becomes that error."""
+    out: list = [None] * len(members.found)
+    found = members.found
+    for row in np.flatnonzero(found & (members.size == 0)).tolist():
+        out[row] = b""
+    parts: list = []
+    current = -1
+    for i, row in enumerate(piece_member.tolist()):
+        if row != current:
+            if parts:
+                out[current] = join_parts(parts)
+            parts, current = [], row
+        parts.append(piece_bytes[i])
+    if parts:
+        out[current] = join_parts(parts)
+    return out
+
+
+def join_parts(parts: list):
+    for part in parts:
+        if isinstance(part, StoreError):
+            return part
+    return parts[0] if len(parts) == 1 else b"".join(parts)

@@ -118,12 +118,18 @@ def test_status_page_benchmark_runs_and_prints_its_figures(tmp_path):
     assert "the pages cost" in done.stdout
 
 
+def run_benchmark(name: str, *args: str, timeout: float = 110) -> subprocess.CompletedProcess:
+    """``python -m shardfeed.benchmarks.<name> args...``, which must succeed."""
+    out = subprocess.run([sys.executable, "-m", f"shardfeed.benchmarks.{name}", *args], capture_output=True,
+                         text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out
+
+
 @pytest.mark.timeout(180)
 def test_the_getbatch_benchmark_runs_every_scenario_and_checks_its_bytes():
-    out = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.getbatch", "--objects", "512", "--batch", "128",
-                          "--latency-ms", "0", "--individual", "128", "--workers", "4"],
-                         capture_output=True, text=True, timeout=170)
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = run_benchmark("getbatch", "--objects", "512", "--batch", "128", "--latency-ms", "0", "--individual", "128",
+                        "--workers", "4", timeout=170)
     for line in ("individual boto3 GETs", "shardfeed native, cold cache", "shardfeed native, warm cache",
                  "AIStore SDK GetBatch, warm cache", "GetBatch over httpx (no SDK), warm"):
         assert line in out.stdout
@@ -173,6 +179,9 @@ def test_the_loaders_benchmark_checks_every_sample_and_compares_two_configuratio
         line = re.search(rf"{kind} +cold +(\d+) +warm +(\d+) samples/s", medians)
         assert line and int(line[1]) > 0 and int(line[2]) > 0, out.stdout
     assert re.search(r"shardfeed-map .*\d\.\d\dx / \d\.\d\dx the baseline", medians), out.stdout
+    shares = re.findall(r"round 1 shardfeed-map\S* +cold .* S3 (\d+\.\d\d)x the shards +first batch +\d+\.\d\d / +"
+                        r"\d+\.\d\d s", out.stdout)
+    assert len(shares) == 2 and all(0.9 < float(x) < 3 for x in shares), out.stdout
     refused = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.loaders", "--loaders", "petastorm"],
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "--loaders takes some of" in refused.stderr
@@ -206,10 +215,8 @@ def test_the_restart_benchmark_sees_no_counter_of_the_host_go_down():
 
 @pytest.mark.timeout(120)
 def test_the_scale_benchmark_prints_the_index_and_cache_figures(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.scale", "--sizes", "1e5", "--cache-blocks",
-                          "1e4", "--service-sizes", "", "--processes", "2", "--json", str(tmp_path / "f.json")],
-                         capture_output=True, text=True, timeout=110)
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = run_benchmark("scale", "--sizes", "1e5", "--cache-blocks", "1e4", "--service-sizes", "", "--processes", "2",
+                        "--json", str(tmp_path / "f.json"))
     figures = json.loads((tmp_path / "f.json").read_text())
     index, cache = figures["index"][0], figures["cache"][0]
     assert index["samples"] == 100_000 and 40 < index["map_bytes_per_sample"] < 44, index
@@ -221,10 +228,8 @@ def test_the_scale_benchmark_prints_the_index_and_cache_figures(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_the_stores_benchmark_reads_every_range_with_every_installed_client():
-    out = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.stores", "--object", "4MiB", "--bytes", "1MiB",
-                          "--sizes", "64KiB", "--inflight", "4", "--rounds", "1"],
-                         capture_output=True, text=True, timeout=110)
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = run_benchmark("stores", "--object", "4MiB", "--bytes", "1MiB", "--sizes", "64KiB", "--inflight", "4",
+                        "--rounds", "1")
     header, row = out.stdout.splitlines()[-2:]
     for client in ("shardfeed", "pyarrow", "boto3"):
         assert f"{client} MB/s" in header
