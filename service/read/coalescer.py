@@ -289,10 +289,11 @@ class Coalescer:
         pairs = self.whole_blocks_wanted(dataset, pieces)
         if len(pairs) * self.block_size <= self.cache.capacity // 4:
             cold = self.cold_pairs(dataset, pieces)
-            rows = [i for i, pair in enumerate(zip(pieces.shard.tolist(), pieces.block.tolist())) if pair in cold]
-            spans = pieces.spans(rows, self.block_size)
-            if spans and sum(end - start for _, start, end in spans) <= self.ranges.room():
-                self.ranges.read_ahead(dataset, spans)  # the batch's ranges first, at once: its groups take them
+            if cold:  # the batch's ranges first, at once: its groups take them
+                rows = [i for i, pair in enumerate(zip(pieces.shard.tolist(), pieces.block.tolist())) if pair in cold]
+                spans = pieces.spans(rows, self.block_size)
+                if sum(end - start for _, start, end in spans) <= self.ranges.room():
+                    self.ranges.read_ahead(dataset, spans)
             self.fetcher.start(dataset, pairs - cold, skip_cached=True)
 
     def cold_pairs(self, dataset: Dataset, pieces) -> set[tuple[int, int]]:
