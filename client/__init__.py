@@ -5,7 +5,9 @@
     batch = client.get_batch("train", [17, 4, 9])   # one request, samples in that order
 
 ``AsyncClient`` is the asyncio twin. The PyTorch datasets live in
-``shardfeed.client.torch`` (imported on demand, so the client does not need torch).
+``shardfeed.client.torch`` (imported on demand, so the client does not need torch), and
+batches as one uint8 tensor (``Client.get_batch_tensors``, ``output="tensors"``) in
+``shardfeed.client.tensors``.
 """
 
 from .aio import AsyncClient

@@ -34,6 +34,8 @@ DEFAULT_BACKOFF = Backoff(attempts=6, base=0.1, cap=10.0)
 _RETRY_STATUSES = frozenset({429, 502, 503, 504})
 ROUTING_HEADER = "x-shardfeed-routing"
 """Batch answers carry the answering node's routing table version in this header."""
+LENGTH_HEADER = "x-shardfeed-length"
+"""A streamed batch answer's expected length (a tensor batch's buffer is sized by it)."""
 ERROR_BODY_LIMIT = 64 * 1024
 """Bytes of an error response read at most: it is a short JSON document, never a stream."""
 

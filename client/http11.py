@@ -95,6 +95,12 @@ class HeadReader:
             return None
         return parse_head(self._data[:end]), self._data[end + 4:]
 
+    def needed(self, peeked: bytes) -> int:
+        """Of ``peeked`` (bytes waiting on the connection, not read yet), how many to read so
+        that nothing beyond the head is: the body then goes straight where the caller wants it."""
+        end = (self._data + peeked).find(b"\r\n\r\n")
+        return len(peeked) if end < 0 else end + 4 - len(self._data)
+
 
 def parse_head(data: bytes) -> Head:
     """The status line and headers, without the blank line that ends them."""
@@ -125,6 +131,15 @@ class Body:
         return READ_SIZE
 
     def feed(self, data: bytes) -> Sequence[bytes]:
+        raise NotImplementedError
+
+    def raw(self) -> int:
+        """Body bytes that may be read now straight into the caller's memory (see :meth:`took`);
+        0: framing comes first, to be read and fed as usual."""
+        return 0
+
+    def took(self, n: int) -> None:
+        """``n`` of the :meth:`raw` bytes were read (0: the connection ended)."""
         raise NotImplementedError
 
 
@@ -168,6 +183,15 @@ class Sized(Body):
             data = data[:self.left]
         return (data,) if data else ()
 
+    def raw(self) -> int:
+        return self.left
+
+    def took(self, n: int) -> None:
+        if not n:
+            raise Closed("the server closed the connection mid-response")
+        self.left -= n
+        self.done = self.left == 0
+
 
 class Chunked(Body):
     """A body in chunked transfer encoding: size lines (extensions ignored), data, trailers."""
@@ -204,6 +228,14 @@ class Chunked(Body):
             self.reusable = False
         return pieces
 
+    def raw(self) -> int:
+        return self._left
+
+    def took(self, n: int) -> None:
+        if not n:
+            raise Closed("the server closed the connection mid-response")
+        self._left -= n
+
     def _size_line(self, line: bytes) -> None:
         try:
             size = int(line.split(b";", 1)[0], 16)
@@ -229,6 +261,12 @@ class UntilClosed(Body):
     def feed(self, data: bytes) -> Sequence[bytes]:
         self.done = not data
         return (data,) if data else ()
+
+    def raw(self) -> int:
+        return READ_SIZE
+
+    def took(self, n: int) -> None:
+        self.done = not n
 
 
 class PoolBase:

@@ -9,7 +9,8 @@ Two small push parsers, shared by the blocking and the asyncio client:
   sends ``<key>.<field>`` members in exactly the order of the requested indices, so a
   new sample starts when the key changes, when a field repeats (the same index asked
   twice in a row), or at a ``__404__/<dataset>/<i>`` entry (a sample that could not be
-  served, sent when ``continue_on_error`` is set).
+  served, sent when ``continue_on_error`` is set). Its second output, for a response held
+  whole in memory (:meth:`BatchReader.spans`), gives each payload as its place there.
 
 A sample is a dict ``{"__key__": key, "__index__": i, "<field>": bytes, ...}``. A sample
 the service could not serve is ``{"__key__": None, "__index__": i, "__missing__": True}``
@@ -21,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from sys import intern
 
-from shardfeed.tar import BLOCK, TarFormatError, padding, parse_header, parse_pax
+from shardfeed.tar import BLOCK, TarFormatError, member_spans, padding, parse_header, parse_pax
 
 from .errors import ShardfeedConnectionError, ShardfeedError
 
@@ -188,6 +189,19 @@ class BatchReader:
         for name, payload in members:
             self._add(name, payload, out)
         return out
+
+    def spans(self, body: memoryview) -> list[dict]:
+        """The samples of a whole response held in ``body``, each field's payload as its
+        ``(offset, size)`` there: parsed in place, no payload copied (the tensor output,
+        :mod:`.tensors`). Raises as :meth:`feed` and :meth:`finish` do."""
+        try:
+            members, self._tar.ended = member_spans(body)
+        except TarFormatError as exc:
+            raise ShardfeedError(f"malformed batch response from {self.url}: {exc}") from None
+        out: list[dict] = []
+        for name, start, stop in members:
+            self._add(name, (start, stop - start), out)
+        return out + self.finish()
 
     def finish(self) -> list[dict]:
         """Return the last sample of the response; raise if some never arrived.

@@ -6,7 +6,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 
@@ -14,11 +14,14 @@ from shardfeed.retry import retry_sync
 
 from .errors import ShardfeedConnectionError, ShardfeedError
 from .http import (
-    ERROR_BODY_LIMIT, ROUTING_HEADER, BaseClient, Via, as_indices, batch_body, dataset_path, merge_order,
-    parse_json, plan_path, routing_path, sample_path, status_error, transport_error,
+    ERROR_BODY_LIMIT, LENGTH_HEADER, ROUTING_HEADER, BaseClient, Part, Via, as_indices, batch_body, dataset_path,
+    merge_order, parse_json, plan_path, routing_path, sample_path, status_error, transport_error,
 )
 from .samples import BatchReader
 from .wire import Pool, Response
+
+if TYPE_CHECKING:
+    from .tensors import Batch
 
 T = TypeVar("T")
 
@@ -129,14 +132,92 @@ class Client(BaseClient):
         if len(parts) == 1:
             yield from self._stream(dataset, indices, fields, continue_on_error, parts[0].owner)
             return
-        # Threads kept for the whole process: starting one per batch cost more than the batch's parsing.
-        threads = self._own("_threads", os.getpid(), lambda: ThreadPoolExecutor(
-            self.max_connections, thread_name_prefix="shardfeed-part"))
-        answers = [threads.submit(lambda part=part: list(self._stream(
+        answers = [self._part_threads().submit(lambda part=part: list(self._stream(
             dataset, part.indices, fields, continue_on_error, part.owner))) for part in parts[1:]]
         first = list(self._stream(dataset, parts[0].indices, fields, continue_on_error, parts[0].owner))
         for part, row in merge_order(parts):
             yield first[row] if part == 0 else answers[part - 1].result()[row]
+
+    def get_batch_tensors(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None = None,
+                          *, continue_on_error: bool = False, shared: bool = False) -> Batch:
+        """The samples at ``indices`` as one :class:`~.tensors.Batch`: every byte in one
+        ``torch.uint8`` buffer (in shared memory with ``shared``, as a DataLoader worker wants
+        it), read there straight from the socket; ``batch["jpg"][i]`` is a view of it. Needs
+        torch. The arguments and errors are :meth:`get_batch`'s; a broken answer is asked for
+        again whole (the buffer is the answer), routed parts at once, as :meth:`iter_batch` does.
+        """
+        from .tensors import Batch, allocate
+
+        indices = as_indices(indices)
+        if not indices:
+            return Batch.of(allocate(0, shared)[0], [[]], [0])
+        self.load_routing(dataset)
+        parts = self.router.split(dataset, indices)
+        vias = [Via(self.endpoints, self.router, dataset, part.owner) for part in parts]
+        return retry_sync(lambda: self._tensor_batch(dataset, parts, vias, fields, continue_on_error, shared),
+                          backoff=self.backoff, retryable=self._verdict)
+
+    def _tensor_batch(self, dataset: str, parts: list[Part], vias: list[Via], fields: Sequence[str] | None,
+                      continue_on_error: bool, shared: bool) -> Batch:
+        """One try of :meth:`get_batch_tensors`: every part's answer opened, then read into its
+        stretch of one buffer, all parts at once."""
+        from .tensors import GUESS, Batch, Regions
+
+        readers = [BatchReader(dataset, part.indices, fields) for part in parts]
+        responses = self._each_part(len(parts), lambda k: self._open_part(readers[k], vias[k], fields,
+                                                                          continue_on_error), lambda r: r.close())
+        try:
+            regions = Regions([int(r.headers.get("content-length") or r.headers.get(LENGTH_HEADER) or GUESS)
+                               for r in responses], shared)
+            self._each_part(len(parts), lambda k: responses[k].read_into(regions.regions[k]))
+        finally:
+            for response in responses:
+                response.close()
+        samples = [reader.spans(region.data()) for reader, region in zip(readers, regions.regions)]
+        buffer, lease, starts = regions.joined()
+        return Batch.of(buffer, samples, starts.tolist(), merge_order(parts) if len(parts) > 1 else None, lease)
+
+    def _each_part(self, n: int, work: Callable[[int], T], undo: Callable[[T], object] = lambda _: None) -> list[T]:
+        """``work(k)`` for parts 0 to n-1 at once (part 0 on this thread); if any fails,
+        ``undo`` each result of the others, then the first failure is raised."""
+        if n == 1:
+            return [work(0)]
+        others = [self._part_threads().submit(work, k) for k in range(1, n)]
+        outcomes: list[tuple[Any, BaseException | None]] = []
+        for k in range(n):
+            try:
+                outcomes.append((work(0) if k == 0 else others[k - 1].result(), None))
+            except BaseException as exc:
+                outcomes.append((None, exc))
+        failure = next((exc for _, exc in outcomes if exc is not None), None)
+        if failure is not None:
+            for value, exc in outcomes:
+                if exc is None:
+                    undo(value)
+            raise failure
+        return [value for value, _ in outcomes]
+
+    def _open_part(self, reader: BatchReader, via: Via, fields: Sequence[str] | None,
+                   continue_on_error: bool) -> Response:
+        """Send one part's batch request; its answer once the head arrived, no body byte read."""
+        base = via.pick()
+        url = base + "/v1/batch"
+        reader.restart(url)
+        body = batch_body(reader.dataset, list(reader.indices), fields, continue_on_error)
+        response = self._wire().post(base, "/v1/batch", body, self.headers, exact_head=True)
+        if response.status >= 400:
+            try:
+                raise status_error(response.status, response.headers, response.read(ERROR_BODY_LIMIT), url)
+            finally:
+                response.close()
+        self.router.saw(reader.dataset, response.headers.get(ROUTING_HEADER))
+        return response
+
+    def _part_threads(self) -> ThreadPoolExecutor:
+        """This process's threads for the parts of routed batches: kept for the whole process
+        (starting one per batch cost more than the batch's parsing)."""
+        return self._own("_threads", os.getpid(), lambda: ThreadPoolExecutor(
+            self.max_connections, thread_name_prefix="shardfeed-part"))
 
     def _stream(self, dataset: str, indices: list[int], fields: Sequence[str] | None, continue_on_error: bool,
                 owner: str | None) -> Iterator[dict]:

@@ -17,7 +17,10 @@
 
 Samples are dicts ``{"__key__", "__index__", "<field>": bytes}``; ``decode=True`` turns
 ``.npy``/``.cls``/``.txt``/``.json`` fields into values, and ``transform`` maps each
-(decoded) sample dict to whatever the model wants.
+(decoded) sample dict to whatever the model wants. With ``output="tensors"`` a batch is
+one :class:`~.tensors.Batch` instead: every byte in one uint8 tensor, in shared memory in a
+DataLoader worker, which the DataLoader passes to the training process without pickling a
+byte of it (``batch["jpg"][i]`` is a view; :mod:`.tensors`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ from .plans import PlanHandle
 from .sampling import EpochSampler
 from .shuffles import LOCAL, cache_window, shard_samples
 from .sync import Client
+from .tensors import Batch
+
+OUTPUTS = ("samples", "tensors")
+"""What a batch is: a list of sample dicts of ``bytes``, or one :class:`~.tensors.Batch`."""
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -50,7 +57,12 @@ class _Source:
 
     def __init__(self, url: str | Sequence[str] | Client, dataset: str | None, fields: Sequence[str] | None,
                  decode: bool | Mapping[str, Decoder], transform: Callable[[dict], Any] | None,
-                 continue_on_error: bool, client_options: dict):
+                 continue_on_error: bool, output: str, client_options: dict):
+        if output not in OUTPUTS:
+            raise ValueError(f"output must be one of {', '.join(map(repr, OUTPUTS))}, not {output!r}")
+        if output == "tensors" and (decode or transform is not None):
+            raise TypeError("decode and transform apply to sample dicts, not to output='tensors': "
+                            "decode the batch's views (shardfeed.client.tensors, docs: README 'Tensor batches')")
         if isinstance(url, Client):
             if client_options:
                 raise TypeError(f"client options {sorted(client_options)} given with a ready Client")
@@ -67,11 +79,17 @@ class _Source:
         self.decoder = make_decoder(decode)
         self.transform = transform
         self.continue_on_error = continue_on_error
+        self.output = output
         self.info = self.client.info(dataset)
         self.client.load_routing(dataset)
 
-    def fetch(self, indices: Sequence[int]) -> list:
-        """The samples at ``indices``, decoded and transformed, in one request."""
+    def fetch(self, indices: Sequence[int]) -> list | Batch:
+        """The samples at ``indices``, decoded and transformed, in one request (a ``Batch``
+        with ``output="tensors"``: in shared memory inside a DataLoader worker)."""
+        if self.output == "tensors":
+            return self.client.get_batch_tensors(self.dataset, indices, self.fields,
+                                                 continue_on_error=self.continue_on_error,
+                                                 shared=get_worker_info() is not None)
         samples = self.client.get_batch(self.dataset, indices, self.fields,
                                         continue_on_error=self.continue_on_error)
         if self.decoder is None and self.transform is None:
@@ -102,14 +120,18 @@ class ShardfeedDataset(Dataset):
         continue_on_error: return ``{"__key__": None, "__index__": i, "__missing__": True}``
             (passed through ``transform``) for a sample the service cannot serve, instead of
             failing the batch.
+        output: ``"samples"`` (sample dicts of ``bytes``) or ``"tensors"``: a DataLoader batch
+            is one :class:`~.tensors.Batch` (the default ``collate_fn`` hands it on as it is;
+            a ``collate_fn`` of your own gets a list holding it), ``ds[i]`` a sample dict of
+            uint8 views. No ``decode`` or ``transform`` with it.
         **client_options: passed to ``Client`` (token, timeout, backoff, ...).
     """
 
     def __init__(self, url: str | Sequence[str] | Client, dataset: str | None = None, *,
                  fields: Sequence[str] | None = None,
                  decode: bool | Mapping[str, Decoder] = False, transform: Callable[[dict], Any] | None = None,
-                 continue_on_error: bool = False, **client_options: Any):
-        self.source = _Source(url, dataset, fields, decode, transform, continue_on_error, client_options)
+                 continue_on_error: bool = False, output: str = "samples", **client_options: Any):
+        self.source = _Source(url, dataset, fields, decode, transform, continue_on_error, output, client_options)
         self.planned = False
         """Whether a ``ShardfeedSampler`` orders it (and so tells the service its order)."""
         self._warned = False
@@ -128,8 +150,10 @@ class ShardfeedDataset(Dataset):
         return self.source.fetch([index % n])[0]
 
     def __getitems__(self, indices: list[int]) -> list:
-        """The whole DataLoader batch in one request (PyTorch calls this when it exists)."""
-        return self.source.fetch(indices)
+        """The whole DataLoader batch in one request (PyTorch calls this when it exists); with
+        ``output="tensors"`` a list holding its ``Batch``, which ``default_collate`` unwraps."""
+        batch = self.source.fetch(indices)
+        return [batch] if isinstance(batch, Batch) else batch
 
 
 class ShardfeedSampler(Sampler[int]):
@@ -188,8 +212,9 @@ class ShardfeedIterableDataset(IterableDataset):
     :class:`ShardfeedLoader`, which records progress for :meth:`state_dict`.
 
     Args:
-        url, dataset, fields, decode, transform, continue_on_error, **client_options:
-            as for :class:`ShardfeedDataset`.
+        url, dataset, fields, decode, transform, continue_on_error, output, **client_options:
+            as for :class:`ShardfeedDataset` (with ``output="tensors"`` each item is a
+            :class:`~.tensors.Batch`; ``collate_fn`` does not apply).
         batch_size: samples per batch.
         seed: with the epoch, selects the order; the same seed gives the same order.
         shuffle: ``False`` walks the samples in index order, ``True`` draws a uniform
@@ -233,10 +258,12 @@ class ShardfeedIterableDataset(IterableDataset):
                  fields: Sequence[str] | None = None, decode: bool | Mapping[str, Decoder] = False,
                  transform: Callable[[dict], Any] | None = None,
                  collate_fn: Callable[[list], Any] | None = default_collate, prefetch: int | None = None,
-                 continue_on_error: bool = False, **client_options: Any):
+                 continue_on_error: bool = False, output: str = "samples", **client_options: Any):
         if prefetch is not None and prefetch < 0:
             raise ValueError(f"prefetch must not be negative, not {prefetch}")
-        self.source = _Source(url, dataset, fields, decode, transform, continue_on_error, client_options)
+        if output == "tensors" and collate_fn not in (default_collate, None):
+            raise TypeError("collate_fn applies to lists of sample dicts, not to output='tensors'")
+        self.source = _Source(url, dataset, fields, decode, transform, continue_on_error, output, client_options)
         rank, world_size = _rank_and_world_size(rank, world_size)
         samples = int(self.source.info["samples"])
         if shuffle is None:  # the best mixing the service's cache affords
@@ -248,7 +275,7 @@ class ShardfeedIterableDataset(IterableDataset):
             locality = (shard_samples(self.source.info), shard_window)
         self.sampler = EpochSampler(samples, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last,
                                     rank=rank, world_size=world_size, locality=locality)
-        self.collate_fn = collate_fn
+        self.collate_fn = collate_fn if output == "samples" else None
         self.prefetch = prefetch
         self.plan = PlanHandle(self.source.client, self.source.dataset, self.source.fields) if plan else None
 

@@ -26,9 +26,23 @@ import select
 import socket
 import threading
 from collections.abc import Iterator, Mapping
+from typing import Protocol
 
 from .errors import ShardfeedConnectionError
-from .http11 import READ_SIZE, Endpoint, Head, HeadReader, PoolBase, body_of, post_request, reason
+from .http11 import HEAD_LIMIT, READ_SIZE, Endpoint, Head, HeadReader, PoolBase, body_of, post_request, reason
+
+
+class Sink(Protocol):
+    """Memory a body is read into (:meth:`Response.read_into`)."""
+
+    def space(self, wanted: int) -> memoryview:
+        """Free memory to read up to ``wanted`` bytes into (at least one byte: grow if full)."""
+
+    def wrote(self, n: int) -> None:
+        """``n`` bytes were read into the start of the last :meth:`space`."""
+
+    def write(self, data: bytes) -> None:
+        """Copy ``data`` in (body bytes that came with the head)."""
 
 
 class Response:
@@ -62,6 +76,27 @@ class Response:
             self.close()
             raise ShardfeedConnectionError(self.base, reason(exc)) from None
 
+    def read_into(self, sink: Sink) -> None:
+        """Read the whole body into ``sink``: its bytes go from the socket straight into the
+        sink's memory (``recv_into``), its framing (chunk sizes, a few bytes per chunk) by itself."""
+        body, sock = self._body, self._sock
+        try:
+            for piece in body.feed(self._rest) if self._rest else ():
+                sink.write(piece)  # none when the head was read exactly (``Pool.post(exact_head=True)``)
+            while not body.done:
+                raw = body.raw()
+                if not raw:
+                    if body.feed(sock.recv(1)):  # framing: a byte at a time, so no body byte is read with it
+                        raise OSError("malformed response: body bytes in its framing")
+                    continue
+                view = sink.space(raw)
+                n = sock.recv_into(view, min(raw, len(view)))
+                body.took(n)
+                sink.wrote(n)
+        except OSError as exc:
+            self.close()
+            raise ShardfeedConnectionError(self.base, reason(exc)) from None
+
     def read(self, limit: int) -> bytes:
         """Up to ``limit`` bytes of the body (an error's JSON document: never a stream)."""
         body = b""
@@ -84,8 +119,11 @@ class Pool(PoolBase):
 
     slots = threading.BoundedSemaphore
 
-    def post(self, base: str, path: str, body: bytes, headers: Mapping[str, str]) -> Response:
-        """Send ``POST base+path`` with a JSON ``body``; the answer once its head arrived."""
+    def post(self, base: str, path: str, body: bytes, headers: Mapping[str, str], *,
+             exact_head: bool = False) -> Response:
+        """Send ``POST base+path`` with a JSON ``body``; the answer once its head arrived.
+        ``exact_head``: read no byte of the body with the head (over plain HTTP: the head is
+        peeked at first), so :meth:`Response.read_into` can put every one where it belongs."""
         endpoint = self.endpoint(base)
         request = post_request(endpoint, path, body, headers)
         if not self._slots.acquire(timeout=self.timeout):
@@ -98,7 +136,7 @@ class Pool(PoolBase):
                     sock = self._connect(endpoint, base)
                 try:
                     sock.sendall(request)
-                    return self._answer(endpoint, sock, base)
+                    return self._answer(endpoint, sock, base, exact_head and not endpoint.tls)
                 except BaseException as exc:
                     self.failed(sock, exc, reused, base)
         except BaseException:
@@ -125,9 +163,15 @@ class Pool(PoolBase):
             raise ShardfeedConnectionError(base, reason(exc), connect=True) from None
         return sock
 
-    def _answer(self, endpoint: Endpoint, sock: socket.socket, base: str) -> Response:
-        """Read the status line and headers of the answer on ``sock``."""
+    def _answer(self, endpoint: Endpoint, sock: socket.socket, base: str, exact: bool) -> Response:
+        """Read the status line and headers of the answer on ``sock`` (``exact``: and nothing more)."""
         head = HeadReader()
-        while (answer := head.feed(sock.recv(READ_SIZE))) is None:
-            pass
+        while True:
+            if exact:
+                data = sock.recv(HEAD_LIMIT, socket.MSG_PEEK)
+                data = sock.recv(head.needed(data)) if data else data
+            else:
+                data = sock.recv(READ_SIZE)
+            if (answer := head.feed(data)) is not None:
+                break
         return Response(self, endpoint, sock, base, *answer)

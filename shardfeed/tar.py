@@ -131,15 +131,15 @@ def parse_pax(data: bytes) -> dict[bytes, bytes]:
     return out
 
 
-def iter_members(data: bytes | memoryview) -> Iterator[tuple[str, memoryview]]:
-    """Regular-file members ``(name, payload)`` of a complete in-memory tar archive."""
+def member_spans(data: bytes | memoryview) -> tuple[list[tuple[str, int, int]], bool]:
+    """The regular-file members of a complete in-memory tar archive as ``(name, start, stop)``
+    (where each payload lies in ``data``), and whether an end-of-archive block closed it."""
     view = memoryview(data)
-    pos, long_name = 0, None
+    pos, long_name, spans = 0, None, []
     while pos + BLOCK <= len(view):
-        block = view[pos:pos + BLOCK]
-        if not any(block):
-            return
-        name, size, typeflag = parse_header(block)
+        if not any(view[pos:pos + BLOCK]):
+            return spans, True
+        name, size, typeflag = parse_header(view, pos)
         start = pos + BLOCK
         end = start + size
         if end > len(view):
@@ -150,9 +150,17 @@ def iter_members(data: bytes | memoryview) -> Iterator[tuple[str, memoryview]]:
         elif typeflag == b"L":
             long_name = bytes(view[start:end]).rstrip(b"\0")
         elif typeflag in (b"0", b"\0"):
-            yield (long_name or name).decode(), view[start:end]
+            spans.append(((long_name or name).decode(), start, end))
             long_name = None
         else:
             long_name = None
     if pos < len(view):
         raise TarFormatError("truncated tar archive")
+    return spans, False
+
+
+def iter_members(data: bytes | memoryview) -> Iterator[tuple[str, memoryview]]:
+    """Regular-file members ``(name, payload)`` of a complete in-memory tar archive."""
+    view = memoryview(data)
+    for name, start, stop in member_spans(view)[0]:
+        yield name, view[start:stop]

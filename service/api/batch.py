@@ -3,8 +3,9 @@
 Validation happens before the first byte, so a 4xx is a real 4xx; the first group of a
 batch is read before the status line too, so a store outage is a 503 and not a
 truncated 200, and a shard replaced in the store meanwhile (``ObjectChanged``) gets the
-dataset reopened and the batch answered from the new version (a second change: 409). A warm batch (every block in RAM) is answered by the protocol itself
-(``instant_batch``), without the ASGI layers."""
+dataset reopened and the batch answered from the new version (a second change: 409). A warm
+batch (every block in RAM) is answered by the protocol itself (``instant_batch``), without the
+ASGI layers. A streamed answer states its expected length (``LENGTH_HEADER``)."""
 
 from __future__ import annotations
 
@@ -109,6 +110,8 @@ async def _stream(state: State, wanted: WantedBatch) -> Response:
     headers = _headers(state, dataset, indices)
     if held is not None:  # every byte is in RAM: the length is known, no chunked framing
         headers["Content-Length"] = str(stream_length(dataset, members, indices, held))
+    else:  # the length if every sample is served as the index says: a tensor client sizes its buffer by it
+        headers[LENGTH_HEADER] = str(stream_length(dataset, members, indices))
     return await tar_stream_response(state, "batch", chunks, media_type=TAR, headers=headers,
                                      what=f"batch dataset={dataset.name} samples={len(indices)}",
                                      in_memory=held is not None)
@@ -149,6 +152,9 @@ def _served(state: State, dataset: Dataset, indices: np.ndarray):
     return served_metrics(state)
 
 
+LENGTH_HEADER = "X-Shardfeed-Length"
+"""On a streamed (chunked) answer: its length if every sample is served as the index describes it
+(a failed sample, or a shard's own headers sent as they are, can make it differ: an estimate)."""
 VERSION_HEADER = "X-Shardfeed-Dataset-Version"
 """The version of the dataset (``Dataset.version``) every sample of the answer was read from."""
 

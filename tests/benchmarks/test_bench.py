@@ -234,3 +234,22 @@ def test_the_stores_benchmark_reads_every_range_with_every_installed_client():
     for client in ("shardfeed", "pyarrow", "boto3"):
         assert f"{client} MB/s" in header
     assert row.split()[:2] == ["64KiB", "4"] and all(float(v.replace(",", "")) > 0 for v in row.split()[2:]), row
+
+
+@pytest.mark.timeout(200)
+def test_the_stall_benchmark_compares_every_loader_with_the_ceiling_and_plots_it(tmp_path):
+    out = run_benchmark("stall", "--sizes", "10KiB", "--samples", "320", "--loaders", "ram,shardfeed-tensors",
+                        "--steps-ms", "2", "--step-batches", "2", "--service-workers", "1",
+                        "--plot", str(tmp_path / "stall.png"), timeout=190)
+    for kind in ("ram", "shardfeed-tensors"):
+        for label in ("round 1", "median"):
+            rows = re.findall(rf"{label} +10KiB {kind} +step +(\d+\.\d) ms +(\d+) samples/s +stall +(\d+\.\d)%",
+                              out.stdout)
+            assert [step for step, _, _ in rows] == ["0.0", "2.0"] and all(int(r) > 0 for _, r, _ in rows), out.stdout
+    summary = out.stdout.split("against the ram loader", 1)[1]
+    assert re.search(r"10KiB shardfeed-tensors +\d+\.\d\dx the samples/s, loader CPU per sample +\d+\.\d\dx; stall "
+                     r"at 2\.0 ms: \d+\.\d% \(ram \d+\.\d%\)", summary), summary
+    assert (tmp_path / "stall.png").stat().st_size > 10_000
+    refused = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.stall", "--loaders", "petastorm"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--loaders takes some of" in refused.stderr

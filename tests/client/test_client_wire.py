@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from shardfeed.client import AsyncClient, Client, ShardfeedConnectionError
 from shardfeed.client.aiowire import AsyncPool
@@ -27,6 +28,7 @@ from shardfeed.process import start_service
 from shardfeed.retry import Backoff
 
 from common.synthetic import FAST, expected, seed_synthetic, tar_of
+from common.workers import routed_client
 
 ONE_TRY = Backoff(attempts=1)
 
@@ -53,6 +55,15 @@ class BlockingDriver:
 
     def close(self) -> None:
         self.client.close()
+
+
+class TensorDriver(BlockingDriver):
+    """A Client's tensor output (``get_batch_tensors``: the body read into one buffer), its
+    samples turned back into dicts of ``bytes`` to compare."""
+
+    def get_batch(self, dataset: str, indices: list[int]) -> list[dict]:
+        batch = self.client.get_batch_tensors(dataset, indices)
+        return [{k: bytes(v.numpy()) if torch.is_tensor(v) else v for k, v in s.items()} for s in batch]
 
 
 class AsyncDriver:
@@ -83,9 +94,9 @@ class AsyncDriver:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
 
-@pytest.fixture(params=[BlockingDriver, AsyncDriver], ids=["Client", "AsyncClient"])
+@pytest.fixture(params=[BlockingDriver, AsyncDriver, TensorDriver], ids=["Client", "AsyncClient", "tensors"])
 def each_client(request):
-    """Opens a client of either kind, closed at the end of the test."""
+    """Opens a client of any kind (the tensor output included), closed at the end of the test."""
     drivers = []
 
     def open_client(url: str, **options):
@@ -111,15 +122,7 @@ def test_batches_go_over_one_kept_alive_connection_and_hold_the_source(service, 
 
 @pytest.mark.slow
 def test_routed_parts_go_to_their_owners_on_threads_kept_for_the_process(tmp_path):
-    # 1000 samples fill about 13 shards: each worker owns some (all on one: p < 0.001).
-    url = seed_synthetic(tmp_path / "train", samples=1000)
-    with start_service({"train": url}, cache_dir=tmp_path / "cache", workers=2) as svc, \
-            Client(svc.url, backoff=ONE_TRY, max_connections=2) as client:
-        deadline = time.monotonic() + 60
-        while len({part.owner for part in client.router.split("train", list(range(1000)))}) < 2:
-            assert time.monotonic() < deadline, "the routing table never listed both workers"
-            time.sleep(0.1)
-            client.router.load("train", client._routing_table("train"))  # both workers up yet?
+    with routed_client(tmp_path, backoff=ONE_TRY, max_connections=2) as client:
         for start in range(4):
             indices = list(range(start, 1000, 4))[::-1]  # every batch spans every shard
             assert client.get_batch("train", indices) == [expected(i) for i in indices]

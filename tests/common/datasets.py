@@ -7,15 +7,19 @@ against bytes that no shardfeed code produced.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import random
 import tarfile
 from collections.abc import Callable
+from pathlib import Path
 
 import pyarrow as pa
 
-from shardfeed.service.datasets.index import Index, parquet_bytes
+from shardfeed.service.datasets.index import Index, parquet_bytes, write_index
 from shardfeed.service.datasets.indexfile import SCHEMA
+from shardfeed.service.datasets.tarscan import index_shards
+from shardfeed.service.stores import open_store
 
 
 def make_dataset(put: Callable[[str, bytes], None], *, samples: int = 200, per_shard: int = 50,
@@ -76,3 +80,52 @@ def dir_put(root) -> Callable[[str, bytes], None]:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data)
     return put
+
+
+def _odd_sample(i: int, rng: random.Random) -> tuple[str, dict[str, bytes]]:
+    """A key (some far longer than ustar's 100 bytes) and its members (stored names)."""
+    key = f"dir{i % 3}/{'long-' * 25 if i % 5 == 0 else ''}s{i:04d}"
+    size = rng.choice([0, 1, 511, 512, 513, 9000, 70_000])  # 70 KB spans 64 KiB blocks
+    members = {f"{key}.bin": rng.randbytes(size), f"{key}.CLS": str(i % 10).encode()}
+    if i % 4 == 0:
+        members[f"{key}.seg.png"] = rng.randbytes(300)
+    return key, members
+
+
+def tar_dataset(root: Path, shards: list[dict[str, bytes]], formats: list[int] | None = None) -> str:
+    """Shards of ``{member name: bytes}`` written by ``tarfile`` (``formats[i]`` for shard i),
+    indexed by shardfeed, in the directory ``root``: its URL."""
+    root.mkdir(parents=True, exist_ok=True)
+    formats = formats or [tarfile.PAX_FORMAT]
+    for number, members in enumerate(shards):
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=formats[number % len(formats)]) as tar:
+            for name, data in members.items():
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        (root / f"shard-{number}.tar").write_bytes(buf.getvalue())
+
+    async def index() -> None:
+        async with open_store(root.as_uri()) as store:
+            await write_index(store, await index_shards(store))
+
+    asyncio.run(index())
+    return root.as_uri()
+
+
+def odd_tar_dataset(root: Path, samples: int) -> tuple[str, dict[tuple[int, str], tuple[str, bytes]]]:
+    """Two shards of whatever tar files hold (written by ``tarfile``, indexed by shardfeed): PAX
+    and GNU long names, empty members, sizes either side of a tar block, an upper-case field,
+    a field only some samples have. The directory's URL, and ``{(sample, field): (name, bytes)}``
+    (field names in lower case, as the service serves them)."""
+    rng = random.Random(7)
+    source: dict[tuple[int, str], tuple[str, bytes]] = {}
+    shards: list[dict[str, bytes]] = [{}, {}]
+    for i in range(samples):
+        key, members = _odd_sample(i, rng)
+        shards[i * 2 // samples].update(members)
+        for name, data in members.items():
+            field = name[len(key) + 1:].lower()
+            source[(i, field)] = (f"{key}.{field}", data)
+    return tar_dataset(root, shards, [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT]), source

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from shardfeed.process import child_pids
+from shardfeed.client import Client
+from shardfeed.process import child_pids, start_service
 
 from common.datasets import dir_put, make_dataset
+from common.synthetic import seed_synthetic
 
 
 def directory_dataset(root: Path, samples: int) -> tuple[str, dict]:
@@ -47,3 +52,18 @@ def owned_shards(url: str, worker_url: str, samples: int, dataset: str = "train"
     ends = table["starts"][1:] + [samples]
     return [list(range(start, end)) for start, end, owner in zip(table["starts"], ends, table["owner"])
             if table["urls"][owner] == worker_url]
+
+
+@contextmanager
+def routed_client(root: Path, **client_options) -> Iterator[Client]:
+    """A client of ``serve --workers 2`` over 1000 synthetic samples (about 13 shards: each
+    worker owns some; all on one: p < 0.001), once its routing table lists both workers."""
+    url = seed_synthetic(root / "train", samples=1000)
+    with start_service({"train": url}, cache_dir=root / "cache", workers=2) as svc, \
+            Client(svc.url, **client_options) as client:
+        deadline = time.monotonic() + 60
+        while len({part.owner for part in client.router.split("train", list(range(1000)))}) < 2:
+            assert time.monotonic() < deadline, "the routing table never listed both workers"
+            time.sleep(0.1)
+            client.router.load("train", client._routing_table("train"))  # both workers up yet?
+        yield client

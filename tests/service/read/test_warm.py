@@ -6,64 +6,27 @@ not lowercase, empty members, members split across blocks, repeats, field subset
 
 from __future__ import annotations
 
-import asyncio
 import http.client
-import io
 import json
 import random
 import socket
-import tarfile
 import time
 
 import httpx
 import pytest
 
 from shardfeed.process import start_service
-from shardfeed.service.datasets.index import write_index
-from shardfeed.service.datasets.tarscan import index_shards
-from shardfeed.service.stores import open_store
 from shardfeed.tar import member_header, names_member
 
+from common.datasets import odd_tar_dataset
 from common.service import metrics, tar_members
 
 SAMPLES = 60
 
 
-def _sample(i: int, rng: random.Random) -> tuple[str, dict[str, bytes]]:
-    """A key (some far longer than ustar's 100 bytes) and its members (stored names)."""
-    key = f"dir{i % 3}/{'long-' * 25 if i % 5 == 0 else ''}s{i:04d}"
-    size = rng.choice([0, 1, 511, 512, 513, 9000, 70_000])  # 70 KB spans 64 KiB blocks
-    members = {f"{key}.bin": rng.randbytes(size), f"{key}.CLS": str(i % 10).encode()}
-    if i % 4 == 0:
-        members[f"{key}.seg.png"] = rng.randbytes(300)
-    return key, members
-
-
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("warm-data")
-    rng = random.Random(7)
-    source: dict[tuple[int, str], tuple[str, bytes]] = {}
-    formats = [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT]
-    for shard in range(2):
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w", format=formats[shard]) as tar:
-            for i in range(shard * SAMPLES // 2, (shard + 1) * SAMPLES // 2):
-                key, members = _sample(i, rng)
-                for name, data in members.items():
-                    info = tarfile.TarInfo(name)
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
-                    field = name[len(key) + 1:].lower()
-                    source[(i, field)] = (f"{key}.{field}", data)
-        (root / f"shard-{shard}.tar").write_bytes(buf.getvalue())
-
-    async def index() -> None:
-        async with open_store(root.as_uri()) as store:
-            await write_index(store, await index_shards(store))
-
-    asyncio.run(index())
-    return root.as_uri(), source
+    return odd_tar_dataset(tmp_path_factory.mktemp("warm-data"), SAMPLES)
 
 
 def expected(source: dict, indices, fields=None) -> list[tuple[str, bytes]]:
@@ -94,6 +57,8 @@ def test_warm_batches_are_the_exact_members_whatever_the_shards_hold(dataset, tm
             assert resp.status_code == 200, resp.text
             want = [m for i in indices for m in (source[(i, f)] for f in stored_order(source, i))]
             assert tar_members(resp.content) == want
+            # A streamed answer announces its length (a tensor client's buffer is sized by it).
+            assert resp.headers.get("x-shardfeed-length", resp.headers.get("content-length")) == str(len(resp.content))
             if round_ > 0:  # the GNU shard's own headers (magic "ustar  ") go out verbatim from RAM
                 assert (b"ustar  \0" in resp.content) == (memory != "0")
                 # Held in RAM, the stream's length is known up front (chunked otherwise).
@@ -103,6 +68,8 @@ def test_warm_batches_are_the_exact_members_whatever_the_shards_hold(dataset, tm
                                                      "continue_on_error": True})
                 assert resp.status_code == 200, resp.text
                 assert tar_members(resp.content) == expected(source, indices, [f.lower() for f in fields])
+                assert resp.headers.get("x-shardfeed-length", resp.headers.get("content-length")) == \
+                    str(len(resp.content))
                 if round_ > 0 and memory != "0":
                     assert resp.headers["content-length"] == str(len(resp.content))
         m = metrics(svc.url)

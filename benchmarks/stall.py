@@ -1,0 +1,327 @@
+"""Data stalls: a training loop with a simulated step, fed by each loader, warm.
+
+A GPU step leaves the training process's CPU idle while it waits; what matters is whether
+the next batch is there when the step ends. Each loader feeds the same loop,
+``DataLoader(batch_size=64, num_workers=4, shuffle=True)`` over the same samples (``bin``
+bytes and a ``cls`` label; SeaweedFS, or moto with ``--s3 moto``):
+
+    ram                the samples held in the training process as ``bytes``, handed out by
+                       a map-style dataset: the DataLoader's own ceiling for ``bytes``
+    streaming          MosaicML Streaming (when installed), from its local directory
+    shardfeed-bytes    ShardfeedDataset, sample dicts of ``bytes``
+    shardfeed-tensors  ShardfeedDataset(output="tensors"): one shared-memory buffer a batch
+
+For each sample size, each loader runs in a fresh process: a first epoch (every sample
+checked against the seeded bytes; it warms the service's cache and Streaming's local
+directory), then one epoch per step time, the loop sleeping ``step`` after each batch (a
+GPU step: no CPU spent). Per epoch: samples/s, the stall (the fraction of the wall time,
+after the first batch, spent waiting for the next batch), the seconds to the first batch,
+and CPU per sample, in microseconds, of the training process and of the DataLoader workers
+(with the service's beside them; with a step it also counts what the processes spend per
+second while they wait, so compare CPU flat out). The step times are 0 (the loader flat
+out, a whole epoch) and by default 2x and 30x the time the ``ram`` loader took per batch
+flat out (``--step-batches`` batches each); ``--steps-ms`` fixes them instead. With
+``--rounds N`` the loaders run in turn N times (the order reversed every other round) and
+the medians are compared: the machine's load drifts. With CUDA present
+the training loop also moves each tensor batch to the GPU (pinned, ``non_blocking``) and
+reports the copy's time per batch (the GPU decode is not timed: the samples are random
+bytes, not images).
+
+    python -m shardfeed.benchmarks.stall --sizes 10KiB,100KiB,1MiB --plot stall.png
+
+The plot (matplotlib, from the ``demo`` extra) shows the stall of each loader at each size
+and step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import median
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from shardfeed.benchmarks.loaders import (
+    BATCH, LOADER_WORKERS, PARTIES, _collate, _cpu, _quiet, import_streaming, in_fresh_process, write_mds,
+)
+from shardfeed.benchmarks.s3server import BENCH_DATA, S3_SERVERS, default_server, seeded_s3
+from shardfeed.client.tensors import Batch
+from shardfeed.client.torch import ShardfeedDataset
+from shardfeed.process import start_service
+from shardfeed.seeds.synthetic import member_bytes, parse_sizes
+from shardfeed.sizes import parse_size
+
+LOADERS = ("ram", "streaming", "shardfeed-bytes", "shardfeed-tensors")
+OUTPUTS = {"shardfeed-bytes": "samples", "shardfeed-tensors": "tensors"}
+"""The ``output`` of each shardfeed loader's ``ShardfeedDataset``."""
+STEP_MULTIPLES = (2, 30)
+"""Default step times, as multiples of the ram loader's time per batch flat out. Its own
+stall stays well above 5% at 2x: each batch is unpickled in the training process, inside
+``next``; at 20x it was still 6.9% at 1 MiB here, at 30x below 5% at every size."""
+DEFAULT_SAMPLES = {"10KiB": 20000, "100KiB": 6000, "1MiB": 800}
+"""Samples per size by default: 200-800 MB, within the service's RAM tier but for 1 MiB."""
+
+
+class RamDataset(Dataset):
+    """The seeded samples, held in this process as ``bytes`` (the DataLoader's workers get
+    them by ``fork``): what any loader hands the DataLoader at best."""
+
+    def __init__(self, samples: int, sizes: tuple[int, int]):
+        self.bins = [member_bytes(0, i, "bin", sizes) for i in range(samples)]
+        self.labels = [member_bytes(0, i, "cls", sizes) for i in range(samples)]
+
+    def __len__(self) -> int:
+        return len(self.bins)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"__index__": i, "bin": self.bins[i], "cls": self.labels[i]}
+
+
+@dataclass
+class Epoch:
+    """One epoch of the loop: samples/s, stall, seconds to the first batch, CPU us per
+    sample by party (``PARTIES``) and, with CUDA, ms per batch moving it to the GPU."""
+
+    step: float
+    rate: float
+    stall: float
+    first: float
+    cpu: dict[str, float]
+    to_gpu_ms: float | None = None
+
+
+@dataclass
+class Result:
+    kind: str
+    size: str
+    epochs: list[Epoch] = field(default_factory=list)
+
+
+def _indices(batch) -> list[int]:
+    if isinstance(batch, Batch):
+        return batch.indices.tolist()
+    return [int(s["__index__"] if "__index__" in s else s["index"]) for s in batch]
+
+
+def _bins(batch) -> list[bytes]:
+    if isinstance(batch, Batch):
+        return [bytes(v.numpy()) for v in batch["bin"]]
+    return [bytes(s["bin"]) for s in batch]
+
+
+def _epoch(loader, step: float, samples: int, sizes, service_pid: int | None, check: bool,
+           limit: int | None = None) -> Epoch:
+    """One epoch of the training loop, or its first ``limit`` batches; ``check``: every
+    sample's bytes (the unmeasured first epoch)."""
+    gpu = torch.cuda.is_available() and not check
+    cpu = _cpu(service_pid)
+    began = time.perf_counter()
+    waited, first, seen, copy = 0.0, 0.0, [], 0.0
+    batches = iter(loader)
+    while True:
+        asked = time.perf_counter()
+        try:
+            batch = next(batches)
+        except StopIteration:
+            break
+        got = time.perf_counter()
+        if first:
+            waited += got - asked
+        else:
+            first = got
+        indices = _indices(batch)
+        seen += indices
+        if check:
+            for i, data in zip(indices, _bins(batch)):
+                assert data == member_bytes(0, i, "bin", sizes), f"sample {i}: wrong bytes"
+        if gpu and isinstance(batch, Batch):
+            batch.pin_memory().to("cuda", non_blocking=True)
+            torch.cuda.synchronize()
+            copy += time.perf_counter() - got
+        if step:
+            time.sleep(step)
+        if limit is not None and len(seen) >= limit * BATCH:
+            break
+    end = time.perf_counter()
+    del batches  # the DataLoader's workers are joined: their CPU is counted
+    if limit is None:
+        assert sorted(seen) == list(range(samples)), "the epoch did not hold every sample once"
+    assert len(set(seen)) == len(seen), "a sample came twice in one epoch"
+    spent = {party: (now - cpu[party]) * 1e6 / len(seen) for party, now in _cpu(service_pid).items()}
+    return Epoch(step, len(seen) / (end - began), waited / max(end - first, 1e-9), first - began, spent,
+                 copy * 1e3 * BATCH / len(seen) if gpu else None)
+
+
+def stall_round(kind: str, source: str, local: str, samples: int, sizes, steps: list[float],
+                service_pid: int | None, limit: int | None = None) -> list[Epoch]:
+    """A fresh process's epochs for one loader: the checked first epoch, then one per step
+    (flat out the whole epoch; with a step, its first ``limit`` batches)."""
+    _quiet()
+    options = {"collate_fn": _collate}  # batches as lists of sample dicts
+    if kind == "ram":
+        dataset = RamDataset(samples, sizes)
+    elif kind == "streaming":
+        streaming = import_streaming()
+        streaming.base.util.clean_stale_shared_memory()
+        dataset = streaming.StreamingDataset(remote=source, local=local, shuffle=True, batch_size=BATCH)
+    else:
+        dataset = ShardfeedDataset(source, "bench", output=OUTPUTS[kind])
+        if kind == "shardfeed-tensors":
+            options = {}  # the default collate_fn hands the Batch on
+    loader = DataLoader(dataset, batch_size=BATCH, shuffle=kind != "streaming",  # Streaming shuffles itself
+                        num_workers=LOADER_WORKERS,
+                        pin_memory=torch.cuda.is_available(), **options)
+    out = [_epoch(loader, 0.0, samples, sizes, service_pid, check=True)]
+    for step in steps:
+        out.append(_epoch(loader, step, samples, sizes, service_pid, check=False, limit=limit if step else None))
+    return out
+
+
+def run_size(size: str, samples: int, kinds: list[str], steps_ms: list[float] | None, s3: str,
+             service_workers: int, limit: int, rounds: int, tmp: Path) -> list[Result]:
+    """Every loader at one sample size, on one seeded S3 server, ``rounds`` times (the
+    loaders in turn, the order reversed every other round): the medians."""
+    sizes = parse_sizes(size)
+    streaming = import_streaming() if "streaming" in kinds else None
+    shard_size = "4MiB" if parse_size(size) < (1 << 20) else "64MiB"
+    runs: dict[str, list[list[Epoch]]] = {kind: [] for kind in kinds}
+    with seeded_s3(s3, samples, size, shard_size, fields="bin,cls") as server:
+        os.environ.update(server.env())
+        os.environ["S3_ENDPOINT_URL"] = server.endpoint  # Streaming's name for a custom endpoint
+        remote = write_mds(streaming, server, samples, sizes, parse_size(shard_size), tmp / size) if streaming else ""
+        if steps_ms is None:  # multiples of the ram loader's time per batch, flat out
+            period = BATCH / in_fresh_process(stall_round, "ram", "", "", samples, sizes, [0.0], None)[1].rate
+            steps = [0.0] + [m * period for m in STEP_MULTIPLES]
+        else:
+            steps = [0.0] + [ms / 1e3 for ms in steps_ms]
+        for r in range(rounds):
+            for kind in kinds if r % 2 == 0 else kinds[::-1]:
+                if kind in OUTPUTS:
+                    with start_service({"bench": BENCH_DATA}, cache_dir=tmp / f"cache-{size}-{kind}-{r}",
+                                       env=server.env(), workers=service_workers) as svc:
+                        epochs = in_fresh_process(stall_round, kind, svc.url, "", samples, sizes, steps,
+                                                  svc.process.pid, limit)
+                else:
+                    epochs = in_fresh_process(stall_round, kind, remote, str(tmp / f"local-{size}"), samples, sizes,
+                                              steps, None, limit)
+                runs[kind].append(epochs[1:])
+                _report(Result(kind, size, epochs[1:]), f"round {r + 1}")
+    return [Result(kind, size, _medians(done)) for kind, done in runs.items()]
+
+
+def _medians(rounds: list[list[Epoch]]) -> list[Epoch]:
+    """Each step's epoch, its figures the medians of the rounds'."""
+    out = []
+    for epochs in zip(*rounds):
+        gpu = [e.to_gpu_ms for e in epochs if e.to_gpu_ms is not None]
+        out.append(Epoch(epochs[0].step, median(e.rate for e in epochs), median(e.stall for e in epochs),
+                         median(e.first for e in epochs), {p: median(e.cpu[p] for e in epochs) for p in PARTIES},
+                         median(gpu) if gpu else None))
+    return out
+
+
+def _report(result: Result, label: str) -> None:
+    for e in result.epochs:
+        gpu = f"   to GPU {e.to_gpu_ms:.2f} ms/batch" if e.to_gpu_ms is not None else ""
+        cpu = " + ".join(f"{e.cpu[p]:.0f}" for p in PARTIES)
+        print(f"{label:8s} {result.size:>7} {result.kind:18s} step {e.step * 1e3:6.1f} ms  {e.rate:8.0f} samples/s  "
+              f"stall {e.stall:6.1%}  first batch {e.first:5.2f} s  CPU us/sample {cpu} ({' + '.join(PARTIES)})"
+              f"{gpu}", flush=True)
+
+
+def summary(results: list[Result]) -> None:
+    """Side by side: each loader against the ram ceiling, flat out and at the steps (medians)."""
+    print("\nagainst the ram loader (the DataLoader's ceiling for bytes), same size, same step, medians:")
+    ceiling = {r.size: r for r in results if r.kind == "ram"}
+    for r in results:
+        base = ceiling.get(r.size)
+        if base is None or r.kind == "ram":
+            continue
+        flat, ram = r.epochs[0], base.epochs[0]
+        loader_cpu = lambda e: e.cpu["main"] + e.cpu["workers"]  # noqa: E731
+        stalls = ", ".join(f"{e.step * 1e3:.1f} ms: {e.stall:.1%} (ram {b.stall:.1%})"
+                           for e, b in zip(r.epochs[1:], base.epochs[1:]))
+        print(f"{r.size:>7} {r.kind:18s} {flat.rate / ram.rate:5.2f}x the samples/s, loader CPU per sample "
+              f"{loader_cpu(flat) / loader_cpu(ram):5.2f}x; stall at {stalls}")
+
+
+def plot(results: list[Result], path: Path) -> None:
+    """The stall of each loader, one group of bars per size and step (flat out left out), as
+    ``report.py`` plots (matplotlib; the format follows ``path``'s suffix)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r.size, k) for r in results for k in range(1, len(r.epochs))},
+                    key=lambda g: (parse_size(g[0]), g[1]))
+    kinds = [k for k in LOADERS if any(r.kind == k for r in results)]
+    width = 0.8 / len(kinds)
+    fig, ax = plt.subplots(figsize=(1.4 * len(groups) + 2, 4))
+    for b, kind in enumerate(kinds):
+        stalls = [next((r.epochs[k].stall for r in results if r.size == size and r.kind == kind), 0.0)
+                  for size, k in groups]
+        ax.bar([g + b * width for g in range(len(groups))], stalls, width, label=kind)
+    steps = [next(r.epochs[k].step for r in results if r.size == size) * 1e3 for size, k in groups]
+    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))],
+                  [f"{size}\n{step:.0f} ms step" for (size, _), step in zip(groups, steps)])
+    ax.axhline(0.05, color="grey", linewidth=1, linestyle=":", label="5%")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    ax.set_ylabel("time waiting for data")
+    ax.set_title(f"Data stall, warm: DataLoader(batch_size={BATCH}, num_workers={LOADER_WORKERS})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="10KiB,100KiB,1MiB")
+    parser.add_argument("--samples", type=int, help="samples per size (default: %s)" % DEFAULT_SAMPLES)
+    parser.add_argument("--loaders", default=",".join(LOADERS),
+                        help=f"some of {', '.join(LOADERS)}")
+    parser.add_argument("--steps-ms", help="step times to run at besides 0, comma-separated (default: "
+                                           f"{' and '.join(f'{m}x' for m in STEP_MULTIPLES)} the ram loader's "
+                                           "time per batch, per size)")
+    parser.add_argument("--step-batches", type=int, default=16,
+                        help="batches per epoch with a step (flat out: the whole epoch); default %(default)s")
+    parser.add_argument("--s3", choices=S3_SERVERS, default=default_server(),
+                        help="the S3 server (default here: %(default)s)")
+    parser.add_argument("--service-workers", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every loader, in turn (medians)")
+    parser.add_argument("--plot", type=Path, help="write a chart of the stalls here (.png, .svg)")
+    args = parser.parse_args(argv)
+    kinds = [k.strip() for k in args.loaders.split(",") if k.strip()]
+    if not kinds or set(kinds) - set(LOADERS):
+        parser.error(f"--loaders takes some of {', '.join(LOADERS)}, not {args.loaders!r}")
+    if "streaming" in kinds and import_streaming() is None:
+        print("MosaicML Streaming is not installed (pip install mosaicml-streaming): left out")
+        kinds.remove("streaming")
+    steps_ms = [float(s) for s in args.steps_ms.split(",")] if args.steps_ms else None
+    _quiet()
+    results: list[Result] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in [s.strip() for s in args.sizes.split(",") if s.strip()]:
+            samples = args.samples or DEFAULT_SAMPLES.get(size, max(200, (200 << 20) // parse_size(size)))
+            print(f"\n{samples} x {size}, DataLoader(batch_size={BATCH}, num_workers={LOADER_WORKERS}), warm; "
+                  f"{args.s3} S3; shardfeed serve --workers {args.service_workers}", flush=True)
+            results += run_size(size, samples, kinds, steps_ms, args.s3, args.service_workers, args.step_batches,
+                                args.rounds, Path(tmp))
+            for result in results[-len(kinds):]:
+                _report(result, "median")
+    summary(results)
+    if args.plot:
+        plot(results, args.plot)
+        print(f"\nplot: {args.plot}")
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
