@@ -8,8 +8,10 @@ pickling it replaces. So a process keeps a few segments and reuses them:
 
 - A segment is a file in ``/dev/shm`` (``shardfeed-<pid namespace>-<pid>-<n>``), mapped once, a 64-byte
   header then the buffer. :func:`lease` returns a tensor over the start of a free segment
-  that fits (``POOL_SEGMENTS`` and ``POOL_BYTES`` bound what a process keeps; beyond, or
-  for a batch larger than ``POOL_BYTES``, a plain shared tensor, as before).
+  that fits (``POOL_SEGMENTS`` and ``POOL_BYTES`` bound what a process keeps; beyond, for a
+  batch larger than ``POOL_BYTES``, or with ``/dev/shm`` full, a plain shared tensor). A
+  segment's pages are allocated when it is made, so a full ``/dev/shm`` is an error then,
+  never a ``SIGBUS`` while a batch is written.
 - Pickled to another process (the DataLoader's queue), a leased buffer travels as the
   segment's name and length (:func:`reduce`); the receiver maps the segment once, unlinks
   its name (the mappings hold it from then on) and gives out tensors over it.
@@ -60,13 +62,18 @@ PREFIX = f"shardfeed-{_namespace()}-"
 
 
 class Segment:
-    """One mapped file: ``flags`` (the header) and ``data`` (the buffer), as NumPy views."""
+    """One mapped file (``map``): its header as the NumPy view ``flags``, then ``capacity``
+    bytes of buffer."""
 
     def __init__(self, path: str, size: int | None = None):
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if size is not None else 0), 0o600)
         try:
             if size is not None:
-                os.ftruncate(fd, HEADER + size)
+                try:  # the pages now: a full /dev/shm is an error here, not a SIGBUS when a batch is written
+                    os.posix_fallocate(fd, 0, HEADER + size)
+                except OSError:
+                    os.unlink(path)
+                    raise
             self.map = mmap.mmap(fd, 0)
         finally:
             os.close(fd)
@@ -136,6 +143,8 @@ class Pool:
                 break
             except FileExistsError:  # not ours: never write into a file another made
                 continue
+            except OSError:  # /dev/shm is full (a container's is often 64 MiB): no pooling
+                return None
         self.segments.append(segment)
         return segment
 

@@ -97,6 +97,7 @@ class BlockCache:
         self._open_files: OrderedDict[int, BlockFile] = OrderedDict()  # by block key, recently read
         self._held: dict[str, HeldBlocks] = {}
         self._lock = threading.Lock()
+        self._writing = 0  # bytes of blocks being written, room made for them
         self._lock_file = None
         self._last_warning = -1e9
         self._random = np.random.default_rng()
@@ -266,16 +267,21 @@ class BlockCache:
         size = file_size(len(payload))
         if size > self.capacity:
             return False
-        # Make room first, so the files on disk never exceed the capacity, even briefly.
+        # Make room first, so the files on disk never exceed the capacity, even briefly: the
+        # blocks being written count from here (``_writing``) until they are held.
         with self._lock:
             code = self._key_of(key, make=True)
             old = self._catalog.find(code)
             if old >= 0:
                 self._remove_locked(old)
             evicted = self._evict_locked(size)
+            room = self._catalog.bytes + self._writing + size <= self.capacity
+            self._writing += size if room else 0
         if old >= 0:
             self.on_forget(key)
         self._unlink(evicted)
+        if not room:  # more blocks being written at once than the cache holds: this one is not kept
+            return False
         try:
             try:
                 direct = write_file(tmp, payload, direct=self.direct_writes)
@@ -290,6 +296,8 @@ class BlockCache:
                 self.direct_writes = False
                 log.info("the cache's filesystem refuses O_DIRECT: block files are written buffered")
             with self._lock:  # the record first: a crash after it leaves a file a read verifies
+                if (held := self._catalog.find(code)) >= 0:  # another writer of this block came first
+                    self._remove_locked(held)
                 self._catalog.add(code, size)
                 self._count(code >> 32, 1)
             os.replace(tmp, path)
@@ -310,6 +318,9 @@ class BlockCache:
                 self._last_warning = now
                 log.warning("cannot write cache block %s (%s): serving from the store", path, err.strerror)
             return False
+        finally:
+            with self._lock:
+                self._writing -= size
         self._update_gauges()
         return True
 
@@ -319,7 +330,7 @@ class BlockCache:
         eviction costs the same with 10^4 blocks as with 10^7 (docs/benchmarks.md, scale)."""
         evicted = []
         catalog = self._catalog
-        while catalog.count and catalog.bytes + incoming > self.capacity:
+        while catalog.count and catalog.bytes + self._writing + incoming > self.capacity:
             slots = catalog.candidates(self._random, _CANDIDATES)
             victim = int(slots[0])
             if self.victims is not None:

@@ -5,6 +5,7 @@ runs every one of them on this output too."""
 
 from __future__ import annotations
 
+import errno
 import gc
 import glob
 import os
@@ -135,6 +136,18 @@ def test_segments_of_a_killed_process_are_swept_by_the_next_pool(tmp_path):
     Path(stale).write_bytes(bytes(shm.HEADER + 16))
     shm.Pool()
     assert not os.path.exists(stale)
+
+
+def test_a_full_dev_shm_falls_back_to_a_plain_shared_tensor(monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    before = set(glob.glob(os.path.join(shm.DIRECTORY, shm.PREFIX + "*")))
+    assert shm.Pool().lease(40 << 20) is None  # the pool gives up: no segment could be made
+    tensor, lease = shm.lease(40 << 20)
+    assert lease is None and tensor.is_shared() and tensor.numel() == 40 << 20
+    assert set(glob.glob(os.path.join(shm.DIRECTORY, shm.PREFIX + "*"))) <= before  # nothing left half made
 
 
 def test_an_answer_longer_than_announced_moves_to_a_grown_buffer_once():
