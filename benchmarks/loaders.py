@@ -22,7 +22,11 @@ the service. On a shared machine, these move less with the load than samples/s d
 
     python -m shardfeed.benchmarks.loaders --samples 20000 --size 10KiB --rounds 5
 
-``--loaders`` picks some of the three; ``--serve-arg`` passes a knob to ``shardfeed serve``.
+The ``ram`` loader hands out the same samples held in the training process as ``bytes``
+(a map-style dataset): the DataLoader's own ceiling for that output, against which the
+other loaders' medians are also given.
+
+``--loaders`` picks some of the four; ``--serve-arg`` passes a knob to ``shardfeed serve``.
 ``--baseline-serve-arg`` adds the map-style loader against a second configuration in the
 same rounds, e.g. the cold path as it was before fetch windows and direct cache writes:
 ``--baseline-serve-arg=--fetch-window=0 --baseline-serve-arg=--cache-writes=buffered``.
@@ -52,7 +56,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch.utils.data import DataLoader
+import torch
+from torch.utils.data import DataLoader, Dataset
 
 from shardfeed.benchmarks.s3server import BENCH_DATA, seeded_s3, seeded_s3_arguments
 from shardfeed.benchmarks.serverside import tree_cpu
@@ -62,7 +67,7 @@ from shardfeed.seeds.synthetic import member_bytes, parse_sizes
 from shardfeed.sizes import parse_size
 
 BATCH, LOADER_WORKERS = 64, 4
-LOADERS = ("shardfeed-map", "shardfeed-iterable", "streaming")
+LOADERS = ("ram", "shardfeed-map", "shardfeed-iterable", "streaming")
 BASELINE = "shardfeed-map-baseline"  # the map-style loader against --baseline-serve-arg's service
 
 
@@ -89,6 +94,21 @@ def import_streaming() -> types.ModuleType | None:
             module = sys.modules[name] = _StandIn(name)
             module.__spec__ = importlib.machinery.ModuleSpec(name, None)
     return importlib.import_module("streaming")
+
+
+class RamDataset(Dataset):
+    """The seeded samples, held in this process as ``bytes`` (the DataLoader's workers get
+    them by ``fork``): what any loader hands the DataLoader at best."""
+
+    def __init__(self, samples: int, sizes: tuple[int, int]):
+        self.bins = [member_bytes(0, i, "bin", sizes) for i in range(samples)]
+        self.labels = [member_bytes(0, i, "cls", sizes) for i in range(samples)]
+
+    def __len__(self) -> int:
+        return len(self.bins)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"__index__": i, "bin": self.bins[i], "cls": self.labels[i]}
 
 
 def _collate(samples: list) -> list:
@@ -144,6 +164,13 @@ def shardfeed_round(kind: str, url: str, sizes, seed: int, service_pid: int | No
         return _epochs(loader, sizes, "__index__", service_pid)
     dataset = ShardfeedIterableDataset(url, "bench", batch_size=BATCH, seed=seed, collate_fn=None)
     return _epochs(ShardfeedLoader(dataset, num_workers=LOADER_WORKERS), sizes, "__index__", service_pid)
+
+
+def ram_round(samples: int, sizes, seed: int) -> list[Epoch]:
+    """The same samples from RAM through the same DataLoader: its ceiling for ``bytes``."""
+    loader = DataLoader(RamDataset(samples, sizes), batch_size=BATCH, shuffle=True, num_workers=LOADER_WORKERS,
+                        collate_fn=_collate, generator=torch.Generator().manual_seed(seed))
+    return _epochs(loader, sizes, "__index__")
 
 
 def streaming_round(remote: str, local: Path, sizes, seed: int) -> list[Epoch]:
@@ -232,6 +259,8 @@ def main(argv=None) -> int:
                 try:
                     if kind == "streaming":
                         rates = in_fresh_process(streaming_round, remote, scratch, sizes, r)
+                    elif kind == "ram":
+                        rates = in_fresh_process(ram_round, args.samples, sizes, r)
                     else:
                         with start_service({"bench": BENCH_DATA}, cache_dir=scratch, env=server.env(),
                                            workers=args.service_workers,
@@ -248,7 +277,7 @@ def main(argv=None) -> int:
                 finally:  # the next rounds start with as much free memory as this one did
                     shutil.rmtree(scratch, ignore_errors=True)
                 results[kind].append(rates)
-                store = f"S3 {read:.2f}x the shards   " if kind != "streaming" else ""
+                store = f"S3 {read:.2f}x the shards   " if kind not in ("streaming", "ram") else ""
                 print(f"round {r + 1} {kind:20s} cold {rates[0].rate:8.0f}  warm {rates[1].rate:8.0f} samples/s   "
                       f"{store}"
                       f"first batch {rates[0].first:5.2f} / {rates[1].first:5.2f} s   "
@@ -267,6 +296,9 @@ def main(argv=None) -> int:
             base = medians["streaming"]
             ratio = (f"   {cold / base[0]:.2f}x / {warm / base[1]:.2f}x Streaming "
                      f"(per round {paired_ratios(results[kind], results['streaming'])})")
+        if "ram" in medians and kind != "ram":
+            base = medians["ram"]
+            ratio += f"   {cold / base[0]:.2f}x / {warm / base[1]:.2f}x the in-RAM ceiling"
         if kind == "shardfeed-map" and BASELINE in medians:
             base = medians[BASELINE]
             ratio += f"   {cold / base[0]:.2f}x / {warm / base[1]:.2f}x the baseline"

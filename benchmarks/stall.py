@@ -44,10 +44,10 @@ from pathlib import Path
 from statistics import median
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from shardfeed.benchmarks.loaders import (
-    BATCH, LOADER_WORKERS, PARTIES, _collate, _cpu, _quiet, import_streaming, in_fresh_process, write_mds,
+    BATCH, LOADER_WORKERS, PARTIES, RamDataset, _collate, _cpu, _quiet, import_streaming, in_fresh_process, write_mds,
 )
 from shardfeed.benchmarks.s3server import BENCH_DATA, S3_SERVERS, default_server, seeded_s3
 from shardfeed.client.tensors import Batch
@@ -65,21 +65,6 @@ stall stays well above 5% at 2x: each batch is unpickled in the training process
 ``next``; at 20x it was still 6.9% at 1 MiB here, at 30x below 5% at every size."""
 DEFAULT_SAMPLES = {"10KiB": 20000, "100KiB": 6000, "1MiB": 800}
 """Samples per size by default: 200-800 MB, within the service's RAM tier but for 1 MiB."""
-
-
-class RamDataset(Dataset):
-    """The seeded samples, held in this process as ``bytes`` (the DataLoader's workers get
-    them by ``fork``): what any loader hands the DataLoader at best."""
-
-    def __init__(self, samples: int, sizes: tuple[int, int]):
-        self.bins = [member_bytes(0, i, "bin", sizes) for i in range(samples)]
-        self.labels = [member_bytes(0, i, "cls", sizes) for i in range(samples)]
-
-    def __len__(self) -> int:
-        return len(self.bins)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"__index__": i, "bin": self.bins[i], "cls": self.labels[i]}
 
 
 @dataclass

@@ -168,7 +168,7 @@ def test_the_replicas_benchmark_routes_with_no_hop_and_prints_every_ratio():
 @pytest.mark.timeout(180)
 def test_the_loaders_benchmark_checks_every_sample_and_compares_two_configurations():
     out = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.loaders", "--samples", "1500", "--rounds", "1",
-                          "--loaders", "shardfeed-map", "--service-workers", "1", "--serve-arg=--fetch-window=4MiB",
+                          "--loaders", "ram,shardfeed-map", "--service-workers", "1", "--serve-arg=--fetch-window=4MiB",
                           "--baseline-serve-arg=--fetch-window=0", "--baseline-serve-arg=--cache-writes=buffered"],
                          capture_output=True, text=True, timeout=170)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -179,6 +179,8 @@ def test_the_loaders_benchmark_checks_every_sample_and_compares_two_configuratio
         line = re.search(rf"{kind} +cold +(\d+) +warm +(\d+) samples/s", medians)
         assert line and int(line[1]) > 0 and int(line[2]) > 0, out.stdout
     assert re.search(r"shardfeed-map .*\d\.\d\dx / \d\.\d\dx the baseline", medians), out.stdout
+    assert re.search(r"ram +cold +\d+ +warm +\d+ samples/s", medians), out.stdout
+    assert re.search(r"shardfeed-map .*\d\.\d\dx / \d\.\d\dx the in-RAM ceiling", medians), out.stdout
     shares = re.findall(r"round 1 shardfeed-map\S* +cold .* S3 (\d+\.\d\d)x the shards +first batch +\d+\.\d\d / +"
                         r"\d+\.\d\d s", out.stdout)
     assert len(shares) == 2 and all(0.9 < float(x) < 3 for x in shares), out.stdout
