@@ -26,6 +26,9 @@ The ``ram`` loader hands out the same samples held in the training process as ``
 (a map-style dataset): the DataLoader's own ceiling for that output, against which the
 other loaders' medians are also given.
 
+``--size 10KiB,100KiB,1MiB`` runs each size in turn, each on its own S3 server and with
+the same bytes of samples (``--samples`` is the first size's count).
+
 ``--loaders`` picks some of the four; ``--serve-arg`` passes a knob to ``shardfeed serve``.
 ``--baseline-serve-arg`` adds the map-style loader against a second configuration in the
 same rounds, e.g. the cold path as it was before fetch windows and direct cache writes:
@@ -234,21 +237,30 @@ def main(argv=None) -> int:
     if not kinds or set(kinds) - set(LOADERS):
         parser.error(f"--loaders takes some of {', '.join(LOADERS)}, not {args.loaders!r}")
     _quiet()
-    sizes = parse_sizes(args.size)
-    shard_size = parse_size(args.shard_size)
-
     streaming = import_streaming() if "streaming" in kinds else None
     if "streaming" in kinds and streaming is None:
         print("MosaicML Streaming is not installed (pip install mosaicml-streaming): measuring shardfeed alone")
         kinds.remove("streaming")
     if args.baseline_serve_arg:
         kinds.insert(1, BASELINE)
+    each = [size.strip() for size in args.size.split(",") if size.strip()]
+    for number, size in enumerate(each):  # the same bytes at every size, the first taking --samples
+        samples = args.samples if number == 0 else max(
+            BATCH * 10, args.samples * parse_sizes(each[0])[1] // parse_sizes(size)[1])
+        run_size(args, size, samples, kinds, streaming)
+    return 0
+
+
+def run_size(args, size: str, samples: int, kinds: list[str], streaming) -> None:
+    """The rounds of every loader at one sample size, on its own seeded S3 server, and their medians."""
+    sizes = parse_sizes(size)
+    shard_size = parse_size(args.shard_size)
     with tempfile.TemporaryDirectory() as tmp_name, \
-            seeded_s3(args.s3, args.samples, args.size, args.shard_size, fields="bin,cls") as server:
+            seeded_s3(args.s3, samples, size, args.shard_size, fields="bin,cls") as server:
         tmp = Path(tmp_name)
         os.environ.update(server.env())
         os.environ["S3_ENDPOINT_URL"] = server.endpoint  # Streaming's name for a custom endpoint
-        remote = write_mds(streaming, server, args.samples, sizes, shard_size, tmp) if streaming else None
+        remote = write_mds(streaming, server, samples, sizes, shard_size, tmp) if streaming else None
         bucket, _, prefix = BENCH_DATA.removeprefix("s3://").partition("/")
         shard_bytes = sum(o["Size"] for o in server.client().list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]
                           if o["Key"].endswith(".tar"))
@@ -260,7 +272,7 @@ def main(argv=None) -> int:
                     if kind == "streaming":
                         rates = in_fresh_process(streaming_round, remote, scratch, sizes, r)
                     elif kind == "ram":
-                        rates = in_fresh_process(ram_round, args.samples, sizes, r)
+                        rates = in_fresh_process(ram_round, samples, sizes, r)
                     else:
                         with start_service({"bench": BENCH_DATA}, cache_dir=scratch, env=server.env(),
                                            workers=args.service_workers,
@@ -282,7 +294,7 @@ def main(argv=None) -> int:
                       f"{store}"
                       f"first batch {rates[0].first:5.2f} / {rates[1].first:5.2f} s   "
                       f"CPU us/sample cold {_parts(rates[0].cpu)}, warm {_parts(rates[1].cpu)}", flush=True)
-    print(f"\n{args.samples} x {args.size} samples, DataLoader(batch_size={BATCH}, num_workers={LOADER_WORKERS}), "
+    print(f"\n{samples} x {size} samples, DataLoader(batch_size={BATCH}, num_workers={LOADER_WORKERS}), "
           f"shuffled, medians of {args.rounds} rounds, {server.kind} S3; shardfeed serve --workers "
           f"{' '.join([str(args.service_workers), *args.serve_arg])}"
           f"{'; baseline: ' + ' '.join(args.baseline_serve_arg) if args.baseline_serve_arg else ''}; "
@@ -309,7 +321,6 @@ def main(argv=None) -> int:
     for kind, rounds in done.items():
         cpu = [{p: statistics.median(r[e].cpu[p] for r in rounds) for p in PARTIES} for e in range(2)]
         print(f"{kind:20s} cold {_parts(cpu[0])}   warm {_parts(cpu[1])}")
-    return 0
 
 
 def paired_ratios(rounds: list[list[Epoch] | None], base: list[list[Epoch] | None]) -> str:

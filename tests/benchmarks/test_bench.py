@@ -184,6 +184,10 @@ def test_the_loaders_benchmark_checks_every_sample_and_compares_two_configuratio
     shares = re.findall(r"round 1 shardfeed-map\S* +cold .* S3 (\d+\.\d\d)x the shards +first batch +\d+\.\d\d / +"
                         r"\d+\.\d\d s", out.stdout)
     assert len(shares) == 2 and all(0.9 < float(x) < 3 for x in shares), out.stdout
+    sizes = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.loaders", "--samples", "1280", "--rounds", "1",
+                            "--loaders", "ram", "--size", "10KiB,20KiB"], capture_output=True, text=True, timeout=120)
+    assert sizes.returncode == 0, sizes.stderr[-2000:]
+    assert re.findall(r"^(\d+) x (\d+KiB) samples", sizes.stdout, re.M) == [("1280", "10KiB"), ("640", "20KiB")]
     refused = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.loaders", "--loaders", "petastorm"],
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "--loaders takes some of" in refused.stderr
