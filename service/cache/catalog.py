@@ -202,16 +202,19 @@ class Catalog:
                 if not folder.is_dir():
                     continue
                 for entry in os.scandir(folder):
-                    if entry.name.startswith(".tmp-"):
-                        stale = entry.stat().st_mtime < began
-                    elif entry.name.endswith(SUFFIX):
-                        with lock:
-                            stale = self._find_file(f"{folder.name}/{entry.name}") < 0
-                    else:
+                    try:
+                        if entry.name.startswith(".tmp-"):
+                            stale = entry.stat().st_mtime < began
+                        elif entry.name.endswith(SUFFIX):
+                            with lock:
+                                stale = self._find_file(f"{folder.name}/{entry.name}") < 0
+                        else:
+                            continue
+                        if stale:
+                            os.unlink(entry.path)
+                            removed += 1
+                    except FileNotFoundError:  # dropped meanwhile (a block that failed its check): go on
                         continue
-                    if stale:
-                        os.unlink(entry.path)
-                        removed += 1
         except OSError as err:
             log.info("block cache %s: orphan scan stopped (%s)", self.directory, err)
         if removed:

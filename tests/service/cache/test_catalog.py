@@ -178,3 +178,22 @@ def test_concurrent_writes_reads_and_evictions_agree_with_the_catalogue(tmp_path
                   if BlockKey("d1", "s1", i) in cache)
     assert files == held
     cache.close()
+
+
+def test_a_file_that_vanishes_during_the_orphan_scan_does_not_stop_it(tmp_path):
+    # A file gone between the listing and its stat or unlink (a block dropped by a read at
+    # that moment) once ended the scan, leaving the orphans after it: a dangling temporary
+    # name, whose stat fails so, stands in for it anywhere in the listing.
+    kept(tmp_path, keys(2))
+    directory = tmp_path / "d1"
+    orphans = [directory / BlockKey("d1", "s1", 100 + i).filename(BLOCK).split("/")[1] for i in range(50)]
+    for path in orphans:
+        path.write_bytes(payload(1))
+    (directory / ".tmp-vanished").symlink_to(directory / "no-such-file")
+    again = cache_at(tmp_path)
+    deadline = time.monotonic() + 10
+    while any(path.exists() for path in orphans):
+        assert time.monotonic() < deadline, "the orphan scan stopped at the vanished file"
+        time.sleep(0.02)
+    assert [again.read(k, None) for k in keys(2)] == [[payload(0)], [payload(1)]]
+    again.close()
