@@ -403,6 +403,16 @@ def batch_body(dataset: str, indices: list[int], fields: Sequence[str] | None,
     return json.dumps(body, separators=(",", ":")).encode()
 
 
+def announced_length(headers: Mapping[str, str], default: int) -> int:
+    """A batch answer's length as its head states it (``Content-Length``, else the service's
+    estimate, ``LENGTH_HEADER``); ``default`` when it states none a number."""
+    for name in ("content-length", LENGTH_HEADER):
+        value = headers.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return default
+
+
 def transport_error(url: str, exc: httpx.HTTPError) -> ShardfeedConnectionError:
     """Our error for an httpx transport failure (refused, timed out, reset mid-stream)."""
     connect = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))

@@ -14,7 +14,7 @@ from shardfeed.retry import retry_sync
 
 from .errors import ShardfeedConnectionError, ShardfeedError
 from .http import (
-    ERROR_BODY_LIMIT, LENGTH_HEADER, ROUTING_HEADER, BaseClient, Part, Via, as_indices, batch_body, dataset_path,
+    ERROR_BODY_LIMIT, ROUTING_HEADER, BaseClient, Part, Via, announced_length, as_indices, batch_body, dataset_path,
     merge_order, parse_json, plan_path, routing_path, sample_path, status_error, transport_error,
 )
 from .samples import BatchReader
@@ -167,8 +167,7 @@ class Client(BaseClient):
         responses = self._each_part(len(parts), lambda k: self._open_part(readers[k], vias[k], fields,
                                                                           continue_on_error), lambda r: r.close())
         try:
-            regions = Regions([int(r.headers.get("content-length") or r.headers.get(LENGTH_HEADER) or GUESS)
-                               for r in responses], shared)
+            regions = Regions([announced_length(r.headers, GUESS) for r in responses], shared)
             self._each_part(len(parts), lambda k: responses[k].read_into(regions.regions[k]))
         finally:
             for response in responses:

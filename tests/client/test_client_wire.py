@@ -255,6 +255,24 @@ def test_chunked_answers_in_odd_pieces_with_extensions_and_trailers_are_read_who
         server.close()
 
 
+@pytest.mark.parametrize("announced", [b"10", b"bogus", b"99999999"])
+def test_an_answer_whose_announced_length_is_wrong_is_read_whole(each_client, announced):
+    # X-Shardfeed-Length is an estimate: too short (the tensor output's buffer grows), not a
+    # number (ignored), far too long (the buffer is only partly used).
+    def answer(sock, n, body):
+        data = tar_of(indices_of(body))
+        sock.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-Shardfeed-Length: " + announced +
+                     b"\r\n\r\n%x\r\n" % len(data) + data + b"\r\n0\r\n\r\n")
+        return True
+
+    server = RawServer(answer)
+    try:
+        client = each_client(server.url, backoff=ONE_TRY, route=False)
+        assert [s["cls"] for s in client.get_batch("d", list(range(30)))] == [b"%d" % i for i in range(30)]
+    finally:
+        server.close()
+
+
 def test_an_answer_ended_by_closing_the_connection_is_read_whole(each_client):
     def answer(sock, n, body):
         sock.sendall(b"HTTP/1.0 200 OK\r\nContent-Type: application/x-tar\r\n\r\n" + tar_of(indices_of(body)))
