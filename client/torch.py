@@ -43,9 +43,6 @@ from .shuffles import LOCAL, cache_window, shard_samples
 from .sync import Client
 from .tensors import Batch
 
-OUTPUTS = ("samples", "tensors")
-"""What a batch is: a list of sample dicts of ``bytes``, or one :class:`~.tensors.Batch`."""
-
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -84,22 +81,32 @@ class _Source:
         self.client.load_routing(dataset)
 
     def fetch(self, indices: Sequence[int]) -> list | Batch:
-        """The samples at ``indices``, decoded and transformed, in one request (a ``Batch``
-        with ``output="tensors"``: in shared memory inside a DataLoader worker)."""
-        if self.output == "tensors":
-            return self.client.get_batch_tensors(self.dataset, indices, self.fields,
-                                                 continue_on_error=self.continue_on_error,
-                                                 shared=get_worker_info() is not None)
+        """The samples at ``indices`` in one request, in the dataset's ``output``."""
+        return OUTPUTS[self.output](self, indices)
+
+    def samples(self, indices: Sequence[int]) -> list:
+        """``output="samples"``: sample dicts, decoded and transformed."""
         samples = self.client.get_batch(self.dataset, indices, self.fields,
                                         continue_on_error=self.continue_on_error)
         if self.decoder is None and self.transform is None:
             return samples
         return [self.finish(s) for s in samples]
 
+    def tensors(self, indices: Sequence[int]) -> Batch:
+        """``output="tensors"``: one ``Batch``, in shared memory inside a DataLoader worker."""
+        return self.client.get_batch_tensors(self.dataset, indices, self.fields,
+                                             continue_on_error=self.continue_on_error,
+                                             shared=get_worker_info() is not None)
+
     def finish(self, sample: dict) -> Any:
         if self.decoder is not None:
             sample = self.decoder(sample)
         return sample if self.transform is None else self.transform(sample)
+
+
+OUTPUTS = {"samples": _Source.samples, "tensors": _Source.tensors}
+"""What a batch is, by the datasets' ``output``: a list of sample dicts of ``bytes``, or one
+:class:`~.tensors.Batch`."""
 
 
 class ShardfeedDataset(Dataset):
