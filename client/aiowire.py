@@ -23,8 +23,10 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import TypeVar
 
+from shardfeed.http11 import READ_SIZE, Head, HeadReader, body_of
+
 from .errors import ShardfeedConnectionError
-from .http11 import READ_SIZE, Endpoint, Head, HeadReader, PoolBase, body_of, post_request, reason
+from .http11 import Endpoint, PoolBase, post_request, reason
 
 T = TypeVar("T")
 

@@ -28,8 +28,10 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Protocol
 
+from shardfeed.http11 import HEAD_LIMIT, READ_SIZE, Head, HeadReader, body_of
+
 from .errors import ShardfeedConnectionError
-from .http11 import HEAD_LIMIT, READ_SIZE, Endpoint, Head, HeadReader, PoolBase, body_of, post_request, reason
+from .http11 import Endpoint, PoolBase, post_request, reason
 
 
 class Sink(Protocol):

@@ -34,7 +34,7 @@ from urllib.parse import urlparse
 
 from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.datasets.tarscan import scan_shard
-from shardfeed.service.stores import AccessDenied, InvalidPath, ObjectInfo, ObjectNotFound, Store
+from shardfeed.service.stores import AccessDenied, Arrived, InvalidPath, ObjectInfo, ObjectNotFound, Store
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -144,9 +144,9 @@ class BucketStores(Store):
         return await store.read_range(key, offset, size, version)
 
     async def read_pieces(self, path: str, offset: int, size: int, piece: int,
-                          version: str | None = None) -> list[bytes]:
+                          version: str | None = None, *, arrived: Arrived | None = None) -> list[bytes]:
         store, key = self._split(path)
-        return await store.read_pieces(key, offset, size, piece, version)
+        return await store.read_pieces(key, offset, size, piece, version, arrived=arrived)
 
     async def read(self, path: str, version: str | None = None) -> bytes:
         store, key = self._split(path)

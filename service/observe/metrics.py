@@ -36,6 +36,9 @@ class Metrics:
         self.cache_write_errors = Counter("shardfeed_cache_write_errors",
                                           "Blocks not cached because the cache could not be written",
                                           registry=r)
+        self.cache_writes_skipped = Counter(
+            "shardfeed_cache_writes_skipped", "Fetched blocks not cached because the cache-write queue "
+            "was full (the disk was behind)", registry=r)
         self.cache_bytes = Gauge("shardfeed_cache_bytes", "Bytes held in the block cache", registry=r)
         self.cache_blocks = Gauge("shardfeed_cache_blocks", "Blocks held in the block cache", registry=r)
         self.memory_cache_bytes = Gauge("shardfeed_memory_cache_bytes",

@@ -27,12 +27,15 @@ from shardfeed.service.config import ServiceConfig
 from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.observe.metrics import Metrics
 from shardfeed.service.read.planner import merge_blocks
-from shardfeed.service.stores import ObjectChanged, StoreError
+from shardfeed.service.stores import Arrived, ObjectChanged, StoreError
 
 log = logging.getLogger("shardfeed.coalescer")
 
 WRITE_THREADS = 2
 """Threads writing fetched blocks to the cache: one disk, a write each while the next is copied."""
+WRITE_QUEUE = 256 << 20
+"""Bytes of fetched blocks waiting for the writer threads at most; past it, a fetch's blocks are
+not cached (the RAM tier lets them go too), so a slow disk never holds up a batch or memory."""
 
 
 class BlockFetcher:
@@ -56,6 +59,7 @@ class BlockFetcher:
         # Cache writes wait on the disk (``O_DIRECT``, ``blockfile.py``): on threads of their
         # own, so a slow disk never queues the cache reads on the default executor behind them.
         self._writer = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="cache-write")
+        self._queued = 0  # bytes handed to the writer threads and not written yet
 
     def start(self, dataset: Dataset, wanted, *, skip_cached: bool) -> None:
         """Start one store read per run of nearby wanted blocks (``(shard code, block)`` pairs)
@@ -96,50 +100,70 @@ class BlockFetcher:
         return self.window_blocks if dataset.stored_bytes <= self.cache.capacity * nodes else 1
 
     async def _fetch(self, dataset: Dataset, shard: int, first: int, last: int) -> None:
-        """One ranged read for blocks ``first..last`` of a shard; resolves their futures."""
+        """One ranged read for blocks ``first..last`` of a shard. Each block's future is
+        resolved the moment its bytes are in (cut-through: a batch waiting for the first
+        block of an 8 MiB read does not wait for the other seven), and the block enters the
+        RAM tier then, so the batches that come while it is written take the warm path
+        (``warm.py``). Once the read is done, its blocks are written to disk."""
         path = dataset.index.shards[shard]
         start = first * self.block_size
         end = min((last + 1) * self.block_size, int(dataset.extents[shard]))
         keys = [BlockKey(dataset.id, dataset.shard_ids[shard], b) for b in range(first, last + 1)]
-        try:
-            pieces = await self._pieces(dataset, shard, start, end)
-        except StoreError as err:
-            self._settle(keys, err)
-            return
-        except BaseException as err:  # cancelled at shutdown, or a bug: waiters must not hang
-            self._settle(keys, StoreError(f"read of {path} aborted: {err!r}"))
-            raise
         held = self.memory is not None and self.cache.writable
-        if held:
-            # Into the RAM tier now, not once on disk, so the batches that come while the
-            # blocks are written take the warm path (``warm.py``).
-            for key, block in zip(keys, pieces):
-                self.memory.put(key, block)
-        blocks = [(key, memoryview(block)) for key, block in zip(keys, pieces)]
-        for key, block in blocks:
-            future = self.inflight.get(key)
-            if future is not None and not future.done():
-                future.set_result(block)
-        try:
-            # Keep the futures registered until the blocks are on disk, so a request that
-            # arrives meanwhile shares these bytes instead of reading them again.
-            refused = await asyncio.get_running_loop().run_in_executor(self._writer, self._write_blocks, blocks)
+        futures = {key: self.inflight[key] for key in keys}  # ours: a key may get another once we let go
+        got: dict[BlockKey, memoryview] = {}
+
+        def arrived(number: int, block) -> None:
+            key = keys[number]
+            if key in got:  # a retried or hedged read's copy of the same bytes
+                return
+            got[key] = memoryview(block)
             if held:
-                for key in refused:  # the tier mirrors the disk
-                    self.memory.discard(key)
+                self.memory.put(key, block)
+            if not futures[key].done():
+                futures[key].set_result(got[key])
+
+        try:
+            await self._pieces(dataset, shard, start, end, arrived=arrived)
+        except StoreError as err:
+            self._settle({key: f for key, f in futures.items() if key not in got}, err)
+        except BaseException as err:  # cancelled at shutdown, or a bug: waiters must not hang
+            self._settle(futures, StoreError(f"read of {path} aborted: {err!r}"))
+            raise
+        # Keep the futures registered until the blocks are on disk, so a request that
+        # arrives meanwhile shares these bytes instead of reading them again.
+        try:
+            await self._write(list(got.items()), held)
         finally:
-            for key in keys:
-                self.inflight.pop(key, None)
+            self._settle({key: futures[key] for key in got}, None)
+
+    async def _write(self, blocks: list[tuple[BlockKey, memoryview]], held: bool) -> None:
+        """Write fetched blocks to the cache on the writer threads, unless ``WRITE_QUEUE`` bytes
+        wait there already: a disk that cannot keep up goes without these blocks, and no
+        batch waits for it. What the disk does not take leaves the RAM tier (it mirrors the disk)."""
+        size = sum(len(block) for _, block in blocks)
+        if self._queued + size > WRITE_QUEUE and self._queued:
+            self.metrics.cache_writes_skipped.inc(len(blocks))
+            refused = [key for key, _ in blocks]
+        else:
+            self._queued += size
+            try:
+                refused = await asyncio.get_running_loop().run_in_executor(self._writer, self._write_blocks, blocks)
+            finally:
+                self._queued -= size
+        if held:
+            for key in refused:
+                self.memory.discard(key)
 
     async def store_read(self, dataset: Dataset, shard: int, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of a shard (``RangeReader``'s reads)."""
         return (await self._pieces(dataset, shard, start, end, whole=True))[0]
 
     async def _pieces(self, dataset: Dataset, shard: int, start: int, end: int, *,
-                            whole: bool = False) -> list[bytes]:
+                      whole: bool = False, arrived: Arrived | None = None) -> list[bytes]:
         """Bytes ``[start, end)`` of a shard, block by block (from a block boundary; each block
-        its own object, so the RAM tier can keep any of them alone), or ``whole`` as one
-        piece; within the store-read slots, counted."""
+        its own object, so the RAM tier can keep any of them alone, handed to ``arrived``
+        as it comes), or ``whole`` as one piece; within the store-read slots, counted."""
         path = dataset.index.shards[shard]
         piece = max(end - start, 1) if whole else self.block_size
         try:
@@ -148,7 +172,7 @@ class BlockFetcher:
                 began = time.perf_counter()
                 try:
                     pieces = await dataset.store.read_pieces(path, start, end - start, piece,
-                                                             dataset.shard_version(shard))
+                                                             dataset.shard_version(shard), arrived=arrived)
                 finally:
                     self.metrics.inflight_store.dec()
         except ObjectChanged as err:
@@ -165,10 +189,13 @@ class BlockFetcher:
         log.debug("store read %s [%d, %d) in %.1f ms", path, start, end, 1e3 * (time.perf_counter() - began))
         return pieces
 
-    def _settle(self, keys: list[BlockKey], error: StoreError) -> None:
-        for key in keys:
-            future = self.inflight.pop(key, None)
-            if future is not None and not future.done():
+    def _settle(self, futures: dict[BlockKey, asyncio.Future], error: StoreError | None) -> None:
+        """Unregister our ``futures`` (not a later read's of the same block), ending those not
+        done with ``error``."""
+        for key, future in futures.items():
+            if self.inflight.get(key) is future:
+                del self.inflight[key]
+            if not future.done():
                 future.set_result(error)
 
     def _write_blocks(self, blocks: list[tuple[BlockKey, memoryview]]) -> list[BlockKey]:

@@ -1,7 +1,7 @@
 """Storage backends behind one async interface (see ``base.Store``).
 
-One module per store (``file.py``, ``s3.py`` with its wire format ``s3wire.py``), and
-``hedge.py``, which wraps any store's ranged reads. May import: ``observe``, ``http``, ``config``.
+One module per store (``file.py``, ``s3.py`` with its wire format ``s3wire.py`` and its ranged
+reads' transport ``getter.py``), and ``hedge.py``, which wraps any store's ranged reads. May import: ``observe``, ``http``, ``config``.
 """
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from __future__ import annotations
 from urllib.parse import unquote, urlparse
 
 from shardfeed.service.stores.base import (
-    AccessDenied, InvalidPath, ObjectChanged, ObjectInfo, ObjectNotFound, ShortRead, Store, StoreError,
+    AccessDenied, Arrived, InvalidPath, ObjectChanged, ObjectInfo, ObjectNotFound, ShortRead, Store, StoreError,
     StoreUnavailable,
 )
 
 __all__ = [
-    "AccessDenied", "InvalidPath", "ObjectChanged", "ObjectInfo", "ObjectNotFound", "ShortRead",
+    "AccessDenied", "Arrived", "InvalidPath", "ObjectChanged", "ObjectInfo", "ObjectNotFound", "ShortRead",
     "Store", "StoreError", "StoreUnavailable", "open_store",
 ]
 

@@ -12,7 +12,7 @@ that version or raises ``ObjectChanged``, never bytes of another. Callers that k
 from __future__ import annotations
 
 import posixpath
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -64,6 +64,18 @@ def clean_path(path: str) -> str:
     return norm
 
 
+Arrived = Callable[[int, bytes | bytearray], None]
+"""``read_pieces``'s ``arrived``: called with a piece's number and bytes once it is complete."""
+
+
+def handed_on(pieces: list, arrived: Arrived | None) -> list:
+    """``pieces``, each handed to ``arrived`` first (a read whose pieces all came at once)."""
+    if arrived is not None:
+        for number, piece in enumerate(pieces):
+            arrived(number, piece)
+    return pieces
+
+
 class Store(ABC):
     """Async access to the objects under one root URL."""
 
@@ -75,16 +87,18 @@ class Store(ABC):
         ``version``: only of that version (``ObjectInfo.etag``); ``ObjectChanged`` otherwise."""
 
     async def read_pieces(self, path: str, offset: int, size: int, piece: int,
-                          version: str | None = None) -> list[bytes]:
+                          version: str | None = None, *, arrived: Arrived | None = None) -> list[bytes]:
         """``read_range`` as consecutive pieces of ``piece`` bytes (the last may be shorter),
-        each an object of its own: a cache can keep any piece without the others' bytes.
-        This default splits one read with a copy; backends that can fill the pieces as the
-        bytes arrive do so."""
+        each an object of its own (``bytes`` or ``bytearray``): a cache can keep any piece
+        without the others' bytes.
+        ``arrived(number, piece)`` is called for each piece once it is complete, before the
+        call returns, possibly again for the same piece (a read retried or hedged: the same
+        bytes). This default splits one read with a copy; backends that can fill the pieces
+        as the bytes arrive do so, and hand each on as soon as it is in (``s3.py``)."""
         data = await self.read_range(path, offset, size, version)
-        if size <= piece:
-            return [data]
         view = memoryview(data)
-        return [bytes(view[at:at + piece]) for at in range(0, size, piece)]
+        return handed_on([data] if size <= piece else [bytes(view[at:at + piece]) for at in range(0, size, piece)],
+                         arrived)
 
     @abstractmethod
     async def read(self, path: str, version: str | None = None) -> bytes:

@@ -11,7 +11,8 @@ import tempfile
 from pathlib import Path
 
 from shardfeed.service.stores.base import (
-    InvalidPath, ObjectChanged, ObjectInfo, ObjectNotFound, ShortRead, Store, StoreError, clean_path,
+    Arrived, InvalidPath, ObjectChanged, ObjectInfo, ObjectNotFound, ShortRead, Store, StoreError, clean_path,
+    handed_on,
 )
 
 
@@ -112,8 +113,8 @@ class FileStore(Store):
         return (await asyncio.to_thread(self._read_pieces, path, offset, size, max(size, 1), version))[0]
 
     async def read_pieces(self, path: str, offset: int, size: int, piece: int,
-                          version: str | None = None) -> list[bytes]:
-        return await asyncio.to_thread(self._read_pieces, path, offset, size, piece, version)
+                          version: str | None = None, *, arrived: Arrived | None = None) -> list[bytes]:
+        return handed_on(await asyncio.to_thread(self._read_pieces, path, offset, size, piece, version), arrived)
 
     async def read(self, path: str, version: str | None = None) -> bytes:
         return await asyncio.to_thread(self._read, path, version)

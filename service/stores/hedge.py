@@ -27,7 +27,7 @@ from typing import TypeVar
 from prometheus_client import CollectorRegistry, Counter
 
 from shardfeed.service.config import HedgePolicy
-from shardfeed.service.stores import ObjectInfo, Store
+from shardfeed.service.stores import Arrived, ObjectInfo, Store
 
 log = logging.getLogger("shardfeed.hedge")
 
@@ -101,8 +101,9 @@ class HedgedStore(Store):
         return await self._hedged(lambda: self.store.read_range(path, offset, size, version), path, offset, size)
 
     async def read_pieces(self, path: str, offset: int, size: int, piece: int,
-                          version: str | None = None) -> list[bytes]:
-        return await self._hedged(lambda: self.store.read_pieces(path, offset, size, piece, version),
+                          version: str | None = None, *, arrived: Arrived | None = None) -> list[bytes]:
+        # Both racers hand their pieces on: the same bytes, whichever comes first.
+        return await self._hedged(lambda: self.store.read_pieces(path, offset, size, piece, version, arrived=arrived),
                                   path, offset, size)
 
     async def _timed(self, read: Callable[[], Awaitable[T]]) -> T:

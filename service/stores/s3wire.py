@@ -2,9 +2,10 @@
 
 Pure pieces of the wire, each about one answer: the endpoint and the Host header SigV4
 signs; an error answer (status and ``<Error>`` body) mapped to a ``StoreError``, with the
-retryable ones (``Truncated``, ``Overloaded``) marked for ``shardfeed.retry``; a body read
-whole or in pieces and checked against the length asked; a ranged answer's
-``Content-Range`` checked; a ListObjectsV2 page; the multipart-upload answers.
+retryable ones (``Truncated``, ``Overloaded``) marked for ``shardfeed.retry``, and what a
+request that failed every try raises; a body read whole, or a ranged read's pieces, checked
+against the length asked; a ranged answer's ``Content-Range`` checked; a ListObjectsV2 page;
+the multipart-upload answers.
 """
 
 from __future__ import annotations
@@ -12,18 +13,17 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+from collections.abc import Callable
+from itertools import accumulate
 import xml.etree.ElementTree as ET
 from urllib.parse import unquote_plus, urlsplit
 
 import aiohttp
 
+from shardfeed.http11 import Head
+from shardfeed.service.stores.getter import Answer, CannotConnect
 from shardfeed.service.stores.base import (
-    AccessDenied,
-    ObjectChanged,
-    ObjectNotFound,
-    ShortRead,
-    StoreError,
-    StoreUnavailable,
+    AccessDenied, Arrived, ObjectChanged, ObjectNotFound, ShortRead, StoreError, StoreUnavailable, handed_on,
 )
 
 CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
@@ -31,7 +31,8 @@ ERROR_FIELD = re.compile(r"<(Code|Message)>([^<]*)</\1>")
 _DENIED_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
                  "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled"}
 _TRANSIENT_STATUS = {429, 500, 502, 503, 504}
-_ERROR_BODY_LIMIT = 64 << 10
+ERROR_BODY_LIMIT = 64 << 10
+"""Bytes of an error answer's body read at most (its ``<Error>`` fields)."""
 
 
 class Truncated(ShortRead):
@@ -50,11 +51,27 @@ def retryable(err: Exception) -> bool | float:
     """Whether (or after how many seconds, ``Retry-After``) a failed request is worth a retry."""
     if isinstance(err, Overloaded):
         return err.retry_after if err.retry_after is not None else True
-    return isinstance(err, (Truncated, aiohttp.ClientError, asyncio.TimeoutError))
+    # OSError: the getter's failed connections, cut answers and silences (``TimeoutError``).
+    return isinstance(err, (Truncated, aiohttp.ClientError, OSError))
+
+
+def gave_up(err: Exception, object_url: str, endpoint: str, timeouts: str, after: str) -> StoreError:
+    """What a request that failed on its every try (``after``) raises."""
+    if isinstance(err, Truncated):
+        return ShortRead(f"{err} ({after})")
+    if isinstance(err, Overloaded):
+        return StoreUnavailable(f"{err} ({after})")
+    if isinstance(err, asyncio.TimeoutError):
+        return StoreUnavailable(f"{object_url}: S3 endpoint {endpoint} timed out ({timeouts}; {after})")
+    if isinstance(err, (aiohttp.ClientConnectorError, CannotConnect)):
+        reason = getattr(getattr(err, "os_error", None), "strerror", None) or str(err)
+        return StoreUnavailable(f"{object_url}: cannot connect to S3 endpoint {endpoint} ({reason}; {after})")
+    return StoreUnavailable(f"{object_url}: connection to S3 endpoint {endpoint} failed "
+                            f"({type(err).__name__}: {err}; {after})")
 
 
 def retry_after(headers) -> float | None:
-    value = headers.get("Retry-After", "")
+    value = headers.get("retry-after", "")
     return float(value) if value.isdigit() else None  # HTTP-date form: use our own backoff
 
 
@@ -78,27 +95,32 @@ def host_header(endpoint: str) -> str:
 
 
 async def raise_for_status(resp: aiohttp.ClientResponse, object_url: str, key: str, bucket: str) -> None:
-    """Turn an answer of status 300 or more into the ``StoreError`` it means."""
-    text = (await resp.content.read(_ERROR_BODY_LIMIT)).decode("utf-8", "replace")
+    """Turn an aiohttp answer of status 300 or more into the ``StoreError`` it means."""
+    raise status_error(resp.status, resp.headers, await resp.content.read(ERROR_BODY_LIMIT), object_url, key, bucket)
+
+
+def status_error(status: int, headers, body: bytes, object_url: str, key: str, bucket: str) -> StoreError:
+    """The ``StoreError`` an answer of status 300 or more means (``headers``: looked up by
+    lower-case name), from its status and its ``<Error>`` body."""
+    text = body.decode("utf-8", "replace")
     fields = dict(ERROR_FIELD.findall(text))
     code, message = fields.get("Code", ""), fields.get("Message", "")
-    detail = f"{code}: {message}" if code else f"HTTP {resp.status}"
-    if resp.status in (401, 403) or code in _DENIED_CODES:
-        raise AccessDenied(f"{object_url}: access denied ({detail})")
-    if code == "NoSuchBucket" or (resp.status == 404 and not key):
-        raise ObjectNotFound(f"{object_url}: bucket {bucket!r} does not exist")
-    if resp.status == 404:
-        raise ObjectNotFound(f"{object_url}: no such object")
-    if resp.status == 416:
-        raise ShortRead(f"{object_url}: range starts past the end of the object")
-    if resp.status == 412:
-        raise ObjectChanged(f"{object_url}: replaced in the store (If-Match failed: {detail})")
-    if resp.status in _TRANSIENT_STATUS or code == "SlowDown":
-        raise Overloaded(f"{object_url}: S3 answered HTTP {resp.status} ({detail})",
-                          retry_after(resp.headers))
-    region = resp.headers.get("x-amz-bucket-region")
+    detail = f"{code}: {message}" if code else f"HTTP {status}"
+    if status in (401, 403) or code in _DENIED_CODES:
+        return AccessDenied(f"{object_url}: access denied ({detail})")
+    if code == "NoSuchBucket" or (status == 404 and not key):
+        return ObjectNotFound(f"{object_url}: bucket {bucket!r} does not exist")
+    if status == 404:
+        return ObjectNotFound(f"{object_url}: no such object")
+    if status == 416:
+        return ShortRead(f"{object_url}: range starts past the end of the object")
+    if status == 412:
+        return ObjectChanged(f"{object_url}: replaced in the store (If-Match failed: {detail})")
+    if status in _TRANSIENT_STATUS or code == "SlowDown":
+        return Overloaded(f"{object_url}: S3 answered HTTP {status} ({detail})", retry_after(headers))
+    region = headers.get("x-amz-bucket-region")
     hint = f"; the bucket is in region {region}, set AWS_DEFAULT_REGION" if region else ""
-    raise StoreError(f"{object_url}: S3 answered HTTP {resp.status} ({detail}){hint}")
+    return StoreError(f"{object_url}: S3 answered HTTP {status} ({detail}){hint}")
 
 
 async def read_body(resp: aiohttp.ClientResponse, name: str, expected: int | None = None) -> bytes:
@@ -122,37 +144,41 @@ async def read_body(resp: aiohttp.ClientResponse, name: str, expected: int | Non
         raise Truncated(f"{name}: got {len(data)} bytes, expected {expected}")
     return data
 
-async def read_pieces(resp: aiohttp.ClientResponse, name: str, size: int, piece: int) -> list[bytes]:
-    """The body of a ranged read as pieces of ``piece`` bytes, each filled as its bytes
-    arrive: no copy of the whole body to split afterwards."""
-    if resp.content_length != size:  # unknown length: bounded by ``read_body``, then split
-        data = await read_body(resp, name, size)
-        return [data[at:at + piece] for at in range(0, size, piece)]
-    try:
-        pieces = [await resp.content.readexactly(min(piece, size - at)) for at in range(0, size, piece)]
-    except (aiohttp.ClientPayloadError, asyncio.IncompleteReadError) as err:
-        reason = getattr(err.__cause__, "message", None) or str(err)
-        raise Truncated(f"{name}: body cut short ({' '.join(reason.split())})") from None
-    return pieces
+def ranged_pieces(answer: Answer, sizes: list[int], accept: Callable[[Head, int], None], arrived: Arrived | None,
+                  object_url: str, key: str, bucket: str) -> list[bytearray]:
+    """The pieces of a ranged read's answer (``getter.py``): those it landed in, or, where it came
+    framed otherwise, its body checked by ``accept(head, length)``, then cut and handed on."""
+    status = answer.head.status
+    if status >= 300:
+        raise status_error(status, answer.head.headers, answer.body[:ERROR_BODY_LIMIT], object_url, key, bucket)
+    if answer.pieces is not None:
+        return answer.pieces
+    accept(answer.head, len(answer.body))
+    if len(answer.body) != sum(sizes):
+        raise Truncated(f"{object_url}: got {len(answer.body)} bytes, expected {sum(sizes)}")
+    ends = list(accumulate(sizes))
+    return handed_on([bytearray(answer.body[end - n:end]) for end, n in zip(ends, sizes)], arrived)
 
-def check_version(resp: aiohttp.ClientResponse, object_url: str, version: str | None) -> None:
+
+def check_version(headers, object_url: str, version: str | None) -> None:
     """Refuse an answer of another version than asked for (a server that ignores If-Match)."""
-    etag = resp.headers.get("ETag", "").strip('"')
+    etag = headers.get("etag", "").strip('"')
     if version is not None and etag and etag != version:
         raise ObjectChanged(f"{object_url}: replaced in the store (ETag {version} -> {etag})")
 
 
-def check_range(resp: aiohttp.ClientResponse, object_url: str, offset: int, size: int) -> None:
-    """Refuse an answer to ``Range: bytes=offset-(offset+size-1)`` that is not exactly that range."""
+def check_range(status: int, headers, length: int | None, object_url: str, offset: int, size: int) -> None:
+    """Refuse an answer (``length``: its body's) to ``Range: bytes=offset-(offset+size-1)``
+    that is not exactly that range."""
     last = offset + size - 1
-    if resp.status == 200:  # Range ignored: fine only if the object is exactly the range
-        if offset != 0 or resp.content_length != size:
+    if status == 200:  # Range ignored: fine only if the object is exactly the range
+        if offset != 0 or length != size:
             raise Truncated(f"{object_url}: server ignored Range bytes={offset}-{last}")
         return
-    found = CONTENT_RANGE.fullmatch(resp.headers.get("Content-Range", ""))
-    if found is None or resp.status != 206:
-        raise Truncated(f"{object_url}: HTTP {resp.status} with Content-Range "
-                        f"{resp.headers.get('Content-Range')!r}")
+    found = CONTENT_RANGE.fullmatch(headers.get("content-range", ""))
+    if found is None or status != 206:
+        raise Truncated(f"{object_url}: HTTP {status} with Content-Range "
+                        f"{headers.get('content-range')!r}")
     start, end, total = found.groups()
     if total != "*" and int(total) <= last:
         raise ShortRead(f"{object_url}: object is {total} bytes, cannot read "

@@ -1,5 +1,5 @@
 """The clients' batch transports (client/wire.py, blocking, and client/aiowire.py, asyncio,
-over one HTTP/1.1 core, client/http11.py): kept-alive connections against the real
+over one HTTP/1.1 core, shardfeed/http11.py): kept-alive connections against the real
 service, and, for what a service cannot be made to do on demand (chunked or
 close-delimited answers, connections closed under a kept request, garbage, stalls), a
 scripted server on a real socket. What both transports must do alike is checked on both,
@@ -22,7 +22,7 @@ import torch
 
 from shardfeed.client import AsyncClient, Client, ShardfeedConnectionError
 from shardfeed.client.aiowire import AsyncPool
-from shardfeed.client.http11 import HeadReader, body_of
+from shardfeed.http11 import HeadReader, body_of
 from shardfeed.client.wire import Pool
 from shardfeed.process import start_service
 from shardfeed.retry import Backoff

@@ -119,10 +119,19 @@ def test_a_store_that_keeps_failing_gives_a_clear_error_or_404_entries_never_wro
     assert status == 200
     got, ended = received_members(body)
     assert ended
-    assert got == [m for i in indices for m in ([(f"__404__/train/{i}", b"")] if 50 <= i < 100
-                                                else expected_members(source, "train", [i]))]
+    # A cut read's blocks that arrived whole are served (cut-through) and cached: a broken
+    # shard's sample is its exact bytes or a 404 entry, never anything else.
+    rest, missing = list(got), 0
+    for i in indices:
+        if 50 <= i < 100 and rest[0] == (f"__404__/train/{i}", b""):
+            rest, missing = rest[1:], missing + 1
+            continue
+        want = expected_members(source, "train", [i])
+        assert rest[:len(want)] == want
+        rest = rest[len(want):]
+    assert not rest and (missing or kind in ("reset", "truncate"))
 
-    status, body, _ = fetch_batch(fragile.url, {"dataset": "train", "indices": indices})
+    status, body, _ = fetch_batch(fragile.url, {"dataset": "train", "indices": [60, 99, 10]})
     assert status == 503  # the first group fails before any byte is sent: a real error status
 
 
