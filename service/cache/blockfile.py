@@ -131,8 +131,9 @@ class BlockFile:
             raise BadBlock("truncated") from None
         self.length = length
 
-    def read(self, ranges: list[tuple[int, int]] | None) -> list[bytes]:
-        """Bytes ``[start, end)`` of the payload for each range (``None``: the whole payload), verified."""
+    def read(self, ranges: list[tuple[int, int]] | None) -> list[bytes | memoryview]:
+        """Bytes ``[start, end)`` of the payload for each range (``None``: the whole payload),
+        verified: views of the bytes read (the whole payload: those bytes), never a copy."""
         ranges = [(0, self.length)] if ranges is None else ranges
         if max(end for _, end in ranges) > self.length:
             raise BadBlock("range past the end of the block")
@@ -141,12 +142,14 @@ class BlockFile:
         if last - first + 1 <= 2 * sum(l - f + 1 for f, l in spans):
             # Close together (a sample's members, neighbouring samples): one read.
             data = self._verified(first, last)
+            if ranges == [(0, self.length)]:
+                return [data.obj]
             base = first * CHUNK
-            return [bytes(data[start - base:end - base]) for start, end in ranges]
+            return [data[start - base:end - base] for start, end in ranges]
         out = []
         for (start, end), (f, l) in zip(ranges, spans):
             data = self._verified(f, l)
-            out.append(bytes(data[start - f * CHUNK:end - f * CHUNK]))
+            out.append(data[start - f * CHUNK:end - f * CHUNK])
         return out
 
     def _verified(self, first: int, last: int) -> memoryview:

@@ -15,6 +15,13 @@ evictions are not heard here, and need not be: a verified block's bytes never ch
 is an LRU bounded by ``capacity`` bytes (``--memory-cache``); a block larger than that is
 simply not kept.
 
+Scan resistance: a block fetched from the store enters at once (the batches that wait for
+it), but one read from disk only on its second read there within the last reads of about
+half the tier's worth of blocks (``admits``; the keys seen once are remembered, not their
+bytes). A warm epoch over a dataset larger than the tier reads each block from disk a few
+times, far apart: it no longer evicts the blocks read again and again, and its own reads
+verify only the chunks of the members asked for, not whole blocks.
+
 Puts and gets run on the event loop; ``discard`` may come from the cache's threads, so
 every change holds a lock (uncontended: tens of nanoseconds).
 """
@@ -32,10 +39,12 @@ class MemoryTier:
     """A bounded LRU of verified block payloads, keyed by the block's ``BlockKey`` (a hashable
     tuple: a lookup formats no file name)."""
 
-    def __init__(self, capacity: int, metrics: Metrics):
+    def __init__(self, capacity: int, metrics: Metrics, block_size: int):
         self.capacity = capacity
         self.metrics = metrics
         self._blocks: OrderedDict[Hashable, bytes] = OrderedDict()
+        self._seen_once: OrderedDict[Hashable, None] = OrderedDict()  # blocks read from disk once lately
+        self._seen_limit = max(16, capacity // block_size // 2)
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -60,6 +69,18 @@ class MemoryTier:
                 if payload is not None:
                     blocks.move_to_end(key)
         return payloads
+
+    def admits(self, key: Hashable) -> bool:
+        """Whether a block about to be read from disk should be read whole and kept: on its
+        second read within the last ``_seen_limit`` first reads; a first read is noted."""
+        with self._lock:
+            if key in self._seen_once:
+                del self._seen_once[key]
+                return True
+            self._seen_once[key] = None
+            if len(self._seen_once) > self._seen_limit:
+                self._seen_once.popitem(last=False)
+        return False
 
     def put(self, key: Hashable, payload: bytes) -> None:
         """Keep a verified block (least recently used blocks make room)."""

@@ -55,7 +55,7 @@ class Coalescer:
         self.cluster = cluster
         self.metrics = metrics
         self.block_size = config.block_size
-        self.memory = MemoryTier(config.memory_cache, metrics) if config.memory_cache else None
+        self.memory = MemoryTier(config.memory_cache, metrics, config.block_size) if config.memory_cache else None
         if self.memory is not None:
             cache.on_forget = self.memory.discard
         self.fetcher = BlockFetcher(cache, self.memory, metrics, config, cluster)
@@ -141,10 +141,11 @@ class Coalescer:
         pieces = _Pieces(dataset, members, self.block_size)
         remaining = self._take_held(pieces)
         if remaining:
-            found = await self._read_sibling_blocks(node, self._wanted(pieces, remaining))
+            wanted = self._wanted(pieces, remaining)
+            found = await self._read_sibling_blocks(node, wanted)
             # A sibling's blocks enter the RAM tier though no eviction there is told of them
             # here: a verified block's bytes never change.
-            self._take_read(pieces, found, keep=lambda key: True)
+            self._take_read(pieces, found, wanted, keep=lambda key: True)
             for key in remaining:
                 if key not in found:
                     pieces.bytes.update((i, _ASK_OWNER) for i in pieces.blocks[key])
@@ -182,17 +183,18 @@ class Coalescer:
             pieces.take(key, block)
         return [k for k in pieces.blocks if k not in held]
 
-    def _wanted(self, pieces: _Pieces, keys: list[BlockKey]) -> dict[BlockKey, list[tuple[int, int]] | None]:
-        """What to read of each block from disk: whole blocks for the RAM tier, else the pieces' ranges."""
+    def _wanted(self, pieces: _Pieces, keys: list[BlockKey], admits=None) -> dict[BlockKey, list | None]:
+        """What to read of each block from disk: the whole block (``None``) where it is to enter
+        the RAM tier (where ``admits(key)``, by default every block), else the pieces' ranges."""
         starts, ends = pieces.starts, pieces.ends
-        return {k: None if self.memory is not None else [(starts[i], ends[i]) for i in pieces.blocks[k]]
-                for k in keys}
+        whole = (lambda key: False) if self.memory is None else admits or (lambda key: True)
+        return {k: None if whole(k) else [(starts[i], ends[i]) for i in pieces.blocks[k]] for k in keys}
 
-    def _take_read(self, pieces: _Pieces, found: dict[BlockKey, list[bytes]], keep) -> None:
-        """Take the pieces of blocks read from disk as ``_wanted`` said; whole blocks enter
-        the RAM tier where ``keep(key)``."""
+    def _take_read(self, pieces: _Pieces, found: dict[BlockKey, list[bytes]], wanted: dict, keep) -> None:
+        """Take the pieces of blocks read from disk as ``wanted`` (``_wanted``) said; whole
+        blocks enter the RAM tier where ``keep(key)``."""
         for key, parts in found.items():
-            if self.memory is None:
+            if wanted[key] is not None:
                 pieces.bytes.update(zip(pieces.blocks[key], parts))
                 continue
             if keep(key):
@@ -207,10 +209,12 @@ class Coalescer:
             # Cached blocks first, all in one thread hop.
             cached = [k for k in remaining if k not in self.fetcher.inflight and k in self.cache]
             if cached:
-                found = await asyncio.to_thread(self._read_cached, self._wanted(pieces, cached))
+                # Scan resistance: a block enters RAM on its second read from disk (``memtier.py``).
+                wanted = self._wanted(pieces, cached, self.memory and self.memory.admits)
+                found = await asyncio.to_thread(self._read_cached, wanted)
                 self.metrics.cache_hits.inc(len(found))
                 # A block evicted meanwhile stays out of RAM: the tier mirrors the disk.
-                self._take_read(pieces, found, keep=lambda key: key in self.cache)
+                self._take_read(pieces, found, wanted, keep=lambda key: key in self.cache)
                 remaining = [k for k in remaining if k not in found]
             if not remaining:
                 break

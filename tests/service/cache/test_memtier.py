@@ -24,8 +24,8 @@ from common.reliability import damage_block_file, expected_members, received_mem
 from common.service import metrics
 
 
-def tier(capacity: int) -> MemoryTier:
-    return MemoryTier(capacity, Metrics())
+def tier(capacity: int, block_size: int = 100) -> MemoryTier:
+    return MemoryTier(capacity, Metrics(), block_size)
 
 
 def test_the_tier_is_an_lru_bounded_in_bytes():
@@ -44,6 +44,15 @@ def test_the_tier_is_an_lru_bounded_in_bytes():
     t.discard("a")
     t.discard("never there")
     assert (t.get("a"), t.bytes, len(t)) == (None, 200, 2)
+
+
+def test_a_block_read_from_disk_is_admitted_on_its_second_read_within_the_window():
+    t = tier(64 * 100)  # 64 blocks of 100 bytes: about 32 first reads remembered
+    assert not t.admits("hot") and t.admits("hot")  # read twice, close together: kept
+    sweep = [f"scan{i}" for i in range(200)]
+    assert not any(t.admits(key) for key in sweep)  # an epoch's sweep, each read once
+    assert not any(t.admits(key) for key in sweep[:100])  # ... and again, far apart: still not
+    assert not t.admits("hot") and t.admits("hot")
 
 
 def test_blocks_evicted_from_disk_leave_the_tier(tmp_path):
