@@ -224,7 +224,12 @@ class ServiceConfig:
     """Per-sample GETs served at once; more are refused with 429 and ``Retry-After``."""
 
     tokens: frozenset[str] = frozenset()
-    """Bearer tokens accepted; empty disables authentication."""
+    """Bearer tokens with full access (``--token-file``, ``SHARDFEED_TOKENS``); with no
+    ``tenant_file`` either, authentication is off."""
+
+    tenant_file: Path | None = None
+    """The token file of ``--tokens``: tokens with names, scopes and their own bound on batches
+    in flight (``api/tenants.py``), read again when it changes."""
 
     tls_cert: Path | None = None
     """PEM certificate: serve HTTPS instead of HTTP (with ``tls_key``)."""

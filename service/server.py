@@ -21,6 +21,7 @@ from pathlib import Path
 
 from shardfeed.node import announce, node_service, remove_record
 from shardfeed.retry import Backoff
+from shardfeed.service.api.tenants import full_access_tokens, load_tenants
 from shardfeed.service.cluster.membership import build_cluster, parse_peers
 from shardfeed.service.cluster.workers import supervise, worker_sockets
 from shardfeed.service.config import NODE_IDLE_EXIT, HedgePolicy, ServiceConfig, node_cache_dir
@@ -136,8 +137,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sample ranges read without their block are merged when this close "
                              f"(default: {format_size(defaults.range_gap)})")
     parser.add_argument("--token-file", type=Path,
-                        help="require 'Authorization: Bearer <token>', tokens one per line in this file "
-                             "(or set SHARDFEED_TOKENS, comma-separated)")
+                        help="require 'Authorization: Bearer <token>', tokens with full access one per line "
+                             "in this file (or set SHARDFEED_TOKENS, comma-separated)")
+    parser.add_argument("--tokens", type=Path, metavar="FILE", help="tenants: named tokens with scopes and their "
+                        "own bound on batches in flight, in a TOML file read again when it changes (see README)")
     parser.add_argument("--node-id", help="this replica's id among --peers (e.g. its host name)")
     parser.add_argument("--peers", default="",
                         help="all replicas, this one included: URL,URL,... or ID=URL,...; shards are "
@@ -185,14 +188,11 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     for bucket in args.bucket:
         if not _BUCKET.fullmatch(bucket):
             raise ValueError(f"--bucket {bucket!r} is not an S3 bucket name")
-    tokens = {t.strip() for t in os.environ.get("SHARDFEED_TOKENS", "").split(",") if t.strip()}
-    if args.token_file:
-        try:
-            tokens |= {line.strip() for line in args.token_file.read_text().splitlines() if line.strip()}
-        except OSError as err:
-            raise ValueError(f"cannot read --token-file {args.token_file}: {err.strerror}") from None
-        if not tokens:
-            raise ValueError(f"--token-file {args.token_file} holds no token")
+    tokens = set(full_access_tokens(args.token_file, os.environ.get("SHARDFEED_TOKENS", "")))
+    load_tenants(args.tokens, tokens, args.max_inflight_batches)  # a bad file fails now, with its message
+    if args.tokens and args.peers and not tokens:
+        raise ValueError("--tokens with --peers needs a full-access token that the replicas share for their "
+                         "requests to each other (--token-file or SHARDFEED_TOKENS)")
     if args.peers and not args.node_id:
         raise ValueError("--peers needs --node-id (which of the peers this replica is)")
     if args.peers:
@@ -213,7 +213,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         store_options["backoff"] = Backoff(attempts=args.store_retries + 1)
     hedge = HedgePolicy(quantile=args.hedge_quantile, min_delay=args.hedge_min_ms / 1e3,
                         max_delay=args.hedge_max_ms / 1e3, budget=args.hedge_budget) if args.hedge else None
-    if args.node and not tokens:  # loopback is open to every user of the machine: only ours may read
+    if (args.node or args.tokens) and not tokens:  # --node: only ours may read; --tokens: the workers' own
         tokens = {secrets.token_urlsafe(24)}
     defaults = ServiceConfig()
     return ServiceConfig(
@@ -230,7 +230,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         fetch_window=args.fetch_window, ranges_first=args.ranges_first == "on",
         max_store_requests=args.max_store_requests, sample_window=args.sample_window_ms / 1e3,
         max_batch=args.max_batch, max_inflight_batches=args.max_inflight_batches,
-        max_inflight_samples=args.max_inflight_samples, tokens=frozenset(tokens),
+        max_inflight_samples=args.max_inflight_samples, tokens=frozenset(tokens), tenant_file=args.tokens,
         tls_cert=args.tls_cert, tls_key=args.tls_key, node_id=args.node_id, peers=args.peers,
         peer_timeout=args.peer_timeout, workers=args.workers, restart_pause=args.restart_pause,
         max_plans=args.max_plans, max_plan_samples=args.max_plan_samples, plan_ttl=args.plan_ttl,

@@ -9,12 +9,14 @@
     routing    /v1/datasets/{name}/routing, for client-side routing
     status     GET /v1/stats and the status page at / and /ui
     plans      /v1/datasets/{name}/plans[/{id}]: announced orders (``service/plans/``)
-    auth       the bearer-token middleware in front of them all
+    auth       the bearer-token middleware in front of them all: which scope each route needs
+    tenants    tokens with names, scopes and a bound of their own, from ``--tokens FILE``
     common     what they share: ``State``, admission, bodies, streamed answers
 
 Every route gets the service ``State`` from one dependency (``common.AppState``) and
 raises ``ApiError`` (``service/http/errors.py``) for every error answer. SIGHUP reopens
-every dataset (``datasets/served.py``), as ``POST /v1/datasets/{name}/reload`` does one.
+every dataset (``datasets/served.py``), as ``POST /v1/datasets/{name}/reload`` does one, and
+reads the token file again.
 
 May import every room below it: ``plans``, ``read``, ``cluster``, ``datasets``, ``cache``,
 ``stores``, ``observe``, ``http``, ``config``.
@@ -39,6 +41,7 @@ from shardfeed.service.api import datasets as dataset_routes
 from shardfeed.service.api import plans as plan_routes
 from shardfeed.service.api.auth import TokenAuth, guarded
 from shardfeed.service.api.common import ERRORS, Admission, HeldRoutes, State, describe
+from shardfeed.service.api.tenants import TenantBatches, TokenFile
 from shardfeed.service.cache.disk import BlockCache
 from shardfeed.service.cluster.peers import Cluster
 from shardfeed.service.config import ServiceConfig
@@ -102,6 +105,13 @@ def create_app(config: ServiceConfig, datasets: ServedDatasets, cache: BlockCach
         catalog.serve(datasets)
 
     datasets.listeners.append(replaced)
+    tokens = TokenFile(config.tenant_file, config.tokens, config.max_inflight_batches)
+    batches = TenantBatches(metrics)
+    authenticated = bool(config.tokens or config.tenant_file)
+
+    def hangup() -> None:
+        asyncio.ensure_future(datasets.reload_all())
+        tokens.reload(always=True)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -110,15 +120,16 @@ def create_app(config: ServiceConfig, datasets: ServedDatasets, cache: BlockCach
             cluster.start()
         prefetcher.start()
         loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(datasets.reload_all()))
+        loop.add_signal_handler(signal.SIGHUP, hangup)
+        watch = asyncio.create_task(tokens.watch()) if config.tenant_file else None
         # A restarted worker takes its siblings' plans; a new host's workers find none.
         adoption = asyncio.create_task(adopt(cluster, plans, datasets, config)) \
             if cluster is not None and len(cluster.workers) > 1 else None
         yield
         loop.remove_signal_handler(signal.SIGHUP)
-        if adoption is not None:
-            adoption.cancel()
-            await asyncio.gather(adoption, return_exceptions=True)
+        for task in filter(None, (watch, adoption)):
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         await prefetcher.close()
         await state.stats.close()
         if cluster is not None:
@@ -130,11 +141,11 @@ def create_app(config: ServiceConfig, datasets: ServedDatasets, cache: BlockCach
 
     def front(routed: ASGIApp) -> ASGIApp:
         held = HeldRoutes(routed, state, direct={("POST", "/v1/batch"): batch.batch}, handlers=(samples.held_member,))
-        return TokenAuth(held, tokens=config.tokens) if config.tokens else held
+        return TokenAuth(held, tokens, batches, metrics) if authenticated else held
 
     instant = {("POST", "/v1/batch"): partial(batch.instant_batch, state)}
-    if config.tokens:
-        instant = {route: guarded(answer, config.tokens) for route, answer in instant.items()}
+    if authenticated:
+        instant = {route: guarded(answer, tokens, batches, metrics) for route, answer in instant.items()}
     app = ShardfeedAPI(front, instant, title="shardfeed", version="1", lifespan=lifespan, responses=ERRORS,
                        description="Batched, ordered sample loading from S3-compatible storage.")
     app.state.shardfeed = state

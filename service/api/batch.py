@@ -17,11 +17,13 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.responses import Response, StreamingResponse
 
+from shardfeed.service.api.auth import tenant_of
 from shardfeed.service.api.common import (
     TAR, AppState, State, answer_changed_once, count_batch, json_body, parse_json, read_body, served_metrics,
     tar_stream_response,
 )
 from shardfeed.service.api.routing import ROUTING_HEADER, routing_version
+from shardfeed.service.api.tenants import Tenant
 from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.datasets.index import Members, SampleOutOfRange, UnknownField
 from shardfeed.service.http.errors import ApiError
@@ -58,10 +60,12 @@ class WantedBatch:
     continue_on_error: bool
 
 
-def wanted_batch(state: State, body: bytes) -> WantedBatch:
-    """``body`` checked and looked up; an ``ApiError`` for anything the batch cannot serve."""
+def wanted_batch(state: State, body: bytes, tenant: Tenant) -> WantedBatch:
+    """``body`` checked and looked up; an ``ApiError`` for anything the batch cannot serve,
+    or ``tenant`` may not read."""
     config = state.config
     req = parse_json(body, BatchRequest)
+    tenant.check_dataset(req.dataset)
     if req.format != "tar":
         raise ApiError(400, "unsupported_format", f"format {req.format!r} is not supported (supported: tar)")
     if len(req.indices) > config.max_batch:
@@ -94,8 +98,9 @@ def wanted_batch(state: State, body: bytes) -> WantedBatch:
              responses={200: {"content": {TAR: {}}, "description": "The samples, as an ordered tar stream."}})
 async def batch(request: Request, state: AppState) -> Response:
     body = await read_body(request, state.config.max_body)
+    tenant = tenant_of(request.scope)
     # A shard replaced in the store under the batch: answered again from the new version.
-    return await answer_changed_once(lambda: _stream(state, wanted_batch(state, body)),
+    return await answer_changed_once(lambda: _stream(state, wanted_batch(state, body, tenant)),
                                      lambda: state.datasets.reload(parse_json(body, BatchRequest).dataset))
 
 
@@ -125,7 +130,7 @@ def instant_batch(state: State, scope, body: bytes) -> tuple[list[tuple[bytes, b
         return None
     began = time.perf_counter()
     try:
-        wanted = wanted_batch(state, body)
+        wanted = wanted_batch(state, body, tenant_of(scope))
     except ApiError:
         return None
     dataset, members, indices = wanted.dataset, wanted.members, wanted.indices

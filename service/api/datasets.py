@@ -18,6 +18,7 @@ from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, Field
 from starlette.responses import JSONResponse
 
+from shardfeed.service.api.auth import tenant_of
 from shardfeed.service.api.common import AppState, json_body, read_json, relay, relayed_copy
 from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.datasets.indexfile import IndexFormatError
@@ -47,8 +48,10 @@ class DatasetSpec(BaseModel):
 
 
 @router.get("/v1/datasets")
-async def list_datasets(state: AppState) -> list[dict]:
-    return [d.info() for d in state.datasets.values()]
+async def list_datasets(request: Request, state: AppState) -> list[dict]:
+    """The datasets served that the request's token may read."""
+    tenant = tenant_of(request.scope)
+    return [d.info() for d in state.datasets.values() if tenant.may_read(d.name)]
 
 
 @router.get("/v1/datasets/{name}")

@@ -31,6 +31,7 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from starlette.responses import Response
 
+from shardfeed.service.api.auth import tenant_of
 from shardfeed.service.api.common import (
     TAR, AppState, answer_changed_once, describe, json_body, read_body, served_metrics, tar_stream_response,
 )
@@ -283,6 +284,7 @@ async def _getbatch(request: Request, state: AppState, bucket: str, provider: st
         raise ApiError(413, "too_many_items", f"{len(req.entries)} entries requested; the limit is "
                                               f"{config.max_batch} per batch")
     fmt = output_format(req.mime)
+    tenant_of(request.scope).check_buckets({item.bucket or bucket for item in req.entries} - {""})
     if bucket and bucket not in state.catalog.buckets.stores:
         raise _not_allowed(PROVIDERS.get(provider.lower(), provider or "ais"), bucket)
     entries = _entries(req, bucket, provider, state.catalog.buckets.stores)

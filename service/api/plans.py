@@ -7,8 +7,11 @@
     DELETE .../plans/{id}   drop it (204)
 
 With workers or replicas, every node holds every plan: what one node is told it relays to
-the others (``Cluster.relay``, the same id), so each reads ahead for the shards it owns
-and evicts by next use, and any node answers for the plan.
+the others (``Cluster.relay``, the same id and owner), so each reads ahead for the shards it
+owns and evicts by next use, and any node answers for the plan.
+
+A plan's owner is the tenant that registered it (``tenants.py``): any token that may read the
+dataset may read its plans, but only the owner, or an admin, may extend or delete one.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from shardfeed.service.api.auth import tenant_of
 from shardfeed.service.api.common import AppState, json_body, parse_json, read_body, relay, relayed_copy
 from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.datasets.index import UnknownField
@@ -34,6 +38,8 @@ router = APIRouter(tags=["plans"])
 
 PLAN_ID_HEADER = "X-Shardfeed-Plan-Id"
 """On a relayed registration: the id the first node gave the plan."""
+PLAN_OWNER_HEADER = "X-Shardfeed-Plan-Owner"
+"""On a relayed registration: the tenant that registered the plan at the first node."""
 
 
 @router.post("/v1/datasets/{name}/plans", status_code=201, openapi_extra=json_body(PlanRequest))
@@ -41,6 +47,7 @@ async def create_plan(name: str, request: Request, state: AppState) -> dict:
     dataset = state.dataset(name)
     copy = relayed_copy(request)
     plan_id = request.headers.get(PLAN_ID_HEADER) if copy else None
+    owner = request.headers.get(PLAN_OWNER_HEADER) if copy else tenant_of(request.scope).name
     if plan_id is not None and not re.fullmatch(r"[0-9a-f]{16}", plan_id):
         raise InvalidRequest(f"invalid {PLAN_ID_HEADER} {plan_id[:40]!r}: 16 hexadecimal digits expected")
     body = await read_body(request, state.config.max_body)
@@ -61,10 +68,11 @@ async def create_plan(name: str, request: Request, state: AppState) -> dict:
     check_order(dataset, order)
     state.plans.check_room(len(order))
     plan = await asyncio.to_thread(state.plans.build, dataset, kind, order, req.ttl,
-                                   getattr(req, "complete", True), fields, plan_id)
+                                   getattr(req, "complete", True), fields, plan_id, owner)
     state.plans.insert(plan)
     state.prefetcher.wake()
-    await relay(state, request, copy, body, {PLAN_ID_HEADER: plan.id})
+    relayed = {PLAN_ID_HEADER: plan.id, PLAN_OWNER_HEADER: owner} if owner else {PLAN_ID_HEADER: plan.id}
+    await relay(state, request, copy, body, relayed)
     return plan.describe()
 
 
@@ -85,6 +93,7 @@ async def extend_plan(name: str, plan_id: str, request: Request, state: AppState
     dataset = state.dataset(name)
     copy = relayed_copy(request)
     plan = state.plans.get(dataset, plan_id)
+    tenant_of(request.scope).check_owner(plan.owner, f"extend plan {plan_id!r}")
     body = await read_body(request, state.config.max_body)
     chunk = parse_json(body, Chunk)
     if plan.complete:
@@ -104,7 +113,9 @@ async def extend_plan(name: str, plan_id: str, request: Request, state: AppState
 @router.delete("/v1/datasets/{name}/plans/{plan_id}", status_code=204)
 async def delete_plan(name: str, plan_id: str, request: Request, state: AppState) -> Response:
     copy = relayed_copy(request)
-    state.plans.remove(state.plans.get(state.dataset(name), plan_id))
+    plan = state.plans.get(state.dataset(name), plan_id)
+    tenant_of(request.scope).check_owner(plan.owner, f"delete plan {plan_id!r}")
+    state.plans.remove(plan)
     await relay(state, request, copy, b"")
     return Response(status_code=204)
 

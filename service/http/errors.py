@@ -2,6 +2,7 @@
 
     ApiError(status, code, message)       any error answer; the routes raise it or a subclass
     ├── InvalidRequest    400 invalid_request   malformed JSON, wrong types, bad values
+    ├── Forbidden         403 forbidden         the token's tenant lacks the scope (``api/tenants.py``)
     ├── UnknownDataset    404 unknown_dataset   no dataset of that name
     ├── DatasetChanged    409 dataset_changed   the data changed in the store while it was read
     ├── Overloaded        429 overloaded        admission refused; carries Retry-After
@@ -30,6 +31,11 @@ class ApiError(Exception):
 class InvalidRequest(ApiError):
     def __init__(self, message: str):
         super().__init__(400, "invalid_request", message)
+
+
+class Forbidden(ApiError):
+    def __init__(self, message: str):
+        super().__init__(403, "forbidden", message)
 
 
 class UnknownDataset(ApiError):

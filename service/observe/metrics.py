@@ -65,6 +65,11 @@ class Metrics:
         self.peers_up = Gauge("shardfeed_peers_up", "Replicas believed live, this one included", registry=r)
         self.plans = Gauge("shardfeed_plans", "Plans held (service/plans/)", registry=r)
         self.rejected = Counter("shardfeed_rejected", "Requests refused with 429 (overloaded)", registry=r)
+        # Labelled by tenant name (``serve --tokens``), never by token: a label is no place for a secret.
+        self.tenant_requests = Counter("shardfeed_tenant_requests", "HTTP requests by tenant and status",
+                                       ["tenant", "status"], registry=r)
+        self.tenant_batches = Gauge("shardfeed_tenant_inflight_batches", "Batch requests in flight by tenant",
+                                    ["tenant"], registry=r)
 
     def render(self) -> bytes:
         store_requests = self.store_requests._value.get()

@@ -61,7 +61,7 @@ async def _adopt_from(cluster: Cluster, node: int, plans: Plans, datasets: dict[
             check_order(dataset, order)
             plans.check_room(len(order))
             plan = await asyncio.to_thread(plans.build, dataset, entry["kind"], order, entry["ttl"],
-                                           entry["complete"], entry["fields"], entry["id"])
+                                           entry["complete"], entry["fields"], entry["id"], entry.get("owner"))
             plan.position = min(int(entry["position"]), len(order))
             plans.insert(plan)
         except ApiError as err:

@@ -93,6 +93,8 @@ class Plan:
     geometry: Geometry
     fields: list[str] | None = None
     """The fields the reader asks for (all by default): what is read ahead."""
+    owner: str | None = None
+    """The name of the tenant that registered it (``api/tenants.py``; ``full-access`` without tokens)."""
     position: int = 0
     """The reader's place: the first position of the latest batch it was seen reading."""
     batch: int = 1
@@ -167,7 +169,8 @@ class Plan:
         return ends
 
     def describe(self) -> dict:
-        return {"id": self.id, "dataset": self.dataset.name, "kind": self.kind, "samples": len(self.order),
+        return {"id": self.id, "dataset": self.dataset.name, "owner": self.owner, "kind": self.kind,
+                "samples": len(self.order),
                 "complete": self.complete, "position": self.position, "ttl": self.ttl,
                 "expires_in": round(max(0.0, self.deadline - time.monotonic()), 3)}
 
@@ -210,12 +213,12 @@ class Plans:
                              "plans or retry when one expires")
 
     def build(self, dataset: Dataset, kind: str, order: np.ndarray, ttl: float | None, complete: bool,
-              fields: list[str] | None, plan_id: str | None = None) -> Plan:
+              fields: list[str] | None, plan_id: str | None = None, owner: str | None = None) -> Plan:
         """A new plan, not yet held (blocking: call in a thread, then ``insert``); ``plan_id``:
         the id another node gave it (a relayed copy), else a new one."""
         ttl = min(ttl or self.config.plan_ttl, self.config.plan_ttl)
         plan = Plan(plan_id or secrets.token_hex(8), dataset, kind, ttl, order, complete, self.geometry(dataset),
-                    fields)
+                    fields, owner)
         plan.touch()
         return plan
 
