@@ -7,8 +7,10 @@ One SeaweedFS server on loopback (SigV4 enforced), one object of random bytes; e
 reads ranges of each size at random aligned offsets with that many reads in flight, the same
 offsets for every client:
 
-- ``shardfeed``: the service's own store (``service/stores/s3.py``: aiohttp, SigV4 by hand,
-  retries), ``read_range`` on one event loop;
+- ``shardfeed``: the service's own store (``service/stores/s3.py``: ``getter.py``'s GETs whose
+  bodies land in their buffers, SigV4 by hand, retries), ``read_pieces`` (the service's
+  reads) on one event loop;
+- ``aiohttp``: the same signed GETs through an aiohttp session, as the store read before;
 - ``pyarrow``: ``pyarrow.fs.S3FileSystem`` (Arrow's C++ S3 client), ``read_at`` on one
   open file from a thread per read in flight (its reads release the GIL);
 - ``obstore``: Rust ``object_store`` (``obstore.get_range_async``) on one event loop;
@@ -71,11 +73,35 @@ class Shardfeed:
     def measure(self, offsets, size, inflight) -> int:
         async def main() -> int:
             async def read(offset: int, n: int) -> int:
-                return len(await self.store.read_range(KEY, offset, n))
+                return sum(map(len, await self.store.read_pieces(KEY, offset, n, 1 << 20)))
             try:
                 return await run_async(read, offsets, size, inflight)
             finally:
                 await self.store.close()
+        return asyncio.run(main())
+
+
+class Aiohttp:
+    name = "aiohttp"
+
+    def __init__(self, server: S3Server, inflight: int):
+        self.store = open_store(f"s3://{BUCKET}", endpoint_url=server.endpoint)
+        self.url = f"{server.endpoint}/{BUCKET}/{KEY}"
+        self.inflight = max(inflight, 1)
+
+    def measure(self, offsets, size, inflight) -> int:
+        import aiohttp
+
+        async def main() -> int:
+            auth = await self.store._signer()
+            connector = aiohttp.TCPConnector(limit=self.inflight)
+            async with aiohttp.ClientSession(connector=connector, read_bufsize=1 << 20,
+                                             auto_decompress=False) as session:
+                async def read(offset: int, n: int) -> int:
+                    headers = {"Host": self.store._host, "Range": f"bytes={offset}-{offset + n - 1}"}
+                    async with session.get(self.url, headers=self.store._sign(auth, "GET", self.url, headers, b"")) as r:
+                        return len(await r.read())
+                return await run_async(read, offsets, size, inflight)
         return asyncio.run(main())
 
 
@@ -127,7 +153,7 @@ class Boto3:
         return run_threads(read, offsets, size, inflight)
 
 
-CLIENTS = {"shardfeed": Shardfeed, "pyarrow": Arrow, "obstore": Obstore, "boto3": Boto3}
+CLIENTS = {"shardfeed": Shardfeed, "aiohttp": Aiohttp, "pyarrow": Arrow, "obstore": Obstore, "boto3": Boto3}
 
 
 def available(names: list[str]) -> list[str]:

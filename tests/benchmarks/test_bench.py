@@ -237,9 +237,20 @@ def test_the_stores_benchmark_reads_every_range_with_every_installed_client():
     out = run_benchmark("stores", "--object", "4MiB", "--bytes", "1MiB", "--sizes", "64KiB", "--inflight", "4",
                         "--rounds", "1")
     header, row = out.stdout.splitlines()[-2:]
-    for client in ("shardfeed", "pyarrow", "boto3"):
+    for client in ("shardfeed", "aiohttp", "pyarrow", "boto3"):
         assert f"{client} MB/s" in header
     assert row.split()[:2] == ["64KiB", "4"] and all(float(v.replace(",", "")) > 0 for v in row.split()[2:]), row
+
+
+@pytest.mark.timeout(120)
+def test_the_servecost_benchmark_measures_every_pass_of_every_configuration():
+    out = run_benchmark("servecost", "--samples", "24", "--size", "64KiB", "--shard-size", "512KiB", "--passes", "2",
+                        "--batch", "4", "--clients", "2")
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith(("ram ", "disk "))]
+    assert [row[:2] for row in rows] == [["ram", "cold"], ["ram", "warm"], ["disk", "cold"], ["disk", "warm"]], rows
+    store_mib = [float(row[row.index("read") + 1]) for row in rows]
+    assert store_mib[0] >= 1.4 and store_mib[2] >= 1.4 and store_mib[1] == store_mib[3] == 0, rows  # 1.5 MiB
+    assert "service CPU per MiB served" in out.stdout
 
 
 @pytest.mark.timeout(200)
