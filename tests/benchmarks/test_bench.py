@@ -253,6 +253,16 @@ def test_the_servecost_benchmark_measures_every_pass_of_every_configuration():
     assert "service CPU per MiB served" in out.stdout
 
 
+@pytest.mark.timeout(120)
+def test_the_tenants_benchmark_times_the_light_tenant_alone_and_beside_the_heavy_one():
+    out = run_benchmark("tenants", "--samples", "200", "--size", "1KiB", "--batch", "8", "--batches", "20",
+                        "--heavy-inflight", "4")
+    solo, loaded, heavy = out.stdout.splitlines()[-3:]
+    assert solo.startswith("light tenant alone:") and "x the solo P99" in loaded, out.stdout
+    served, _ = (float(v) for v in re.findall(r"([\d.]+) batches/s served, ([\d.]+)/s refused", heavy)[0])
+    assert served > 0 and heavy.endswith("other errors 0"), heavy
+
+
 @pytest.mark.timeout(200)
 def test_the_stall_benchmark_compares_every_loader_with_the_ceiling_and_plots_it(tmp_path):
     out = run_benchmark("stall", "--sizes", "10KiB", "--samples", "320", "--loaders", "ram,shardfeed-tensors",

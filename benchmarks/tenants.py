@@ -1,0 +1,123 @@
+"""Two tenants on one service (``--tokens FILE``): the batch latency of a light tenant alone,
+then while a heavy tenant keeps ``--heavy-inflight`` batches in flight.
+
+The service serves a ``file://`` dataset warm (one pass reads it first), with a token file of
+two tenants: ``heavy``, whose own bound on batches in flight is ``--heavy-bound`` (default:
+``--heavy-inflight``), and ``light``. The light tenant posts ``--batches`` random batches one
+after another, alone and then beside ``--heavy-inflight`` threads of the heavy tenant posting
+without pause; printed: its P50 and P99 both times and their ratio (issue 26's target: P99
+within 2x of solo), the heavy tenant's batches/s and its 429s.
+
+    python -m shardfeed.benchmarks.tenants [--samples 4000] [--size 10KiB] [--heavy-inflight 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from shardfeed.client import Client
+from shardfeed.client.errors import ShardfeedHTTPError
+from shardfeed.process import start_service
+from shardfeed.retry import Backoff
+
+HEAVY, LIGHT = "heavy-secret-token", "light-secret-token"
+
+
+def token_file(path: Path, heavy_bound: int) -> Path:
+    path.write_text(f'[heavy]\nsecret = "{HEAVY}"\nscopes = ["dataset:bench"]\nmax_inflight_batches = {heavy_bound}\n\n'
+                    f'[light]\nsecret = "{LIGHT}"\nscopes = ["dataset:bench"]\nmax_inflight_batches = 8\n')
+    return path
+
+
+def latencies(url: str, samples: int, batch: int, batches: int, seed: int) -> np.ndarray:
+    """Seconds per batch of the light tenant, ``batches`` random batches one after another."""
+    rng = np.random.default_rng(seed)
+    out = []
+    with Client(url, token=LIGHT) as client:
+        for _ in range(batches):
+            indices = rng.integers(0, samples, batch).tolist()
+            began = time.perf_counter()
+            got = client.get_batch("bench", indices)
+            out.append(time.perf_counter() - began)
+            assert len(got) == batch
+    return np.array(out)
+
+
+def flood(url: str, samples: int, batch: int, threads: int, stop: threading.Event, counts: dict) -> list:
+    """``threads`` heavy-tenant threads posting random batches until ``stop``."""
+    lock = threading.Lock()
+
+    def work(seed: int) -> None:
+        rng = np.random.default_rng(1000 + seed)
+        with Client(url, token=HEAVY, backoff=Backoff(attempts=1)) as client:
+            while not stop.is_set():
+                try:
+                    client.get_batch("bench", rng.integers(0, samples, batch).tolist())
+                    key = "served"
+                except ShardfeedHTTPError as err:
+                    key = str(err.status)
+                with lock:
+                    counts[key] = counts.get(key, 0) + 1
+
+    workers = [threading.Thread(target=work, args=(n,), daemon=True) for n in range(threads)]
+    for worker in workers:
+        worker.start()
+    return workers
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=4000)
+    parser.add_argument("--size", default="10KiB")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batches", type=int, default=200, help="the light tenant's batches, each time")
+    parser.add_argument("--heavy-inflight", type=int, default=64, help="the heavy tenant's threads")
+    parser.add_argument("--heavy-bound", type=int, help="its max_inflight_batches (default: --heavy-inflight)")
+    parser.add_argument("--workers", type=int, default=1, help="shardfeed serve --workers")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        data = tmp / "data"
+        subprocess.run([sys.executable, "-m", "shardfeed", "-q", "seed", data.as_uri(), "--samples", str(args.samples),
+                        "--size", args.size], check=True)
+        tokens = token_file(tmp / "tokens.toml", args.heavy_bound or args.heavy_inflight)
+        with start_service({"bench": data.as_uri()}, cache_dir=tmp / "cache", workers=args.workers,
+                           args=["--tokens", str(tokens)]) as service:
+            with Client(service.url, token=LIGHT) as client:  # warm: every sample once
+                for start in range(0, args.samples, 256):
+                    client.get_batch("bench", list(range(start, min(start + 256, args.samples))))
+            solo = latencies(service.url, args.samples, args.batch, args.batches, 0)
+            stop, counts = threading.Event(), {}
+            workers = flood(service.url, args.samples, args.batch, args.heavy_inflight, stop, counts)
+            time.sleep(1.0)  # the heavy tenant at full load
+            began, before = time.perf_counter(), dict(counts)
+            loaded = latencies(service.url, args.samples, args.batch, args.batches, 1)
+            seconds = time.perf_counter() - began
+            during = {k: counts.get(k, 0) - before.get(k, 0) for k in counts}
+            stop.set()
+            for worker in workers:
+                worker.join(60)
+    p = {name: (np.percentile(v, 50) * 1e3, np.percentile(v, 99) * 1e3) for name, v in (("solo", solo),
+                                                                                          ("loaded", loaded))}
+    print(f"{args.samples} x {args.size}, batches of {args.batch}, shardfeed serve --workers {args.workers}; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(f"light tenant alone:            P50 {p['solo'][0]:7.1f} ms   P99 {p['solo'][1]:7.1f} ms")
+    print(f"beside {args.heavy_inflight} heavy batches in flight: P50 {p['loaded'][0]:7.1f} ms   "
+          f"P99 {p['loaded'][1]:7.1f} ms   ({p['loaded'][1] / p['solo'][1]:.2f}x the solo P99)")
+    print(f"heavy tenant meanwhile: {during.get('served', 0) / seconds:.0f} batches/s served, "
+          f"{during.get('429', 0) / seconds:.0f}/s refused (429), "
+          f"other errors {sum(v for k, v in during.items() if k not in ('served', '429'))}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
