@@ -30,7 +30,6 @@ from pathlib import Path
 from shardfeed.service.cache.disk import BlockCache
 from shardfeed.service.config import ServiceConfig
 from shardfeed.service.datasets.autoindex import IndexKeeper, IndexProgress, write_atomically
-from shardfeed.service.datasets.agreement import check_agreement
 from shardfeed.service.datasets.dataset import Dataset, open_dataset
 from shardfeed.service.datasets.index import Share, unshared
 from shardfeed.service.datasets.mapped import SharedIndexes
@@ -198,7 +197,6 @@ class ServedDatasets(Mapping[str, Dataset]):
             return old
         if self._datasets.get(old.name) is not old:  # removed (or replaced) meanwhile
             return new
-        await check_agreement(old, new)  # the store between a shard's write and the index's: not yet
         self._datasets[old.name] = new
         await asyncio.to_thread(self.cache.retain, new.id, new.shard_ids)
         for listener in self.listeners:
