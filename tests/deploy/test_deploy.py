@@ -43,7 +43,7 @@ import yaml
 from shardfeed import stack
 from shardfeed.benchmarks.s3server import SEAWEEDFS_FLAGS
 from shardfeed.process import free_port, installed_script
-from shardfeed.service.cluster.membership import parse_peers
+from shardfeed.service.cluster.sources import parse_peers
 from shardfeed.sizes import parse_size
 
 from common import REPO
