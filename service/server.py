@@ -192,8 +192,8 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     tokens = set(full_access_tokens(args.token_file, os.environ.get("SHARDFEED_TOKENS", "")))
     load_tenants(args.tokens, tokens, args.max_inflight_batches)  # a bad file fails now, with its message
     if args.tokens and (args.peers or args.peers_from) and not tokens:
-        raise ValueError("--tokens with peers needs a full-access token that the replicas share for their "
-                         "requests to each other (--token-file or SHARDFEED_TOKENS)")
+        raise ValueError(f"--tokens with {'--peers' if args.peers else '--peers-from'} needs a full-access token "
+                         "that the replicas share for their requests to each other (--token-file or SHARDFEED_TOKENS)")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
     for path in (args.tls_cert, args.tls_key):
