@@ -15,6 +15,7 @@ import pytest
 from shardfeed.client import Client
 from shardfeed.process import free_port, start_all, start_service, stop_all
 
+from common.dnsserver import ServiceRecords, dns_server
 from common.service import metrics
 from common.workers import directory_dataset
 
@@ -99,16 +100,48 @@ def moved(before: dict[int, str], after: dict[int, str]) -> set[int]:
     return {shard for shard in before if before[shard] != after[shard]}
 
 
-def test_file_source_follows_three_to_four_to_two_replicas_under_a_reading_client(dataset, tmp_path):
+class FileMembers:
+    """The members as lines of a peers file (``--peers-from file:``)."""
+
+    def __init__(self, path: Path, ports: dict[str, int]):
+        self.path, self.ports = path, ports
+        self.spec = f"file:{path}"
+        self.error = "membership: file:"
+
+    def set(self, names: str) -> None:
+        write_peers(self.path, self.ports, names)
+
+    def break_(self) -> None:
+        self.path.write_text("this is not a peer list\n")
+
+
+class DnsMembers:
+    """The members as SRV records of a real DNS server (``--peers-from dns+srv:``)."""
+
+    def __init__(self, records: ServiceRecords, server: str, ports: dict[str, int]):
+        self.records, self.ports = records, ports
+        self.spec = f"dns+srv:{records.srv_name}@{server}"
+        self.error = "membership: dns+srv:"
+
+    def set(self, names: str) -> None:
+        self.records.failing = False
+        self.records.members = {n: self.ports[n] for n in names}
+
+    def break_(self) -> None:
+        self.records.failing = True
+
+
+def churn(tmp_path: Path, dataset, ports: dict[str, int], members) -> None:
+    """Replicas a, b, c, then d joins, then b and c leave, while a client reads batches: every
+    batch byte for byte, ownership moved only as rendezvous hashing moves it, a new routing
+    version each time and the client on it; a source that fails keeps the set."""
     url, by_sample = dataset
-    ports = {n: free_port() for n in NAMES}
     urls = {n: f"http://127.0.0.1:{ports[n]}" for n in NAMES}
-    peers = tmp_path / "peers"
-    write_peers(peers, ports, "abc")
+    members.set("abc")
 
     def start(name):
         return lambda: start_service({"train": url}, cache_dir=tmp_path / f"cache-{name}", port=ports[name],
-                                     args=["--node-id", name, "--peers-from", f"file:{peers}",
+                                     args=["--node-id", name, "--peers-from", members.spec,
                                            "--peers-refresh", REFRESH, "--block-size", "64KiB"])
 
     services = dict(zip("abc", start_all([start(n) for n in "abc"])))
@@ -119,7 +152,7 @@ def test_file_source_follows_three_to_four_to_two_replicas_under_a_reading_clien
         reader.start()
         time.sleep(1)
 
-        write_peers(peers, ports, "abcd")  # d joins: the others list it before it is up
+        members.set("abcd")  # d joins: the others list it before it is up
         services["d"] = start("d")()
         version4 = settle([urls[n] for n in NAMES], 4)
         _, owners4 = ownership(urls["a"])
@@ -129,13 +162,13 @@ def test_file_source_follows_three_to_four_to_two_replicas_under_a_reading_clien
         time.sleep(1)
 
         before = reader.batches
-        peers.write_text("this is not a peer list\n")  # a broken file keeps the set
+        members.break_()  # a source that fails keeps the set
         time.sleep(4 * float(REFRESH))
         assert ownership(urls["a"]) == (version4, owners4)
-        assert "membership: file:" in services["a"].log()
+        assert members.error in services["a"].log()
         assert reader.batches > before
 
-        write_peers(peers, ports, "ad")  # b and c leave, then stop
+        members.set("ad")  # b and c leave, then stop
         version2 = settle([urls["a"], urls["d"]], 2)
         for name in "bc":
             services.pop(name).stop()
@@ -153,6 +186,17 @@ def test_file_source_follows_three_to_four_to_two_replicas_under_a_reading_clien
     finally:
         reader.stop.set()
         stop_all(list(services.values()))
+
+
+def test_file_source_follows_three_to_four_to_two_replicas_under_a_reading_client(dataset, tmp_path):
+    ports = {n: free_port() for n in NAMES}
+    churn(tmp_path, dataset, ports, FileMembers(tmp_path / "peers", ports))
+
+
+def test_dns_srv_source_follows_three_to_four_to_two_replicas_under_a_reading_client(dataset, tmp_path):
+    ports = {n: free_port() for n in NAMES}
+    with dns_server("peers.test") as (records, server):
+        churn(tmp_path, dataset, ports, DnsMembers(records, server, ports))
 
 
 def test_a_bad_peers_source_fails_serve_at_start_with_one_clear_line(dataset, tmp_path):
