@@ -1,4 +1,4 @@
-"""Where the replica set comes from while serving: ``--peers``, ``--peers-from file:`` or ``dns:``.
+"""Where the replica set comes from while serving: ``--peers``, or ``--peers-from`` a file or DNS.
 
 A ``MembershipSource`` answers one question, ``peers()``: every replica, this one
 included, and this one's place among them (as ``parse_peers`` gives them). ``follow``
@@ -17,7 +17,9 @@ names this replica, a resolution that fails) keeps the set known and logs why, o
                  StatefulSet's pod name), ADDR resolved by the same nameserver
 
 Either DNS source takes ``@HOST[:PORT]`` at the end: the nameserver to ask (default: the
-system's). Queries go through dnspython's asyncio resolver, never blocking the event loop.
+system's, with its search domains). Queries go through dnspython's asyncio resolver, never
+blocking the event loop (``loop.getaddrinfo`` cannot be aimed at a nameserver, nor read SRV).
+DNS answers come in any order: their peers are sorted, so every replica ranks the same list.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ class DnsPeers:
         self.name, self.port, self.resolver, self.node_id, self.scheme = name, port, resolver, node_id, scheme
 
     async def peers(self) -> tuple[list[Peer], int]:
-        addresses = sorted(set(await _addresses(self.resolver, self.name)))
+        addresses = sorted(set(await _addresses(self.resolver, self.name, self.describe)))
         if not addresses:
             raise MembershipError(f"{self.describe}: no A or AAAA records")
         return _parse(self, ",".join(f"{self.scheme}://{_host(a)}:{self.port}" for a in addresses))
@@ -122,7 +124,7 @@ class SrvPeers:
                        for r in await self.resolver.resolve(self.name, "SRV")]
         except dns.exception.DNSException as err:
             raise MembershipError(f"{self.describe}: {err}") from None
-        found = await asyncio.gather(*(_addresses(self.resolver, target) for target, _ in records))
+        found = await asyncio.gather(*(_addresses(self.resolver, target, self.describe) for target, _ in records))
         entries = sorted(f"{target.split('.')[0]}={self.scheme}://{_host(min(addresses))}:{port}"
                          for (target, port), addresses in zip(records, found) if addresses)
         if not entries:
@@ -130,8 +132,8 @@ class SrvPeers:
         return _parse(self, ",".join(entries))
 
 
-async def _addresses(resolver: dns.asyncresolver.Resolver, name: str) -> list[str]:
-    """The A and AAAA records of ``name``; ``MembershipError`` when neither could be asked."""
+async def _addresses(resolver: dns.asyncresolver.Resolver, name: str, source: str) -> list[str]:
+    """The A and AAAA records of ``name``; ``MembershipError`` (naming ``source``) when one could not be asked."""
     out: list[str] = []
     for kind in ("A", "AAAA"):
         try:
@@ -139,7 +141,7 @@ async def _addresses(resolver: dns.asyncresolver.Resolver, name: str) -> list[st
         except (dns.resolver.NoAnswer, dns.resolver.NXDOMAIN):
             continue
         except dns.exception.DNSException as err:
-            raise MembershipError(f"resolving {name} ({kind}): {err}") from None
+            raise MembershipError(f"{source}: resolving {name} ({kind}): {err}") from None
     return out
 
 

@@ -6,20 +6,25 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from dnslib import QTYPE, RCODE, RR, SRV, A
+from dnslib import AAAA, QTYPE, RCODE, RR, SRV, A
 from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
 from shardfeed.process import free_port
 
 
+RDATA = {"A": A, "AAAA": AAAA}
+
+
 class ServiceRecords(BaseResolver):
     """``_http._tcp.<zone>`` SRV -> ``<name>.<zone>`` at each member's port; ``<name>.<zone>`` A ->
-    127.0.0.1. ``failing``: every answer is SERVFAIL."""
+    127.0.0.1; ``<zone>`` A/AAAA -> ``addresses`` (a headless Service's plain records).
+    ``failing``: every answer is SERVFAIL."""
 
     def __init__(self, zone: str):
         self.zone = zone.rstrip(".")
         self.srv_name = f"_http._tcp.{self.zone}"
         self.members: dict[str, int] = {}  # name -> port
+        self.addresses: list[str] = []
         self.failing = False
 
     def resolve(self, request, handler):
@@ -32,6 +37,10 @@ class ServiceRecords(BaseResolver):
             for member, port in sorted(members.items()):
                 reply.add_answer(RR(request.q.qname, QTYPE.SRV, ttl=0,
                                     rdata=SRV(priority=0, weight=0, port=port, target=f"{member}.{self.zone}.")))
+        elif name == self.zone and kind in ("A", "AAAA"):
+            for address in self.addresses:
+                if (":" in address) == (kind == "AAAA"):
+                    reply.add_answer(RR(request.q.qname, getattr(QTYPE, kind), ttl=0, rdata=RDATA[kind](address)))
         elif name.endswith(f".{self.zone}") and name.split(".")[0] in members:
             if kind == "A":
                 reply.add_answer(RR(request.q.qname, QTYPE.A, ttl=0, rdata=A("127.0.0.1")))

@@ -4,6 +4,7 @@ moves it, no sample wrong, lost or duplicated."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 import time
@@ -14,6 +15,8 @@ import pytest
 
 from shardfeed.client import Client
 from shardfeed.process import free_port, start_all, start_service, stop_all
+from shardfeed.service.cluster.sources import MembershipError, open_source
+from shardfeed.service.config import ServiceConfig
 
 from common.dnsserver import ServiceRecords, dns_server
 from common.service import metrics
@@ -197,6 +200,23 @@ def test_dns_srv_source_follows_three_to_four_to_two_replicas_under_a_reading_cl
     ports = {n: free_port() for n in NAMES}
     with dns_server("peers.test") as (records, server):
         churn(tmp_path, dataset, ports, DnsMembers(records, server, ports))
+
+
+def test_dns_a_records_are_peers_on_the_given_port_and_a_failed_lookup_keeps_nothing_new():
+    """``dns:NAME:PORT``: each A/AAAA record of a headless Service is a replica at PORT; this one is
+    the address given as --node-id (a pod's IP)."""
+    with dns_server("plain.test") as (records, server):
+        records.addresses = ["127.0.0.3", "127.0.0.2", "::1"]
+        source = open_source(ServiceConfig(peers_from=f"dns:plain.test:8080@{server}", node_id="127.0.0.2"))
+        peers, me = asyncio.run(source.peers())
+        assert [p.url for p in peers] == ["http://127.0.0.2:8080", "http://127.0.0.3:8080", "http://[::1]:8080"]
+        assert [p.id for p in peers] == ["127.0.0.2", "127.0.0.3", "::1"] and me == 0
+        records.addresses = ["127.0.0.3"]  # this replica left the Service: not a set it can take
+        with pytest.raises(MembershipError, match="--node-id '127.0.0.2' is not one of"):
+            asyncio.run(source.peers())
+        records.failing = True
+        with pytest.raises(MembershipError, match="dns:plain.test:8080"):
+            asyncio.run(source.peers())
 
 
 def test_a_bad_peers_source_fails_serve_at_start_with_one_clear_line(dataset, tmp_path):
