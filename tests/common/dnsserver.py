@@ -11,7 +11,6 @@ from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
 from shardfeed.process import free_port
 
-
 RDATA = {"A": A, "AAAA": AAAA}
 
 
