@@ -1,8 +1,9 @@
 """Replicas and workers: shard ownership by rendezvous (HRW) hashing, health, sub-batch reads.
 
-Every replica lists the same peers. Each shard is owned by the live peer with the
-highest hash of (peer id, dataset URL, shard path), so every replica computes the same
-owner without talking to the others, and when a peer goes down only its shards move.
+Every replica lists the same peers (a source may change them: ``replace_hosts``). Each shard is
+owned by the live peer with the highest hash of (peer id, dataset URL, shard path), so every
+replica computes the same owner without talking to the others; when a peer goes down, leaves
+or joins, only the shards it loses or takes move.
 A replica started with ``--workers N`` is N processes (``workers.py``); a shard the
 replica owns is owned, in turn, by one of its live workers, by the same hashing over
 the worker ids. Together that is a two-level owner: host, then worker.
