@@ -232,7 +232,10 @@ def open_source(config: ServiceConfig) -> MembershipSource | None:
     resolver.lifetime = 2.0
     resolver.use_search_by_default = True  # a Service's short name, as the pod's resolv.conf completes it
     if match["server"] is not None:
-        resolver.nameservers = [match["server"]]
+        try:
+            resolver.nameservers = [match["server"]]
+        except ValueError:
+            raise ValueError(f"--peers-from {spec!r}: nameserver {match['server']!r} is not an IP address") from None
         resolver.port = _port(spec, match["server_port"], 53)
     if kind == "dns+srv":
         return SrvPeers(match["name"], resolver, config.node_id, scheme)
@@ -258,6 +261,9 @@ async def follow(cluster: Cluster, source: MembershipSource, interval: float) ->
             if str(err) != failed:
                 log.error("membership: %s; keeping the %d replicas known", err, len(cluster.hosts))
             failed = str(err)
+            continue
+        except Exception:  # an unforeseen error must not end the following: ask again
+            log.exception("membership: asking %s failed", source.describe)
             continue
         failed = None
         if await cluster.replace_hosts(hosts, me):

@@ -271,6 +271,7 @@ def test_a_bad_peers_source_fails_serve_at_start_with_one_clear_line(dataset, tm
         (f"file:{tmp_path / 'missing'}", "No such file or directory"),
         ("dns:peers.test:99999", "bad port '99999'"),
         ("dns+srv:_http._tcp.peers.test@127.0.0.1:x", "bad port 'x'"),
+        ("dns+srv:_http._tcp.peers.test@ns.example", "nameserver 'ns.example' is not an IP address"),
     ]
     for spec, message in cases:
         with pytest.raises(RuntimeError) as err:
