@@ -243,6 +243,14 @@ class ServiceConfig:
     """Every replica, this one included: ``URL,URL,...`` or ``ID=URL,...``. Shards are owned by
     rendezvous hashing over the live peers; empty means a single node."""
 
+    peers_from: str = ""
+    """Where the replicas are listed while serving, followed as they change (``cluster/sources.py``):
+    ``file:PATH`` (lines like ``peers``), ``dns:NAME[:PORT]`` (A/AAAA records) or ``dns+srv:NAME``
+    (SRV records); instead of ``peers``."""
+
+    peers_refresh: float = 2.0
+    """Seconds between two looks at ``peers_from`` (a file's modification time, a DNS query)."""
+
     peer_timeout: float = 2.0
     """Seconds an owner has to answer a sub-batch (plus 1 s per 50 MB) before this replica
     reads those samples from the store itself."""
@@ -300,7 +308,7 @@ class ServiceConfig:
         limits = [("idle_exit", 0, 86400 * 365), ("max_plans", 0, 1 << 16), ("max_plan_samples", 1, 1 << 31), ("plan_ttl", 1, 86400 * 7),
                   ("object_ttl", 0, 86400 * 7),
                   ("plan_ahead", 0, 1 << 40), ("plan_memory", 0, 1 << 40), ("range_gap", 0, 1 << 30),
-                  ("restart_pause", 0.01, 3600)]
+                  ("restart_pause", 0.01, 3600), ("peers_refresh", 0.05, 3600)]
         for name, low, high in limits:
             value = getattr(self, name)
             if not low <= value <= high:

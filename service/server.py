@@ -22,7 +22,8 @@ from pathlib import Path
 from shardfeed.node import announce, node_service, remove_record
 from shardfeed.retry import Backoff
 from shardfeed.service.api.tenants import full_access_tokens, load_tenants
-from shardfeed.service.cluster.membership import build_cluster, parse_peers
+from shardfeed.service.cluster.membership import build_cluster
+from shardfeed.service.cluster.sources import open_source
 from shardfeed.service.cluster.workers import supervise, worker_sockets
 from shardfeed.service.config import NODE_IDLE_EXIT, HedgePolicy, ServiceConfig, node_cache_dir
 from shardfeed.service.observe.activity import Activity
@@ -97,16 +98,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="store reads in flight at once (default: %(default)s)")
     parser.add_argument("--store-timeout", type=float, metavar="SECONDS",
                         help="longest silence while reading from S3, per try (default: 30)")
-    parser.add_argument("--store-retries", type=int, metavar="N",
-                        help="retries of an S3 request that failed with 5xx, SlowDown, a reset, "
-                             "a timeout or a short body (default: 4)")
+    parser.add_argument("--store-retries", type=int, metavar="N", help="retries of an S3 request that failed "
+                        "with 5xx, SlowDown, a reset, a timeout or a short body (default: 4)")
     hedge = HedgePolicy()
     parser.add_argument("--hedge", action=argparse.BooleanOptionalAction, default=True,
-                        help="send a second read for a store read slower than most recent ones "
-                             "(default: on)")
-    parser.add_argument("--hedge-quantile", type=float, default=hedge.quantile,
-                        help="hedge a read still running after this quantile of recent read "
-                             "times (default: %(default)s)")
+                        help="send a second read for a store read slower than most recent ones (default: on)")
+    parser.add_argument("--hedge-quantile", type=float, default=hedge.quantile, help="hedge a read still "
+                        "running after this quantile of recent read times (default: %(default)s)")
     parser.add_argument("--hedge-min-ms", type=float, default=hedge.min_delay * 1e3,
                         help="never hedge sooner than this (default: %(default)s)")
     parser.add_argument("--hedge-max-ms", type=float, default=hedge.max_delay * 1e3,
@@ -141,13 +139,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "in this file (or set SHARDFEED_TOKENS, comma-separated)")
     parser.add_argument("--tokens", type=Path, metavar="FILE", help="tenants: named tokens with scopes and their "
                         "own bound on batches in flight, in a TOML file read again when it changes (see README)")
-    parser.add_argument("--node-id", help="this replica's id among --peers (e.g. its host name)")
-    parser.add_argument("--peers", default="",
-                        help="all replicas, this one included: URL,URL,... or ID=URL,...; shards are "
-                             "owned by rendezvous hashing and each is cached on one replica")
-    parser.add_argument("--peer-timeout", type=float, default=defaults.peer_timeout,
-                        help="seconds an owner has to answer before the store is read directly "
-                             "(default: %(default)s)")
+    parser.add_argument("--node-id", help="this replica's id among its peers (e.g. its host name)")
+    parser.add_argument("--peers", default="", help="all replicas, this one included: URL,URL,... or ID=URL,...; "
+                        "shards are owned by rendezvous hashing and each is cached on one replica")
+    parser.add_argument("--peers-from", default="", metavar="SOURCE", help="the replicas, followed as they "
+                        "change: file:PATH (one --peers entry a line), dns:NAME[:PORT] (A/AAAA records) or "
+                        "dns+srv:NAME (SRV records), either DNS one with @SERVER[:PORT] to pick the nameserver")
+    parser.add_argument("--peers-refresh", type=float, default=defaults.peers_refresh, metavar="SECONDS",
+                        help="seconds between looks at --peers-from (default: %(default)s)")
+    parser.add_argument("--peer-timeout", type=float, default=defaults.peer_timeout, help="seconds an owner "
+                        "has to answer before the store is read directly (default: %(default)s)")
     parser.add_argument("--tls-cert", type=Path, help="serve HTTPS with this certificate (PEM); needs --tls-key")
     parser.add_argument("--tls-key", type=Path, help="private key (PEM) for --tls-cert")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -190,13 +191,9 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
             raise ValueError(f"--bucket {bucket!r} is not an S3 bucket name")
     tokens = set(full_access_tokens(args.token_file, os.environ.get("SHARDFEED_TOKENS", "")))
     load_tenants(args.tokens, tokens, args.max_inflight_batches)  # a bad file fails now, with its message
-    if args.tokens and args.peers and not tokens:
-        raise ValueError("--tokens with --peers needs a full-access token that the replicas share for their "
-                         "requests to each other (--token-file or SHARDFEED_TOKENS)")
-    if args.peers and not args.node_id:
-        raise ValueError("--peers needs --node-id (which of the peers this replica is)")
-    if args.peers:
-        parse_peers(args.peers, args.node_id)  # fail now on a bad list, with its message
+    if args.tokens and (args.peers or args.peers_from) and not tokens:
+        raise ValueError(f"--tokens with {'--peers' if args.peers else '--peers-from'} needs a full-access token "
+                         "that the replicas share for their requests to each other (--token-file or SHARDFEED_TOKENS)")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
     for path in (args.tls_cert, args.tls_key):
@@ -216,7 +213,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     if (args.node or args.tokens) and not tokens:  # --node: only ours may read; --tokens: the workers' own
         tokens = {secrets.token_urlsafe(24)}
     defaults = ServiceConfig()
-    return ServiceConfig(
+    config = ServiceConfig(
         node=args.node, idle_exit=(args.idle_exit if args.idle_exit is not None
                                    else NODE_IDLE_EXIT if args.node else defaults.idle_exit),
         store_options=store_options, hedge=hedge,
@@ -232,10 +229,13 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         max_batch=args.max_batch, max_inflight_batches=args.max_inflight_batches,
         max_inflight_samples=args.max_inflight_samples, tokens=frozenset(tokens), tenant_file=args.tokens,
         tls_cert=args.tls_cert, tls_key=args.tls_key, node_id=args.node_id, peers=args.peers,
+        peers_from=args.peers_from, peers_refresh=args.peers_refresh,
         peer_timeout=args.peer_timeout, workers=args.workers, restart_pause=args.restart_pause,
         max_plans=args.max_plans, max_plan_samples=args.max_plan_samples, plan_ttl=args.plan_ttl,
         plan_ahead=args.plan_ahead, plan_memory=args.plan_memory, range_gap=args.range_gap,
     )
+    open_source(config)  # fail now on a bad --peers or --peers-from, with its message
+    return config
 
 
 async def ensure_default_dataset(data_dir: Path) -> str:
@@ -302,7 +302,7 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
                      len(opened[name].index.shards), opened[name].version)
         datasets = ServedDatasets(opened, cache, opener, registry)
         await asyncio.to_thread(datasets.retain_cached)  # blocks of versions the store no longer holds
-        cluster = build_cluster(config, metrics)
+        cluster = await build_cluster(config, metrics)
         app = create_app(config, datasets, cache, metrics, cluster, buckets)
         activity = activity or Activity()
         slot = place.index if place is not None else 0

@@ -85,7 +85,8 @@ def create_app(config: ServiceConfig, datasets: ServedDatasets, cache: BlockCach
     """The ASGI app over already opened datasets, cache and GetBatch bucket stores (see ``server.py``)."""
     coalescer = Coalescer(cache, metrics, config, cluster)
     # Routed clients send each node its own part of a batch.
-    plans = Plans(config, cache, metrics, parts=1 if cluster is None else len(cluster.workers) * len(cluster.hosts))
+    plans = Plans(config, cache, metrics, parts=(lambda: 1) if cluster is None
+                  else (lambda: len(cluster.workers) * len(cluster.hosts)))
     coalescer.fetch_policy = plans
     cache.victims = plans.victim_order
     prefetcher = Prefetcher(plans, coalescer, config)

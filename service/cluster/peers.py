@@ -1,8 +1,9 @@
 """Replicas and workers: shard ownership by rendezvous (HRW) hashing, health, sub-batch reads.
 
-Every replica lists the same peers. Each shard is owned by the live peer with the
-highest hash of (peer id, dataset URL, shard path), so every replica computes the same
-owner without talking to the others, and when a peer goes down only its shards move.
+Every replica lists the same peers (a source may change them: ``replace_hosts``). Each shard is
+owned by the live peer with the highest hash of (peer id, dataset URL, shard path), so every
+replica computes the same owner without talking to the others; when a peer goes down, leaves
+or joins, only the shards it loses or takes move.
 A replica started with ``--workers N`` is N processes (``workers.py``); a shard the
 replica owns is owned, in turn, by one of its live workers, by the same hashing over
 the worker ids. Together that is a two-level owner: host, then worker.
@@ -25,6 +26,7 @@ import asyncio
 import hashlib
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,21 +88,18 @@ class Cluster:
             instead; grows by one second per 50 MB asked for.
         health_interval: seconds between health checks of each node.
         tls: whether the nodes speak HTTPS (sibling sockets included).
+        follow: a task that keeps ``hosts`` those the membership source names, through
+            ``replace_hosts`` (``sources.follow``); ``None``: a fixed set.
     """
 
     def __init__(self, hosts: list[Peer], host: int, metrics: Metrics, *, workers: list[Peer] | None = None,
                  worker: int = 0, token: str | None = None, timeout: float = 2.0,
-                 health_interval: float = 1.0, tls: bool = False):
-        self.hosts = hosts
-        self.host = host
+                 health_interval: float = 1.0, tls: bool = False,
+                 follow: Callable[[Cluster], Awaitable[None]] | None = None):
         self.workers = workers or [hosts[host]]
         self.me = worker
-        self.peers = self.workers + [p for i, p in enumerate(hosts) if i != host]
-        """Every node: this host's workers first, then the other replicas."""
-        self._host_node = np.array([-1 if i == host else len(self.workers) + i - (i > host)
-                                    for i in range(len(hosts))], dtype=np.int64)
-        self._node_host = np.array([host] * len(self.workers) + [i for i in range(len(hosts)) if i != host],
-                                   dtype=np.int64)
+        self._lone_process = workers is None
+        self._set_hosts(hosts, host)
         self.metrics = metrics
         self.timeout = timeout
         self.health_interval = health_interval
@@ -112,7 +111,49 @@ class Cluster:
         self._readers: dict[int, PeerReader] = {}
         self.tls = tls
         self._health: asyncio.Task | None = None
+        self._follow = follow
+        self._following: asyncio.Task | None = None
         self._version: str | None = None
+
+    def _set_hosts(self, hosts: list[Peer], host: int) -> None:
+        self.hosts = hosts
+        self.host = host
+        if self._lone_process:
+            self.workers = [hosts[host]]
+        self.peers = self.workers + [p for i, p in enumerate(hosts) if i != host]
+        """Every node: this host's workers first, then the other replicas."""
+        self._host_node = np.array([-1 if i == host else len(self.workers) + i - (i > host)
+                                    for i in range(len(hosts))], dtype=np.int64)
+        self._node_host = np.array([host] * len(self.workers) + [i for i in range(len(hosts)) if i != host],
+                                   dtype=np.int64)
+
+    async def replace_hosts(self, hosts: list[Peer], host: int) -> bool:
+        """Take the replicas a membership source names now (``sources.py``); ``False`` if they
+        are those known. Ownership is ranked anew over them, so only the shards rendezvous
+        hashing moves change owner, and the routing version changes. A replica known before
+        keeps its state; a new one is down (owns nothing) until its health check answers, so
+        it takes its share once it can serve it; one left out is dropped, its reader closed."""
+        if [(p.id, p.url) for p in hosts] == [(p.id, p.url) for p in self.hosts] and hosts[host].id == self.node_id:
+            return False
+        known = {(p.id, p.url): p for p in self.hosts}
+        hosts = [known.get((p.id, p.url), p) for p in hosts]
+        for i, peer in enumerate(hosts):
+            if (peer.id, peer.url) not in known:
+                peer.up = i == host
+        readers = {id(reader.target): reader for node, reader in self._readers.items() if not self.is_worker(node)}
+        self._set_hosts(hosts, host)
+        self._readers = {node: reader for node, reader in self._readers.items() if self.is_worker(node)}
+        for node in range(len(self.workers), len(self.peers)):
+            if (reader := readers.pop(id(self.peers[node]), None)) is not None:
+                reader.node, self._readers[node] = node, reader
+        self._ranks = {key: kept for key, kept in self._ranks.items() if key[0] != "hosts"}
+        self._owners.clear()
+        self._version = None
+        self.metrics.peers_up.set(sum(p.up for p in self.hosts))
+        for reader in readers.values():  # in flight, a dropped replica's read fails over to the store
+            reader.node = None
+            await reader.close()
+        return True
 
     @property
     def node_id(self) -> str:
@@ -196,7 +237,10 @@ class Cluster:
         return node < len(self.workers)
 
     def reader(self, node: int) -> PeerReader:
-        """The reader of sub-batches for ``node`` (not this process)."""
+        """The reader of sub-batches for ``node`` (not this process); ``PeerError`` for a node
+        that a change of replicas (``replace_hosts``) has dropped since it was picked."""
+        if node >= len(self.peers):
+            raise PeerError(f"node {node} left the cluster")
         reader = self._readers.get(node)
         if reader is None:
             reader = self._readers[node] = PeerReader(self, node)
@@ -220,8 +264,7 @@ class Cluster:
         is down, refuses or is late is logged and left out (it goes on without what the
         request said). ``down_too``: also to the nodes believed down (one just restarted may
         not be known up yet), for what a node must not miss (a dataset added or removed)."""
-        async def one(node: int, copy_as: str) -> None:
-            reader = self.reader(node)
+        async def one(reader: PeerReader, copy_as: str) -> None:
             try:
                 async with reader.session().request(
                         method, f"{reader.base}{path}", data=body, ssl=reader.ssl,
@@ -229,17 +272,20 @@ class Cluster:
                                  "Content-Type": "application/json"},
                         timeout=aiohttp.ClientTimeout(total=timeout or self.timeout)) as resp:
                     if resp.status >= 300:
-                        log.warning("%s %s refused %s %s: %d %s", reader.kind, self.peers[node].id, method, path,
+                        log.warning("%s %s refused %s %s: %d %s", reader.kind, reader.target.id, method, path,
                                     resp.status, (await resp.text())[:200])
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
-                log.warning("%s %s did not take %s %s: %s", reader.kind, self.peers[node].id, method, path,
+                log.warning("%s %s did not take %s %s: %s", reader.kind, reader.target.id, method, path,
                             type(err).__name__)
 
-        await asyncio.gather(*(one(node, copy_as) for node, copy_as in self.relay_targets(copy)
+        await asyncio.gather(*(one(self.reader(node), copy_as) for node, copy_as in self.relay_targets(copy)
                                if down_too or self.peers[node].up))
 
     # -- health ------------------------------------------------------------------------
-    def mark(self, node: int, *, up: bool, why: str = "") -> None:
+    def mark(self, node: int | None, *, up: bool, why: str = "") -> None:
+        """Mark ``node`` up or down; ``None``: a replica dropped since (``replace_hosts``)."""
+        if node is None:
+            return
         target = self.peers[node]
         if target.up != up:
             log.warning("%s %s is %s%s", "worker" if self.is_worker(node) else "peer", target.id,
@@ -249,31 +295,33 @@ class Cluster:
             self._owners.clear()
             self.metrics.peers_up.set(sum(p.up for p in self.hosts))
 
-    async def _check(self, node: int) -> None:
-        reader = self.reader(node)
+    async def _check(self, reader: PeerReader) -> None:
+        """One health check; marks ``reader.node``, which a change of replicas may have moved meanwhile."""
         try:
             async with reader.session().get(f"{reader.base}/healthz", ssl=reader.ssl,
                                             timeout=aiohttp.ClientTimeout(total=self.health_interval)) as resp:
-                self.mark(node, up=resp.status == 200, why=f"health check {resp.status}")
+                self.mark(reader.node, up=resp.status == 200, why=f"health check {resp.status}")
         except asyncio.TimeoutError:
-            if not self.is_worker(node):
-                self.mark(node, up=False, why="health check timed out")
+            if reader.kind == "replica":
+                self.mark(reader.node, up=False, why="health check timed out")
         except (aiohttp.ClientError, OSError) as err:
-            self.mark(node, up=False, why=f"health check: {type(err).__name__}")
+            self.mark(reader.node, up=False, why=f"health check: {type(err).__name__}")
 
     async def _health_loop(self) -> None:
         while True:
-            await asyncio.gather(*(self._check(i) for i in range(len(self.peers)) if i != self.me))
+            await asyncio.gather(*(self._check(self.reader(i)) for i in range(len(self.peers)) if i != self.me))
             await asyncio.sleep(self.health_interval)
 
     def start(self) -> None:
         self.metrics.peers_up.set(len(self.hosts))
         self._health = asyncio.create_task(self._health_loop())
+        if self._follow is not None:
+            self._following = asyncio.create_task(self._follow(self))
 
     async def close(self) -> None:
-        if self._health is not None:
-            self._health.cancel()
-            await asyncio.gather(self._health, return_exceptions=True)
+        for task in filter(None, (self._health, self._following)):
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         for reader in self._readers.values():
             await reader.close()
 

@@ -15,6 +15,7 @@ import math
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -178,11 +179,13 @@ class Plan:
 class Plans:
     """Every plan held, bounded; the cache's eviction policy and the coalescer's fetch policy."""
 
-    def __init__(self, config: ServiceConfig, cache: BlockCache, metrics: Metrics, parts: int = 1):
+    def __init__(self, config: ServiceConfig, cache: BlockCache, metrics: Metrics,
+                 parts: Callable[[], int] = lambda: 1):
         self.config = config
         self.parts = parts
-        """Parts a batch may come in, one per node of the cluster (routed clients send each
-        owner its own): a part of ``n`` samples spans up to ``n * parts`` plan positions."""
+        """Parts a batch may come in now, one per node of the cluster (routed clients send each
+        owner its own; the replica set may change): a part of ``n`` samples spans up to
+        ``n * parts()`` plan positions."""
         self.cache = cache
         self.metrics = metrics
         self.block_size = config.block_size
@@ -281,7 +284,7 @@ class Plans:
         n = len(indices)
         if not n:
             return
-        span = n * self.parts  # the batch this may be one owner's part of
+        span = n * self.parts()  # the batch this may be one owner's part of
         best, best_score, best_start, best_end = None, n / 2, 0, 0
         for plan in reversed(self.live(dataset)):  # the newest wins a tie (the same order registered again)
             length = plan.length

@@ -126,12 +126,13 @@ class Coalescer:
     async def _ask(self, node: int, dataset: Dataset, members: Members) -> list:
         """The members from another node; from the store here if it fails."""
         try:
-            out = await self.cluster.reader(node).read(dataset, members)
+            reader = self.cluster.reader(node)
+            out = await reader.read(dataset, members)
         except PeerError as err:
             log.warning("reading %d members from the store instead: %s", len(members), err)
             self.metrics.peer_fallbacks.inc(len(members))
             return await self._read_local(dataset, members)
-        if self.cluster.reader(node).kind == "replica":  # a sibling's blocks count where it read them
+        if reader.kind == "replica":  # a sibling's blocks count where it read them
             self.metrics.replica_blocks.inc(distinct_blocks(members, self.block_size))
         return out
 

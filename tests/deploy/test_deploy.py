@@ -43,7 +43,7 @@ import yaml
 from shardfeed import stack
 from shardfeed.benchmarks.s3server import SEAWEEDFS_FLAGS
 from shardfeed.process import free_port, installed_script
-from shardfeed.service.cluster.membership import parse_peers
+from shardfeed.service.cluster.sources import parse_peers
 from shardfeed.sizes import parse_size
 
 from common import REPO
@@ -463,15 +463,24 @@ def test_k8s_peers_are_the_statefulset_pods_under_the_headless_service():
     pod_labels = sts["spec"]["template"]["metadata"]["labels"]
     assert headless["spec"]["selector"].items() <= pod_labels.items()
     args = container()["args"]
-    port = int(flag_value(args, "--port"))
-    name, service = sts["metadata"]["name"], sts["spec"]["serviceName"]
-    expected = [f"http://{name}-{i}.{service}:{port}" for i in range(sts["spec"]["replicas"])]
-    assert flag_value(args, "--peers").split(",") == expected
-    for url in expected:
-        assert urlsplit(url).hostname.split(".")[0].startswith(name + "-")
+    # The replicas follow the SRV records of the serving port's name: `kubectl scale` is the whole procedure.
+    (port,) = [p for p in headless["spec"]["ports"] if p["targetPort"] == container()["ports"][0]["name"]]
+    assert port["port"] == int(flag_value(args, "--port"))
+    assert flag_value(args, "--peers-from") == f"dns+srv:_{port['name']}._tcp.{sts['spec']['serviceName']}"
+    assert "--peers" not in {arg.split("=", 1)[0] for arg in args}
+    # Each SRV target is <pod name>.<service>...: its first label, the pod name, is the replica's id.
     assert flag_value(args, "--node-id") == "$(POD_NAME)"
     pod_name = {e["name"]: e for e in container()["env"]}["POD_NAME"]
     assert pod_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+
+
+def test_k8s_pods_drain_before_they_stop():
+    """preStop pauses while the pod leaves the endpoints; then SIGTERM lets in-flight batches finish
+    (uvicorn's graceful shutdown, 30 s), all within the grace period."""
+    pod = statefulset()["spec"]["template"]["spec"]
+    command = container()["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep"
+    assert pod["terminationGracePeriodSeconds"] >= int(command[1]) + 30
 
 
 def test_k8s_client_service_reaches_the_replicas_on_the_serving_port():

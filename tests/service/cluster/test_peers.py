@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardfeed.service.cluster.membership import parse_peers
+from shardfeed.service.cluster.sources import parse_peers
 
 
 def test_plain_urls_on_one_host_get_host_and_port_ids():

@@ -92,7 +92,7 @@ def test_one_owners_part_of_a_batch_moves_the_plan_when_batches_come_in_parts(da
     order = EpochSampler(SAMPLES, 1, seed=9).rank_order()
     cache = BlockCache(tmp_path / "cache", SAMPLES * 1100, BLOCK, Metrics())
     cache.open()
-    plans = Plans(ServiceConfig(block_size=BLOCK), cache, Metrics(), parts=parts)
+    plans = Plans(ServiceConfig(block_size=BLOCK), cache, Metrics(), parts=lambda: parts)
     plan = plans.build(dataset, "indices", order, None, True, None)
     plans.insert(plan)
     plans.observe(dataset, order[640:704][::8])  # one of 8 owners' samples of the batch at 640
