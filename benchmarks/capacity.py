@@ -12,12 +12,13 @@ The model (every figure per second, the job at its full rate ``R = gpus x gpu_ra
 - **Requests.** A DataLoader batch of ``--batch`` samples is one request; the routed client
   splits it by owner, so each of the ``M = nodes x cores`` cluster members (``serve --workers``
   defaults to one per core) gets a part of ``p = max(1, batch / M)`` samples.
-- **Service CPU per sample** ``c = fixed / p + per_sample + per_mib x size_MiB``, warm, plus
+- **Service CPU per sample** of ``m`` members (``--fields-per-sample``: ``jpg`` and ``cls`` are
+  two) ``c = fixed / p + m x per_member + per_mib x (size - m x small) / MiB``, warm, plus
   ``cold_per_mib x size_MiB`` for the share of samples whose bytes come from the store, plus
   ``disk_per_mib x size_MiB`` for the share of cache hits that miss the RAM tier (a node's
   RAM tier holds ``min(1, ram / (dataset / nodes))`` of its share). ``fixed`` and
-  ``per_sample`` are fitted from warm passes at two batch sizes; ``per_mib`` from two sample
-  sizes; ``cold_per_mib`` and ``disk_per_mib`` from cold passes and from passes with
+  ``per_member`` are fitted from warm passes at two batch sizes of one-member samples of
+  ``small`` bytes; ``per_mib`` from two sample sizes; ``cold_per_mib`` and ``disk_per_mib`` from cold passes and from passes with
   ``--memory-cache 0`` (``--calibrate``: ``servecost.py``'s passes, nothing typed in).
   Nodes for the CPU: ``R x c / (cores x 1e6 us)``.
 - **Cache.** The cluster's cache is ``nodes x nvme`` (the RAM tier holds copies of disk
@@ -70,6 +71,7 @@ from shardfeed.benchmarks.replicas import DATASET, Phase, RequestCost, _batches,
 from shardfeed.benchmarks.s3server import BENCH_DATA, S3_SERVERS, default_server, seeded_s3
 from shardfeed.client import Client
 from shardfeed.process import scrape_metrics, start_service, stop_all
+from shardfeed.seeds.synthetic import DEFAULT_FIELDS
 from shardfeed.service.config import ServiceConfig
 from shardfeed.sizes import format_size, parse_size
 
@@ -84,8 +86,8 @@ class Calibration:
 
     fixed_us: float
     """Per request, warm (the intercept of the fit over two batch sizes)."""
-    per_sample_us: float
-    """Per sample of ``small_size`` bytes, warm, beyond the request's fixed cost."""
+    per_member_us: float
+    """Per member of ``small_size`` bytes, warm, beyond the request's fixed cost."""
     per_mib_us: float
     """Per MiB of sample beyond ``small_size``, warm from the RAM tier."""
     cold_per_mib_us: float
@@ -99,11 +101,13 @@ class Calibration:
     """Each pass measured: configuration -> list of {mib, samples, seconds, service_cpu}."""
     machine: dict
 
-    def cpu_us(self, size: int, part: float, cold_share: float, disk_share: float) -> float:
-        """Service CPU per sample of ``size`` bytes in requests of ``part`` samples, with
-        ``cold_share`` of the samples read from the store and ``disk_share`` from the block files."""
+    def cpu_us(self, size: int, members: int, part: float, cold_share: float, disk_share: float) -> float:
+        """Service CPU per sample of ``size`` bytes in ``members`` members, in requests of ``part``
+        samples, with ``cold_share`` of the samples read from the store and ``disk_share`` from
+        the block files."""
         mib = size / MiB
-        warm = self.fixed_us / part + self.per_sample_us + self.per_mib_us * (size - self.small_size) / MiB
+        warm = (self.fixed_us / part + members * self.per_member_us
+                + self.per_mib_us * (size - members * self.small_size) / MiB)
         return max(0.0, warm) + self.cold_per_mib_us * mib * cold_share + self.disk_per_mib_us * mib * disk_share
 
     def save(self, path: Path) -> None:
@@ -148,7 +152,7 @@ def calibrate(kind: str, samples: int, sizes: tuple[int, int], batches: tuple[in
     large_cold_us = 1e6 * measured[large, "ram", batches[1]][0].service_cpu / large_samples
     large_mib = large / MiB
     return Calibration(
-        fixed_us=fit.fixed_us, per_sample_us=fit.per_sample_us, per_mib_us=(large_us - small_us) / (large_mib - small / MiB),
+        fixed_us=fit.fixed_us, per_member_us=fit.per_sample_us, per_mib_us=(large_us - small_us) / (large_mib - small / MiB),
         cold_per_mib_us=(large_cold_us - large_us) / large_mib,
         disk_per_mib_us=(warm_us_per_sample(large, "disk", batches[1]) - large_us) / large_mib,
         small_size=small, large_size=large, batches=batches,
@@ -167,6 +171,8 @@ class Job:
     gpu_rate: float
     """Samples/s one GPU consumes."""
     sample_size: int
+    members: int
+    """Fields per sample: members of the shards' tar files."""
     dataset_size: int
     """Bytes of the shards."""
     epochs: int
@@ -229,7 +235,7 @@ def epochs_at(job: Job, hardware: Hardware, calibration: Calibration, nodes: int
         hit = 0.0 if number == 0 else held
         store = rate * job.sample_size * (1 - hit)
         out.append(Epoch(hit, store, store / read,
-                         calibration.cpu_us(job.sample_size, part, 1 - hit, hit * (1 - in_ram))))
+                         calibration.cpu_us(job.sample_size, job.members, part, 1 - hit, hit * (1 - in_ram))))
     return out, read
 
 
@@ -307,11 +313,11 @@ def check_replicas(calibration: Calibration, kind: str, samples: int, batch: int
                 measured[label] = phase.cpu_us_per_sample
         finally:
             stop_all(topologies["3 replicas"])
-    size_bytes = parse_size(size)
-    return [Row(f"1 service, warm, batch {batch}: service CPU us/sample", calibration.cpu_us(size_bytes, batch, 0, 0),
-                measured["1 service"]),
+    size_bytes, members = parse_size(size), len(DEFAULT_FIELDS)  # replicas.py's samples: bin and cls
+    return [Row(f"1 service, warm, batch {batch}: service CPU us/sample",
+                calibration.cpu_us(size_bytes, members, batch, 0, 0), measured["1 service"]),
             Row(f"3 replicas routed, warm, parts of {batch / 3:.0f}: service CPU us/sample",
-                calibration.cpu_us(size_bytes, batch / 3, 0, 0), measured["3 replicas"])]
+                calibration.cpu_us(size_bytes, members, batch / 3, 0, 0), measured["3 replicas"])]
 
 
 def check_cache(kind: str, samples: int, size: str) -> list[Row]:
@@ -376,6 +382,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     job.add_argument("--gpus", type=int, default=8)
     job.add_argument("--gpu-rate", type=float, default=2000, help="samples/s one GPU consumes (default: %(default)s)")
     job.add_argument("--sample-size", type=parse_size, default="100KiB")
+    job.add_argument("--fields-per-sample", type=int, default=1, help="members per sample (default: %(default)s)")
     job.add_argument("--dataset-size", type=parse_size, default="1TiB", help="bytes of the shards")
     job.add_argument("--epochs", type=int, default=3)
     job.add_argument("--shuffle", choices=("yes", "no"), default="yes")
@@ -414,7 +421,7 @@ def validate(args: argparse.Namespace) -> None:
     """``ValueError`` naming the first input out of range, as it was given."""
     if bool(args.calibration) == bool(args.calibrate):
         raise ValueError("give one of --calibration FILE (costs measured before) and --calibrate FILE (measure now)")
-    for name in ("gpus", "gpu_rate", "sample_size", "dataset_size", "epochs", "batch", "cores", "nic", "nvme",
+    for name in ("gpus", "gpu_rate", "sample_size", "fields_per_sample", "dataset_size", "epochs", "batch", "cores", "nic", "nvme",
                  "latency_ms", "connection_bandwidth", "connections", "store_requests"):
         value = getattr(args, name)
         if not (math.isfinite(value) and value > 0):
@@ -431,7 +438,7 @@ def validate(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     validate(args)  # before minutes of runs
-    job = Job(args.gpus, args.gpu_rate, args.sample_size, args.dataset_size, args.epochs, args.shuffle == "yes",
+    job = Job(args.gpus, args.gpu_rate, args.sample_size, args.fields_per_sample, args.dataset_size, args.epochs, args.shuffle == "yes",
               args.batch)
     hardware = Hardware(args.cores, args.nic * 1e9 / 8, args.nvme, args.ram, args.latency_ms / 1e3,
                         args.connection_bandwidth * 1e6, args.connections, args.store_requests)
@@ -445,7 +452,7 @@ def run(args: argparse.Namespace) -> int:
         calibration = Calibration.load(Path(args.calibration))
     print(f"calibration ({calibration.machine.get('when')}, {calibration.machine.get('cores')} cores, load "
           f"{calibration.machine.get('load', 0):.1f}): a request {calibration.fixed_us:.0f} us + "
-          f"{calibration.per_sample_us:.2f} us per {format_size(calibration.small_size)} sample + "
+          f"{calibration.per_member_us:.2f} us per {format_size(calibration.small_size)} member + "
           f"{calibration.per_mib_us:.0f} us per further MiB warm; cold +{calibration.cold_per_mib_us:.0f} us/MiB, "
           f"from disk +{calibration.disk_per_mib_us:.0f} us/MiB")
     print(render(job, hardware, plan(job, hardware, calibration)))
