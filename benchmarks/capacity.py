@@ -57,6 +57,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -98,7 +99,7 @@ class Calibration:
     large_size: int
     batches: tuple[int, int]
     passes: dict
-    """Each pass measured: configuration -> list of {mib, samples, seconds, service_cpu}."""
+    """Each pass measured: configuration -> per round, its passes' {mib, seconds, service_cpu}."""
     machine: dict
 
     def cpu_us(self, size: int, members: int, part: float, cold_share: float, disk_share: float) -> float:
@@ -122,43 +123,49 @@ class Calibration:
             raise ValueError(f"--calibration {path}: not a calibration file ({err})") from None
 
 
-def calibrate(kind: str, samples: int, sizes: tuple[int, int], batches: tuple[int, int],
-              passes: int) -> Calibration:
+def calibrate(kind: str, samples: int, sizes: tuple[int, int], batches: tuple[int, int], passes: int,
+              rounds: int) -> Calibration:
     """Run ``servecost.py``'s passes (one cold, then warm) on ``samples`` of the small size at
     two batch sizes, and on as many bytes of the large size from the RAM tier and from disk
-    (``--memory-cache 0``) at the larger batch; fit the costs."""
+    (``--memory-cache 0``) at the larger batch, ``rounds`` times in turn; fit the costs of each
+    round, and keep the median of each cost (a shared machine moves one round by a third)."""
     small, large = sizes
-    large_samples = max(8, samples * small // large)
+    counts = {small: samples, large: max(8, samples * small // large)}
     runs = {small: [("ram", batches[0]), ("ram", batches[1])], large: [("ram", batches[1]), ("disk", batches[1])]}
-    measured: dict[tuple[int, str, int], list[servecost.Pass]] = {}
+    measured: dict[tuple[int, str, int], list[list[servecost.Pass]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for size, configurations in runs.items():
-            count = samples if size == small else large_samples
-            with seeded_s3(kind, count, format_size(size), "4MiB", fields="bin") as server:
-                for configuration, batch in configurations:
-                    args = argparse.Namespace(samples=count, bytes=size, clients=4, batch=batch, passes=passes,
-                                              workers=1, serve_arg=[], profile=None)
-                    measured[size, configuration, batch] = servecost.run(
-                        f"{configuration}-{format_size(size)}-b{batch}", servecost.CONFIGURATIONS[configuration],
-                        args, server, Path(tmp))
+            with seeded_s3(kind, counts[size], format_size(size), "4MiB", fields="bin") as server:
+                for _ in range(rounds):
+                    for configuration, batch in configurations:
+                        args = argparse.Namespace(samples=counts[size], bytes=size, clients=4, batch=batch,
+                                                  passes=passes, workers=1, serve_arg=[], profile=None)
+                        measured.setdefault((size, configuration, batch), []).append(servecost.run(
+                            f"{configuration}-{format_size(size)}-b{batch}", servecost.CONFIGURATIONS[configuration],
+                            args, server, Path(tmp)))
 
-    def warm_us_per_sample(size: int, configuration: str, batch: int) -> float:
-        """Service CPU per sample over the warm passes together (each alone is a few /proc ticks)."""
-        got = measured[size, configuration, batch][1:]
-        return 1e6 * sum(p.service_cpu for p in got) / ((samples if size == small else large_samples) * len(got))
+    def fit(number: int) -> dict[str, float]:
+        """The costs from round ``number``'s passes."""
+        def warm_us_per_sample(size: int, configuration: str, batch: int) -> float:
+            """Over the warm passes together (each alone is a few of /proc's 10 ms ticks)."""
+            got = measured[size, configuration, batch][number][1:]
+            return 1e6 * sum(p.service_cpu for p in got) / (counts[size] * len(got))
 
-    fit = RequestCost.fit(batches, tuple(warm_us_per_sample(small, "ram", b) * b for b in batches))
-    small_us, large_us = warm_us_per_sample(small, "ram", batches[1]), warm_us_per_sample(large, "ram", batches[1])
-    large_cold_us = 1e6 * measured[large, "ram", batches[1]][0].service_cpu / large_samples
-    large_mib = large / MiB
+        request = RequestCost.fit(batches, tuple(warm_us_per_sample(small, "ram", b) * b for b in batches))
+        small_us, large_us = warm_us_per_sample(small, "ram", batches[1]), warm_us_per_sample(large, "ram", batches[1])
+        large_cold_us = 1e6 * measured[large, "ram", batches[1]][number][0].service_cpu / counts[large]
+        return {"fixed_us": request.fixed_us, "per_member_us": request.per_sample_us,
+                "per_mib_us": (large_us - small_us) / ((large - small) / MiB),
+                "cold_per_mib_us": (large_cold_us - large_us) / (large / MiB),
+                "disk_per_mib_us": (warm_us_per_sample(large, "disk", batches[1]) - large_us) / (large / MiB)}
+
+    fits = [fit(number) for number in range(rounds)]
     return Calibration(
-        fixed_us=fit.fixed_us, per_member_us=fit.per_sample_us, per_mib_us=(large_us - small_us) / (large_mib - small / MiB),
-        cold_per_mib_us=(large_cold_us - large_us) / large_mib,
-        disk_per_mib_us=(warm_us_per_sample(large, "disk", batches[1]) - large_us) / large_mib,
+        **{name: statistics.median(f[name] for f in fits) for name in fits[0]},
         small_size=small, large_size=large, batches=batches,
         passes={f"{configuration} {format_size(size)} batch {batch}":
-                [{"mib": p.mib, "seconds": p.seconds, "service_cpu": p.service_cpu} for p in got]
-                for (size, configuration, batch), got in measured.items()},
+                [[{"mib": p.mib, "seconds": p.seconds, "service_cpu": p.service_cpu} for p in got] for got in each]
+                for (size, configuration, batch), each in measured.items()},
         machine={"cores": os.cpu_count(), "load": os.getloadavg()[0],
                  "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "s3": kind})
 
@@ -369,13 +376,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_argument_group("calibration (one of them)")
     source.add_argument("--calibration", metavar="FILE", help="the costs measured by an earlier --calibrate")
     source.add_argument("--calibrate", metavar="FILE", help="measure the costs on this machine, write them to FILE")
-    source.add_argument("--calibration-samples", type=_positive_int, default=6000,
+    source.add_argument("--calibration-samples", type=_positive_int, default=12000,
                         help="samples of --calibration-sizes' first size per pass (default: %(default)s)")
     source.add_argument("--calibration-sizes", default="10KiB,256KiB",
                         help="the small and the large sample size (default: %(default)s)")
     source.add_argument("--calibration-batches", default="16,128", help="two batch sizes (default: %(default)s)")
-    source.add_argument("--calibration-passes", type=int, default=4,
+    source.add_argument("--calibration-passes", type=int, default=8,
                         help="passes per configuration, at least 2: the first cold (default: %(default)s)")
+    source.add_argument("--calibration-rounds", type=_positive_int, default=3,
+                        help="rounds of every configuration; each cost is the median of its rounds' "
+                             "(default: %(default)s)")
     source.add_argument("--s3", choices=S3_SERVERS, default=default_server(),
                         help="the S3 server --calibrate and --check start on loopback (default: %(default)s)")
     job = parser.add_argument_group("the job")
@@ -404,7 +414,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     check.add_argument("--check-samples", type=_positive_int, default=6000,
                        help="samples of 10 KiB in the check's datasets (default: %(default)s)")
     check.add_argument("--check-batch", type=_positive_int, default=256, help="(default: %(default)s)")
-    check.add_argument("--check-warm-epochs", type=_positive_int, default=3, help="(default: %(default)s)")
+    check.add_argument("--check-warm-epochs", type=_positive_int, default=10, help="(default: %(default)s)")
 
 
 def _pair(flag: str, text: str, parse) -> tuple:
@@ -445,7 +455,8 @@ def run(args: argparse.Namespace) -> int:
     if args.calibrate:
         sizes = _pair("--calibration-sizes", args.calibration_sizes, parse_size)
         batches = _pair("--calibration-batches", args.calibration_batches, int)
-        calibration = calibrate(args.s3, args.calibration_samples, sizes, batches, args.calibration_passes)
+        calibration = calibrate(args.s3, args.calibration_samples, sizes, batches, args.calibration_passes,
+                                args.calibration_rounds)
         calibration.save(Path(args.calibrate))
         print(f"calibration written to {args.calibrate}")
     else:
