@@ -24,11 +24,14 @@ The model (every figure per second, the job at its full rate ``R = gpus x gpu_ra
 - **Cache.** The cluster's cache is ``nodes x nvme`` (the RAM tier holds copies of disk
   blocks, so it adds speed, not room). Epoch 1 is cold: the store serves the whole dataset
   once (a shuffled epoch reads each block once: the client's ``windows`` shuffle keeps the
-  shards in play within the cache when the cache is smaller than the dataset). Each later
-  epoch hits ``h = min(1, cache / dataset)`` of the dataset: the plans' next-use eviction
-  keeps the blocks the next epoch reads first, so a cache of a quarter of the dataset saves a
-  quarter of the reads (plain LRU under a cyclic or random order would keep less). The
-  store reads ``(1 - h)`` of the dataset per epoch. ``--shuffle no`` changes neither.
+  shards in play within the cache when the cache is smaller than the dataset). A cache that
+  holds the dataset serves every later epoch: ``h = 1``. A smaller one keeps, for the next
+  epoch, what the order leaves it: the plans' next-use eviction keeps the blocks the next
+  epoch reads first. In index order (``--shuffle no``) that is the whole cache, ``h = cache /
+  dataset``; shuffled, the ``windows`` shuffle's shards in play take ``CACHE_SHARE`` of it
+  (``client/shuffles``: 0.75, the rest for read-ahead), and what outlives the epoch is the
+  rest, ``h = (1 - CACHE_SHARE) x cache / dataset`` (plain LRU would keep less). The store
+  reads ``(1 - h)`` of the dataset per epoch.
 - **Store.** Reads are ``ServiceConfig.fetch_window`` long when the dataset fits the cache,
   else ``ServiceConfig.block_size`` (``service/config.py``): requests/s = store bytes/s /
   read size. One connection moves ``read / (latency + read / per_connection_bandwidth)``
@@ -71,6 +74,7 @@ from shardfeed.benchmarks import servecost
 from shardfeed.benchmarks.replicas import DATASET, Phase, RequestCost, _batches, _epochs, _replicas
 from shardfeed.benchmarks.s3server import BENCH_DATA, S3_SERVERS, default_server, seeded_s3
 from shardfeed.client import Client
+from shardfeed.client.shuffles import CACHE_SHARE
 from shardfeed.process import scrape_metrics, start_service, stop_all
 from shardfeed.seeds.synthetic import DEFAULT_FIELDS
 from shardfeed.service.config import ServiceConfig
@@ -229,17 +233,24 @@ class Plan:
     """Nodes whose NVMe together hold the dataset."""
 
 
+def later_epoch_hit_ratio(cache: float, dataset: float, shuffle: bool) -> float:
+    """Share of the dataset an epoch after the first finds in a cache of ``cache`` bytes."""
+    if cache >= dataset:
+        return 1.0
+    return (1 - CACHE_SHARE if shuffle else 1.0) * cache / dataset
+
+
 def epochs_at(job: Job, hardware: Hardware, calibration: Calibration, nodes: int) -> tuple[list[Epoch], int]:
     """Each epoch's figures for the whole cluster of ``nodes``; and the store's read size."""
-    held = min(1.0, nodes * hardware.nvme / job.dataset_size)
+    cache = nodes * hardware.nvme
     config = ServiceConfig()
-    read = config.fetch_window if held >= 1 else config.block_size
+    read = config.fetch_window if cache >= job.dataset_size else config.block_size
     part = max(1.0, job.batch / (nodes * hardware.cores))
     in_ram = min(1.0, nodes * hardware.ram / job.dataset_size)
     rate = job.gpus * job.gpu_rate
     out = []
     for number in range(job.epochs):
-        hit = 0.0 if number == 0 else held
+        hit = 0.0 if number == 0 else later_epoch_hit_ratio(cache, job.dataset_size, job.shuffle)
         store = rate * job.sample_size * (1 - hit)
         out.append(Epoch(hit, store, store / read,
                          calibration.cpu_us(job.sample_size, job.members, part, 1 - hit, hit * (1 - in_ram))))
@@ -330,7 +341,7 @@ def check_replicas(calibration: Calibration, kind: str, samples: int, batch: int
 def check_cache(kind: str, samples: int, size: str) -> list[Row]:
     """Two epochs of the plain iterable recipe with a cache of twice the dataset and of a
     quarter of it: the share of the dataset read from the store in each."""
-    from shardfeed.client.torch import ShardfeedIterableDataset
+    from shardfeed.client.torch import ShardfeedIterableDataset  # torch: for the check only
 
     rows = []
     with seeded_s3(kind, samples, size, "1MiB") as s3, tempfile.TemporaryDirectory() as tmp:
@@ -338,7 +349,6 @@ def check_cache(kind: str, samples: int, size: str) -> list[Row]:
         dataset_bytes = sum(o["Size"] for o in listed if o["Key"].endswith(".tar"))
         for share in (2.0, 0.25):
             cache = max(MiB, int(share * dataset_bytes))
-            held = min(1.0, cache / dataset_bytes)
             with start_service({"data": BENCH_DATA}, cache_dir=Path(tmp) / f"{share}", cache_size=str(cache),
                                env=s3.env(), args=["--memory-cache", "0"]) as service:
                 ds = ShardfeedIterableDataset(service.url, "data", batch_size=64, collate_fn=None)
@@ -348,7 +358,7 @@ def check_cache(kind: str, samples: int, size: str) -> list[Row]:
                     seen = sum(len(batch) for batch in ds)
                     assert seen >= samples, f"epoch {epoch + 1} served {seen} of {samples} samples"
                     read = (scrape_metrics(service.url)["shardfeed_store_bytes_total"] - before) / dataset_bytes
-                    model = 1.0 if epoch == 0 else 1 - held
+                    model = 1.0 if epoch == 0 else 1 - later_epoch_hit_ratio(cache, dataset_bytes, True)
                     rows.append(Row(f"cache {share:g}x the dataset, epoch {epoch + 1}: store bytes / dataset",
                                     model, read))
     return rows

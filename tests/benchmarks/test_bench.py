@@ -13,9 +13,11 @@ import sys
 
 import pytest
 
+from shardfeed.benchmarks.capacity import Calibration
 from shardfeed.benchmarks.loaders import Epoch, paired_ratios
 from shardfeed.benchmarks.report import SCENARIOS
 from shardfeed.benchmarks.serverside import SKIP_NOTE
+from shardfeed.client.shuffles import CACHE_SHARE
 
 pytestmark = pytest.mark.slow  # starts several services, S3 servers or a browser; not in `make check`
 
@@ -323,3 +325,24 @@ def test_the_capacity_model_reads_the_figures_its_calibration_measured_and_refus
                                   *(["--calibration", str(calibration)] if args else [])],
                                  capture_output=True, text=True, timeout=60)
         assert refused.returncode == 1 and refused.stderr.startswith(f"shardfeed: error: {message}"), refused.stderr
+
+
+@pytest.mark.timeout(120)
+def test_the_capacity_check_runs_every_scenario_and_prints_model_against_measured(tmp_path):
+    calibration = tmp_path / "calibration.json"
+    Calibration(fixed_us=200, per_member_us=4, per_mib_us=250, cold_per_mib_us=1600, disk_per_mib_us=800,
+                small_size=10 << 10, large_size=256 << 10, batches=(16, 128), passes={}, machine={}).save(calibration)
+    out = run_benchmark("capacity", "--calibration", str(calibration), "--check", "--check-samples", "600",
+                        "--check-batch", "96", "--check-warm-epochs", "1", timeout=110)
+    rows = re.findall(r"^(.+?) +(\d+\.\d{3}) +(\d+\.\d{3}) +(\d+\.\d\d|inf) +(yes|NO)$", out.stdout, re.M)
+    assert [r[0].split(":")[0] for r in rows] == [
+        "1 service, warm, batch 96", "3 replicas routed, warm, parts of 32", "cache 2x the dataset, epoch 1",
+        "cache 2x the dataset, epoch 2", "cache 0.25x the dataset, epoch 1", "cache 0.25x the dataset, epoch 2"], rows
+    model = {r[0].split(":")[0]: (float(r[1]), float(r[2])) for r in rows}
+    # 200 us / 96 + 2 members x 4 us - 250 us/MiB x 10 KiB (the cls member has next to no bytes)
+    assert model["1 service, warm, batch 96"][0] == pytest.approx(200 / 96 + 8 - 250 * 10 / 1024, abs=1e-3)
+    assert model["cache 2x the dataset, epoch 1"][0] == 1 and 0.9 < model["cache 2x the dataset, epoch 1"][1] < 1.1
+    assert model["cache 2x the dataset, epoch 2"] == (0, 0)  # all from the cache
+    # Shuffled (the client's windows), a quarter of the dataset's cache outlives the epoch less its window.
+    assert model["cache 0.25x the dataset, epoch 2"][0] == pytest.approx(1 - (1 - CACHE_SHARE) * 0.25, abs=1e-3)
+    assert model["cache 0.25x the dataset, epoch 2"][1] > 0
