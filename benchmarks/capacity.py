@@ -18,9 +18,10 @@ The model (every figure per second, the job at its full rate ``R = gpus x gpu_ra
   ``disk_per_mib x size_MiB`` for the share of cache hits that miss the RAM tier (a node's
   RAM tier holds ``min(1, ram / (dataset / nodes))`` of its share). ``fixed`` and
   ``per_member`` are fitted from warm passes at two batch sizes of one-member samples of
-  ``small`` bytes; ``per_mib`` from two sample sizes; ``cold_per_mib`` and ``disk_per_mib`` from cold passes and from passes with
-  ``--memory-cache 0`` (``--calibrate``: ``servecost.py``'s passes, nothing typed in).
-  Nodes for the CPU: ``R x c / (cores x 1e6 us)``.
+  ``small`` bytes; ``per_mib`` from two sample sizes; ``cold_per_mib`` and ``disk_per_mib``
+  from cold passes and from passes with ``--memory-cache 0`` (``--calibrate``:
+  ``servecost.py``'s passes, nothing typed in). Nodes for the CPU: ``R x c / (cores x 1e6
+  us)`` in the busiest epoch.
 - **Cache.** The cluster's cache is ``nodes x nvme`` (the RAM tier holds copies of disk
   blocks, so it adds speed, not room). Epoch 1 is cold: the store serves the whole dataset
   once (a shuffled epoch reads each block once: the client's ``windows`` shuffle keeps the
@@ -41,7 +42,8 @@ The model (every figure per second, the job at its full rate ``R = gpus x gpu_ra
 - **NIC.** Full duplex: a node sends its share of the samples and receives its share of the
   store reads; the larger one over ``--nic``. Routed clients cause no replica-to-replica hops.
 - Nodes needed: the smallest count at which CPU, NIC and store bandwidth all fit in every
-  epoch; the resource that needed the most nodes binds first. The cache is reported beside:
+  epoch; the resource that needed the most nodes binds first (or the store's requests, when
+  the busiest epoch asks more than ``--store-requests``). The cache is reported beside:
   the nodes that would hold the whole dataset, and the hit ratio per epoch at the nodes needed.
 
 ``--check`` runs two of the repository's loopback scenarios small and prints the model's
@@ -412,7 +414,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hardware.add_argument("--nic", type=float, default=25, help="Gb/s each way (default: %(default)s)")
     hardware.add_argument("--nvme", type=parse_size, default="3TiB", help="block cache (default: %(default)s)")
     hardware.add_argument("--ram", type=parse_size, default="64GiB", help="RAM tier (default: %(default)s)")
-    hardware.add_argument("--latency-ms", type=float, default=20, help="store's time to first byte (default: %(default)s)")
+    hardware.add_argument("--latency-ms", type=float, default=20,
+                          help="store's time to first byte (default: %(default)s)")
     hardware.add_argument("--connection-bandwidth", type=float, default=100,
                           help="MB/s of one store connection (default: %(default)s)")
     hardware.add_argument("--connections", type=int, default=config.max_store_requests,
@@ -441,7 +444,8 @@ def validate(args: argparse.Namespace) -> None:
     """``ValueError`` naming the first input out of range, as it was given."""
     if bool(args.calibration) == bool(args.calibrate):
         raise ValueError("give one of --calibration FILE (costs measured before) and --calibrate FILE (measure now)")
-    for name in ("gpus", "gpu_rate", "sample_size", "fields_per_sample", "dataset_size", "epochs", "batch", "cores", "nic", "nvme",
+    for name in ("gpus", "gpu_rate", "sample_size", "fields_per_sample", "dataset_size", "epochs", "batch", "cores",
+                 "nic", "nvme",
                  "latency_ms", "connection_bandwidth", "connections", "store_requests"):
         value = getattr(args, name)
         if not (math.isfinite(value) and value > 0):
@@ -458,8 +462,8 @@ def validate(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     validate(args)  # before minutes of runs
-    job = Job(args.gpus, args.gpu_rate, args.sample_size, args.fields_per_sample, args.dataset_size, args.epochs, args.shuffle == "yes",
-              args.batch)
+    job = Job(args.gpus, args.gpu_rate, args.sample_size, args.fields_per_sample, args.dataset_size, args.epochs,
+              args.shuffle == "yes", args.batch)
     hardware = Hardware(args.cores, args.nic * 1e9 / 8, args.nvme, args.ram, args.latency_ms / 1e3,
                         args.connection_bandwidth * 1e6, args.connections, args.store_requests)
     if args.calibrate:

@@ -288,14 +288,16 @@ def test_the_stall_benchmark_compares_every_loader_with_the_ceiling_and_plots_it
 def test_the_capacity_model_reads_the_figures_its_calibration_measured_and_refuses_bad_input(tmp_path):
     calibration = tmp_path / "calibration.json"
     out = run_benchmark("capacity", "--calibrate", str(calibration), "--calibration-samples", "300",
-                        "--calibration-sizes", "10KiB,64KiB", "--calibration-passes", "2", "--calibration-rounds", "1", "--gpus", "4",
+                        "--calibration-sizes", "10KiB,64KiB", "--calibration-passes", "2", "--calibration-rounds", "1",
+                        "--gpus", "4",
                         timeout=140)
     figures = json.loads(calibration.read_text())
     # Every pass servecost printed is in the file, with the service CPU it printed.
     printed = {m[1]: float(m[2]) for m in re.finditer(r"^(\S+-\d+KiB-b\d+ (?:cold|warm 1)) +(\d+\.\d\d) ms/MiB",
                                                       out.stdout, re.M)}
     stored = {f"{c.replace(' ', '-').replace('-batch-', '-b')} {'cold' if n == 0 else 'warm 1'}":
-              p["service_cpu"] / p["mib"] * 1e3 for c, [passes] in figures["passes"].items() for n, p in enumerate(passes)}
+              p["service_cpu"] / p["mib"] * 1e3
+              for c, [passes] in figures["passes"].items() for n, p in enumerate(passes)}
     assert len(printed) == 8 and set(printed) == set(stored), (printed, stored)
     assert all(abs(printed[k] - stored[k]) < 0.006 for k in printed), (printed, stored)
     assert figures["batches"] == [16, 128] and figures["small_size"] == 10 << 10 and figures["large_size"] == 64 << 10
