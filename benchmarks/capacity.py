@@ -224,7 +224,7 @@ class Epoch:
 
 
 @dataclass
-class Plan:
+class Sizing:
     nodes: int
     needs: dict[str, float]
     """Resource -> nodes it needs (fractional) at ``nodes``."""
@@ -259,7 +259,7 @@ def epochs_at(job: Job, hardware: Hardware, calibration: Calibration, nodes: int
     return out, read
 
 
-def plan(job: Job, hardware: Hardware, calibration: Calibration) -> Plan:
+def size_cluster(job: Job, hardware: Hardware, calibration: Calibration) -> Sizing:
     """The fewest nodes at which CPU, NIC and store bandwidth fit in every epoch."""
     rate = job.gpus * job.gpu_rate
     nodes = 1
@@ -279,10 +279,10 @@ def plan(job: Job, hardware: Hardware, calibration: Calibration) -> Plan:
     worst_requests = max(e.store_requests_per_s for e in epochs)
     if worst_requests > hardware.store_requests:
         binds = f"store requests ({worst_requests:,.0f}/s asked, {hardware.store_requests:,.0f}/s allowed)"
-    return Plan(nodes, needs, binds, epochs, read, math.ceil(job.dataset_size / hardware.nvme))
+    return Sizing(nodes, needs, binds, epochs, read, math.ceil(job.dataset_size / hardware.nvme))
 
 
-def render(job: Job, hardware: Hardware, result: Plan) -> str:
+def render(job: Job, hardware: Hardware, result: Sizing) -> str:
     rate = job.gpus * job.gpu_rate
     lines = [f"job: {job.gpus} GPUs x {job.gpu_rate:,.0f} samples/s = {rate:,.0f} samples/s of "
              f"{format_size(job.sample_size)} ({rate * job.sample_size / 1e9:,.2f} GB/s), dataset "
@@ -480,7 +480,7 @@ def run(args: argparse.Namespace) -> int:
           f"{calibration.per_member_us:.2f} us per {format_size(calibration.small_size)} member + "
           f"{calibration.per_mib_us:.0f} us per further MiB warm; cold +{calibration.cold_per_mib_us:.0f} us/MiB, "
           f"from disk +{calibration.disk_per_mib_us:.0f} us/MiB")
-    print(render(job, hardware, plan(job, hardware, calibration)))
+    print(render(job, hardware, size_cluster(job, hardware, calibration)))
     if args.check:
         rows = check_replicas(calibration, args.s3, args.check_samples, args.check_batch, args.check_warm_epochs)
         rows += check_cache(args.s3, args.check_samples, "10KiB")

@@ -289,8 +289,7 @@ def test_the_capacity_model_reads_the_figures_its_calibration_measured_and_refus
     calibration = tmp_path / "calibration.json"
     out = run_benchmark("capacity", "--calibrate", str(calibration), "--calibration-samples", "300",
                         "--calibration-sizes", "10KiB,64KiB", "--calibration-passes", "2", "--calibration-rounds", "1",
-                        "--gpus", "4",
-                        timeout=140)
+                        "--gpus", "4", timeout=140)
     figures = json.loads(calibration.read_text())
     # Every pass servecost printed is in the file, with the service CPU it printed.
     printed = {m[1]: float(m[2]) for m in re.finditer(r"^(\S+-\d+KiB-b\d+ (?:cold|warm 1)) +(\d+\.\d\d) ms/MiB",
