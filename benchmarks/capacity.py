@@ -294,6 +294,9 @@ def render(job: Job, hardware: Hardware, result: Sizing) -> str:
     lines.append(f"  {'cache':18s}{result.cache_nodes:10d}   (to hold the whole dataset; "
                  f"{result.nodes} nodes hold {min(1.0, result.nodes * hardware.nvme / job.dataset_size):.0%})")
     lines.append(f"binds first: {result.binds}")
+    members = result.nodes * hardware.cores
+    lines.append(f"each batch of {job.batch} goes to {members} members (nodes x cores) in parts of "
+                 f"{max(1.0, job.batch / members):.1f} samples")
     lines.append(f"store reads of {format_size(result.read_size)}; per epoch:")
     lines.append("epoch  cache hit ratio  S3 requests/s   S3 bytes/s   service CPU us/sample")
     lines += [f"{n + 1:5d}  {e.hit_ratio:15.2f}  {e.store_requests_per_s:13,.0f}  {e.store_bytes_per_s / 1e9:8.2f} GB/s"
