@@ -53,7 +53,8 @@ prediction beside the measurement, with the ratio (the target: within 25%):
   ``--check-batch``: service CPU per sample (what a replica's samples/s per core follow);
 - an epoch run as ``recipes.py`` makes it (``ShardfeedIterableDataset``, its plan and default
   shuffle, ``--memory-cache 0``), two epochs with a cache of twice the dataset and of a
-  quarter of it: the share of the dataset read from the store per epoch.
+  quarter of it, and with a quarter in index order: the share of the dataset read from the
+  store per epoch.
 """
 
 from __future__ import annotations
@@ -345,26 +346,29 @@ def check_replicas(calibration: Calibration, kind: str, samples: int, batch: int
 
 def check_cache(kind: str, samples: int, size: str) -> list[Row]:
     """Two epochs of the plain iterable recipe with a cache of twice the dataset and of a
-    quarter of it: the share of the dataset read from the store in each."""
+    quarter of it (its default shuffle), and with a quarter in index order (``shuffle=False``):
+    the share of the dataset read from the store in each."""
     from shardfeed.client.torch import ShardfeedIterableDataset  # torch: for the check only
 
     rows = []
     with seeded_s3(kind, samples, size, "1MiB") as s3, tempfile.TemporaryDirectory() as tmp:
         listed = s3.client().list_objects_v2(Bucket="bench", Prefix="data/")["Contents"]
         dataset_bytes = sum(o["Size"] for o in listed if o["Key"].endswith(".tar"))
-        for share in (2.0, 0.25):
+        for share, shuffle in ((2.0, True), (0.25, True), (0.25, False)):
             cache = max(MiB, int(share * dataset_bytes))
-            with start_service({"data": BENCH_DATA}, cache_dir=Path(tmp) / f"{share}", cache_size=str(cache),
-                               env=s3.env(), args=["--memory-cache", "0"]) as service:
-                ds = ShardfeedIterableDataset(service.url, "data", batch_size=64, collate_fn=None)
+            with start_service({"data": BENCH_DATA}, cache_dir=Path(tmp) / f"{share}-{shuffle}",
+                               cache_size=str(cache), env=s3.env(), args=["--memory-cache", "0"]) as service:
+                ds = ShardfeedIterableDataset(service.url, "data", batch_size=64, collate_fn=None,
+                                              shuffle=None if shuffle else False)  # None: its default
                 for epoch in range(2):
                     ds.set_epoch(epoch)
                     before = scrape_metrics(service.url)["shardfeed_store_bytes_total"]
                     seen = sum(len(batch) for batch in ds)
                     assert seen >= samples, f"epoch {epoch + 1} served {seen} of {samples} samples"
                     read = (scrape_metrics(service.url)["shardfeed_store_bytes_total"] - before) / dataset_bytes
-                    model = 1.0 if epoch == 0 else 1 - later_epoch_hit_ratio(cache, dataset_bytes, True)
-                    rows.append(Row(f"cache {share:g}x the dataset, epoch {epoch + 1}: store bytes / dataset",
+                    model = 1.0 if epoch == 0 else 1 - later_epoch_hit_ratio(cache, dataset_bytes, shuffle)
+                    order = "" if shuffle else ", index order"
+                    rows.append(Row(f"cache {share:g}x the dataset{order}, epoch {epoch + 1}: store bytes / dataset",
                                     model, read))
     return rows
 

@@ -338,7 +338,8 @@ def test_the_capacity_check_runs_every_scenario_and_prints_model_against_measure
     rows = re.findall(r"^(.+?) +(\d+\.\d{3}) +(\d+\.\d{3}) +(\d+\.\d\d|inf) +(yes|NO)$", out.stdout, re.M)
     assert [r[0].split(":")[0] for r in rows] == [
         "1 service, warm, batch 96", "3 replicas routed, warm, parts of 32", "cache 2x the dataset, epoch 1",
-        "cache 2x the dataset, epoch 2", "cache 0.25x the dataset, epoch 1", "cache 0.25x the dataset, epoch 2"], rows
+        "cache 2x the dataset, epoch 2", "cache 0.25x the dataset, epoch 1", "cache 0.25x the dataset, epoch 2",
+        "cache 0.25x the dataset, index order, epoch 1", "cache 0.25x the dataset, index order, epoch 2"], rows
     model = {r[0].split(":")[0]: (float(r[1]), float(r[2])) for r in rows}
     # 200 us / 96 + 2 members x 4 us - 250 us/MiB x 10 KiB (the cls member has next to no bytes)
     assert model["1 service, warm, batch 96"][0] == pytest.approx(200 / 96 + 8 - 250 * 10 / 1024, abs=1e-3)
@@ -347,3 +348,4 @@ def test_the_capacity_check_runs_every_scenario_and_prints_model_against_measure
     # Shuffled (the client's windows), a quarter of the dataset's cache outlives the epoch less its window.
     assert model["cache 0.25x the dataset, epoch 2"][0] == pytest.approx(1 - (1 - CACHE_SHARE) * 0.25, abs=1e-3)
     assert model["cache 0.25x the dataset, epoch 2"][1] > 0
+    assert model["cache 0.25x the dataset, index order, epoch 2"][0] == pytest.approx(0.75, abs=1e-3)
