@@ -50,7 +50,8 @@ The model (every figure per second, the job at its full rate ``R = gpus x gpu_ra
 prediction beside the measurement, with the ratio (the target: within 25%):
 
 - ``replicas.py``'s: one ``serve --workers 1`` against three routed replicas, warm, batches of
-  ``--check-batch``: service CPU per sample (what a replica's samples/s per core follow);
+  ``--check-batch``, in alternating rounds: the median service CPU per sample (what a
+  replica's samples/s per core follow);
 - an epoch run as ``recipes.py`` makes it (``ShardfeedIterableDataset``, its plan and default
   shuffle, ``--memory-cache 0``), two epochs with a cache of twice the dataset and of a
   quarter of it, and with a quarter in index order: the share of the dataset read from the
@@ -318,30 +319,35 @@ class Row:
         return self.measured / self.model if self.model else (1.0 if self.measured == 0 else math.inf)
 
 
-def check_replicas(calibration: Calibration, kind: str, samples: int, batch: int, warm_epochs: int) -> list[Row]:
-    """``replicas.py``'s single service and three routed replicas, warm: CPU per sample."""
+def check_replicas(calibration: Calibration, kind: str, samples: int, batch: int, warm_epochs: int,
+                   rounds: int) -> list[Row]:
+    """``replicas.py``'s single service and three routed replicas, warm, in ``rounds`` alternating
+    rounds of ``warm_epochs`` each: the median service CPU per sample of each."""
     size = "10KiB"
     orders = [np.random.default_rng(e).permutation(samples) for e in range(1 + warm_epochs)]
     cold, warm = _batches(orders[:1], batch), _batches(orders[1:], batch)
-    measured = {}
+    measured: dict[str, list[float]] = {}
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         s3 = stack.enter_context(seeded_s3(kind, samples, size, "4MiB"))
         single = stack.enter_context(start_service({DATASET: BENCH_DATA}, cache_dir=Path(tmp) / "single",
                                                    env=s3.env()))
         topologies = {"1 service": [single], "3 replicas": _replicas(BENCH_DATA, Path(tmp) / "replicas", s3.env())}
         try:
+            clients = {label: stack.enter_context(Client([s.url for s in services]))
+                       for label, services in topologies.items()}
             for label, services in topologies.items():
-                with Client([s.url for s in services]) as client:
-                    _epochs(client, services, cold, 4)
-                    phase = Phase(warm_epochs * samples, *_epochs(client, services, warm, 4))
-                measured[label] = phase.cpu_us_per_sample
+                _epochs(clients[label], services, cold, 4)
+            for _ in range(rounds):
+                for label, services in topologies.items():
+                    phase = Phase(warm_epochs * samples, *_epochs(clients[label], services, warm, 4))
+                    measured.setdefault(label, []).append(phase.cpu_us_per_sample)
         finally:
             stop_all(topologies["3 replicas"])
     size_bytes, members = parse_size(size), len(DEFAULT_FIELDS)  # replicas.py's samples: bin and cls
     return [Row(f"1 service, warm, batch {batch}: service CPU us/sample",
-                calibration.cpu_us(size_bytes, members, batch, 0, 0), measured["1 service"]),
+                calibration.cpu_us(size_bytes, members, batch, 0, 0), statistics.median(measured["1 service"])),
             Row(f"3 replicas routed, warm, parts of {batch / 3:.0f}: service CPU us/sample",
-                calibration.cpu_us(size_bytes, members, batch / 3, 0, 0), measured["3 replicas"])]
+                calibration.cpu_us(size_bytes, members, batch / 3, 0, 0), statistics.median(measured["3 replicas"]))]
 
 
 def check_cache(kind: str, samples: int, size: str) -> list[Row]:
@@ -434,7 +440,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     check.add_argument("--check-samples", type=_positive_int, default=6000,
                        help="samples of 10 KiB in the check's datasets (default: %(default)s)")
     check.add_argument("--check-batch", type=_positive_int, default=256, help="(default: %(default)s)")
-    check.add_argument("--check-warm-epochs", type=_positive_int, default=10, help="(default: %(default)s)")
+    check.add_argument("--check-warm-epochs", type=_positive_int, default=10,
+                       help="warm epochs per round (default: %(default)s)")
+    check.add_argument("--check-rounds", type=_positive_int, default=3,
+                       help="alternating rounds of the single service and the replicas; the medians count "
+                            "(default: %(default)s)")
 
 
 def _pair(flag: str, text: str, parse) -> tuple:
@@ -489,7 +499,8 @@ def run(args: argparse.Namespace) -> int:
           f"from disk +{calibration.disk_per_mib_us:.0f} us/MiB")
     print(render(job, hardware, size_cluster(job, hardware, calibration)))
     if args.check:
-        rows = check_replicas(calibration, args.s3, args.check_samples, args.check_batch, args.check_warm_epochs)
+        rows = check_replicas(calibration, args.s3, args.check_samples, args.check_batch, args.check_warm_epochs,
+                              args.check_rounds)
         rows += check_cache(args.s3, args.check_samples, "10KiB")
         print("\nmodel vs measured (ratio = measured / model):")
         print(render_check(rows))

@@ -334,7 +334,7 @@ def test_the_capacity_check_runs_every_scenario_and_prints_model_against_measure
     Calibration(fixed_us=200, per_member_us=4, per_mib_us=250, cold_per_mib_us=1600, disk_per_mib_us=800,
                 small_size=10 << 10, large_size=256 << 10, batches=(16, 128), passes={}, machine={}).save(calibration)
     out = run_benchmark("capacity", "--calibration", str(calibration), "--check", "--check-samples", "600",
-                        "--check-batch", "96", "--check-warm-epochs", "1", timeout=110)
+                        "--check-batch", "96", "--check-warm-epochs", "1", "--check-rounds", "1", timeout=110)
     rows = re.findall(r"^(.+?) +(\d+\.\d{3}) +(\d+\.\d{3}) +(\d+\.\d\d|inf) +(yes|NO)$", out.stdout, re.M)
     assert [r[0].split(":")[0] for r in rows] == [
         "1 service, warm, batch 96", "3 replicas routed, warm, parts of 32", "cache 2x the dataset, epoch 1",
