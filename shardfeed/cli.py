@@ -28,6 +28,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                         "or loose objects (--objects)"),
     "demo": ("shardfeed.client.demo", "train a small model through the service"),
     "bench": ("shardfeed.benchmarks.run", "benchmark shardfeed against one GET per sample"),
+    "capacity": ("shardfeed.benchmarks.capacity", "the shardfeed nodes, S3 traffic and cache a training job needs, "
+                                                  "from costs measured here (--calibrate) and checked (--check)"),
     "stack": ("shardfeed.stack", "run the docker-compose stack as local processes: SeaweedFS, seeder, 3 replicas"),
     "ps": ("shardfeed.tools.ps", "list the shardfeed services running on this node"),
     "stop": ("shardfeed.tools.stop", "stop this node's shardfeed services (default: the node service)"),

@@ -13,9 +13,11 @@ import sys
 
 import pytest
 
+from shardfeed.benchmarks.capacity import Calibration
 from shardfeed.benchmarks.loaders import Epoch, paired_ratios
 from shardfeed.benchmarks.report import SCENARIOS
 from shardfeed.benchmarks.serverside import SKIP_NOTE
+from shardfeed.client.shuffles import CACHE_SHARE
 
 pytestmark = pytest.mark.slow  # starts several services, S3 servers or a browser; not in `make check`
 
@@ -280,3 +282,70 @@ def test_the_stall_benchmark_compares_every_loader_with_the_ceiling_and_plots_it
     refused = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.stall", "--loaders", "petastorm"],
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "--loaders takes some of" in refused.stderr
+
+
+@pytest.mark.timeout(150)
+def test_the_capacity_model_reads_the_figures_its_calibration_measured_and_refuses_bad_input(tmp_path):
+    calibration = tmp_path / "calibration.json"
+    out = run_benchmark("capacity", "--calibrate", str(calibration), "--calibration-samples", "300",
+                        "--calibration-sizes", "10KiB,64KiB", "--calibration-passes", "2", "--calibration-rounds", "1",
+                        "--gpus", "4", timeout=140)
+    figures = json.loads(calibration.read_text())
+    # Every pass servecost printed is in the file, with the service CPU it printed.
+    printed = {m[1]: float(m[2]) for m in re.finditer(r"^(\S+-\d+KiB-b\d+ (?:cold|warm 1)) +(\d+\.\d\d) ms/MiB",
+                                                      out.stdout, re.M)}
+    stored = {f"{c.replace(' ', '-').replace('-batch-', '-b')} {'cold' if n == 0 else 'warm 1'}":
+              p["service_cpu"] / p["mib"] * 1e3
+              for c, [passes] in figures["passes"].items() for n, p in enumerate(passes)}
+    assert len(printed) == 8 and set(printed) == set(stored), (printed, stored)
+    assert all(abs(printed[k] - stored[k]) < 0.006 for k in printed), (printed, stored)
+    assert figures["batches"] == [16, 128] and figures["small_size"] == 10 << 10 and figures["large_size"] == 64 << 10
+    # The fit is the one of those passes' warm CPU (each pass serves all 300 small samples).
+    warm = [figures["passes"][f"ram 10KiB batch {b}"][0][1]["service_cpu"] * 1e6 / 300 * b for b in (16, 128)]
+    per_member = (warm[1] - warm[0]) / (128 - 16)
+    assert figures["per_member_us"] == pytest.approx(per_member)
+    assert figures["fixed_us"] == pytest.approx(warm[0] - 16 * per_member, abs=1e-6)
+
+    # The model prints what the file says: change the file, the prediction follows.
+    figures.update(fixed_us=0, per_member_us=50.0, per_mib_us=0, cold_per_mib_us=0, disk_per_mib_us=0)
+    calibration.write_text(json.dumps(figures))
+    done = subprocess.run([sys.executable, "-m", "shardfeed", "capacity", "--calibration", str(calibration),
+                           "--gpus", "10", "--gpu-rate", "1000", "--cores", "1", "--epochs", "2"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "a request 0 us + 50.00 us per 10KiB member" in done.stdout, done.stdout
+    # 10,000 samples/s x 50 us = 0.5 s of CPU per second: one node of one core.
+    assert re.search(r"^shardfeed nodes needed: 1$", done.stdout, re.M) and re.search(r"CPU +0\.50$", done.stdout, re.M)
+    assert re.search(r"^ +1 +0\.00 .* +50\.0$", done.stdout, re.M) and re.search(r"^ +2 +1\.00 +0 ", done.stdout, re.M)
+
+    for args, message in ((["--gpus", "0"], "--gpus must be positive, not 0"),
+                          (["--nic", "-1"], "--nic must be positive, not -1"),
+                          (["--sample-size", "2TiB"], "--sample-size 2TiB is larger than --dataset-size 1TiB"),
+                          ([], "give one of --calibration FILE")):
+        refused = subprocess.run([sys.executable, "-m", "shardfeed", "capacity", *args,
+                                  *(["--calibration", str(calibration)] if args else [])],
+                                 capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 1 and refused.stderr.startswith(f"shardfeed: error: {message}"), refused.stderr
+
+
+@pytest.mark.timeout(120)
+def test_the_capacity_check_runs_every_scenario_and_prints_model_against_measured(tmp_path):
+    calibration = tmp_path / "calibration.json"
+    Calibration(fixed_us=200, per_member_us=4, per_mib_us=250, cold_per_mib_us=1600, disk_per_mib_us=800,
+                small_size=10 << 10, large_size=256 << 10, batches=(16, 128), passes={}, machine={}).save(calibration)
+    out = run_benchmark("capacity", "--calibration", str(calibration), "--check", "--check-samples", "600",
+                        "--check-batch", "96", "--check-warm-epochs", "1", "--check-rounds", "1", timeout=110)
+    rows = re.findall(r"^(.+?) +(\d+\.\d{3}) +(\d+\.\d{3}) +(\d+\.\d\d|inf) +(yes|NO)$", out.stdout, re.M)
+    assert [r[0].split(":")[0] for r in rows] == [
+        "1 service, warm, batch 96", "3 replicas routed, warm, parts of 32", "cache 2x the dataset, epoch 1",
+        "cache 2x the dataset, epoch 2", "cache 0.25x the dataset, epoch 1", "cache 0.25x the dataset, epoch 2",
+        "cache 0.25x the dataset, index order, epoch 1", "cache 0.25x the dataset, index order, epoch 2"], rows
+    model = {r[0].split(":")[0]: (float(r[1]), float(r[2])) for r in rows}
+    # 200 us / 96 + 2 members x 4 us - 250 us/MiB x 10 KiB (the cls member has next to no bytes)
+    assert model["1 service, warm, batch 96"][0] == pytest.approx(200 / 96 + 8 - 250 * 10 / 1024, abs=1e-3)
+    assert model["cache 2x the dataset, epoch 1"][0] == 1 and 0.9 < model["cache 2x the dataset, epoch 1"][1] < 1.1
+    assert model["cache 2x the dataset, epoch 2"] == (0, 0)  # all from the cache
+    # Shuffled (the client's windows), a quarter of the dataset's cache outlives the epoch less its window.
+    assert model["cache 0.25x the dataset, epoch 2"][0] == pytest.approx(1 - (1 - CACHE_SHARE) * 0.25, abs=1e-3)
+    assert model["cache 0.25x the dataset, epoch 2"][1] > 0
+    assert model["cache 0.25x the dataset, index order, epoch 2"][0] == pytest.approx(0.75, abs=1e-3)
