@@ -163,5 +163,4 @@ def guarded(answerer, tokens: TokenFile, batches: TenantBatches, metrics: Metric
             metrics.tenant_requests.labels(tenant.name, "200").inc()
         return answered
 
-    answer.lane = bearer  # tenants take turns (``http/turns.py``): by token
     return answer

@@ -42,8 +42,6 @@ from collections.abc import Callable
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from shardfeed.service.http.turns import Turns
-
 log = logging.getLogger("shardfeed.protocol")
 
 HEAD_TIMEOUT = 10.0
@@ -69,8 +67,7 @@ InstantAnswerer = Callable[[dict, bytes], "tuple[list[tuple[bytes, bytes]], list
 """``(scope, body) -> (headers, parts) | None``: a route's 200 answered by the protocol itself
 (headers without the server's defaults; parts as for ``PARTS``), or None (the app answers).
 It must have no effect before it decides to answer: a declined request is answered again
-by the app. An answerer with a ``lane`` attribute, ``(scope) -> Hashable``, has its requests
-answered in turns between lanes (``turns.py``)."""
+by the app."""
 
 INSTANT_BYTES = WRITE_BUFFER
 """Most body bytes of an instant answer: it is written at once, without waiting for the
@@ -147,17 +144,8 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         if self._waiting is not None:
             cycle, app, answerer = self._waiting
             self._waiting = None
-            lane = getattr(answerer, "lane", None)
-            if lane is None:
-                self._answer(cycle, app, answerer)
-            else:  # its lane's turn first (``turns.py``)
-                Turns.of(self.loop).add(lane(cycle.scope), lambda: self._answer(cycle, app, answerer))
-
-    def _answer(self, cycle, app, answerer: InstantAnswerer) -> None:
-        if self.transport.is_closing():
-            return
-        if not self._answer_at_once(cycle, answerer):
-            super()._start_asgi_task(cycle, _GatheredWrites(app, cycle))
+            if not self._answer_at_once(cycle, answerer):
+                super()._start_asgi_task(cycle, _GatheredWrites(app, cycle))
 
     def _answer_at_once(self, cycle, answerer: InstantAnswerer) -> bool:
         """Write ``answerer``'s 200 for ``cycle``'s request and complete it as uvicorn would;
