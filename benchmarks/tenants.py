@@ -14,6 +14,7 @@ within 2x of solo), the heavy tenant's batches/s and its 429s.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -52,9 +53,13 @@ def latencies(url: str, samples: int, batch: int, batches: int, seed: int) -> np
     return np.array(out)
 
 
-def flood(url: str, samples: int, batch: int, threads: int, stop: threading.Event, counts: dict) -> list:
-    """``threads`` heavy-tenant threads posting random batches until ``stop``."""
+def flood(url: str, samples: int, batch: int, threads: int, stop, counts, began) -> None:
+    """``threads`` heavy-tenant threads posting random batches until ``stop`` (a process's
+    ``Event``), then their answers counted into ``counts`` (a queue) from ``began`` on (an
+    ``Event``: the light tenant's measurement starts). A process of its own: its threads
+    parsing answers would otherwise hold the GIL the light tenant's timing needs."""
     lock = threading.Lock()
+    tally: dict[str, int] = {}
 
     def work(seed: int) -> None:
         rng = np.random.default_rng(1000 + seed)
@@ -65,13 +70,17 @@ def flood(url: str, samples: int, batch: int, threads: int, stop: threading.Even
                     key = "served"
                 except ShardfeedHTTPError as err:
                     key = str(err.status)
-                with lock:
-                    counts[key] = counts.get(key, 0) + 1
+                if began.is_set():
+                    with lock:
+                        tally[key] = tally.get(key, 0) + 1
 
     workers = [threading.Thread(target=work, args=(n,), daemon=True) for n in range(threads)]
     for worker in workers:
         worker.start()
-    return workers
+    stop.wait()
+    for worker in workers:
+        worker.join(60)
+    counts.put(tally)
 
 
 def main(argv=None) -> int:
@@ -96,16 +105,19 @@ def main(argv=None) -> int:
                 for start in range(0, args.samples, 256):
                     client.get_batch("bench", list(range(start, min(start + 256, args.samples))))
             solo = latencies(service.url, args.samples, args.batch, args.batches, 0)
-            stop, counts = threading.Event(), {}
-            workers = flood(service.url, args.samples, args.batch, args.heavy_inflight, stop, counts)
-            time.sleep(1.0)  # the heavy tenant at full load
-            began, before = time.perf_counter(), dict(counts)
+            spawn = multiprocessing.get_context("spawn")
+            stop, began, counts = spawn.Event(), spawn.Event(), spawn.Queue()
+            heavy = spawn.Process(target=flood, args=(service.url, args.samples, args.batch, args.heavy_inflight,
+                                                      stop, counts, began))
+            heavy.start()
+            time.sleep(3.0)  # the heavy tenant's process up and at full load
+            began.set()
+            started = time.perf_counter()
             loaded = latencies(service.url, args.samples, args.batch, args.batches, 1)
-            seconds = time.perf_counter() - began
-            during = {k: counts.get(k, 0) - before.get(k, 0) for k in counts}
+            seconds = time.perf_counter() - started
             stop.set()
-            for worker in workers:
-                worker.join(60)
+            during = counts.get(timeout=120)
+            heavy.join(60)
     p = {name: (np.percentile(v, 50) * 1e3, np.percentile(v, 99) * 1e3) for name, v in (("solo", solo),
                                                                                           ("loaded", loaded))}
     print(f"{args.samples} x {args.size}, batches of {args.batch}, shardfeed serve --workers {args.workers}; "
