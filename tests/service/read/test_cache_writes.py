@@ -9,7 +9,6 @@ import asyncio
 import threading
 
 import numpy as np
-import pytest
 
 from shardfeed.service.cache.disk import BlockCache
 from shardfeed.service.config import ServiceConfig
@@ -18,17 +17,9 @@ from shardfeed.service.observe.metrics import Metrics
 from shardfeed.service.read import fetcher as fetcher_module
 from shardfeed.service.read.coalescer import Coalescer
 
-from common.datasets import dir_put, make_dataset
 from common.reliability import expected_members
 
-SAMPLES, PER_SHARD, BLOCK = 200, 50, 64 * 1024
-
-
-@pytest.fixture(scope="module")
-def written(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cache-writes")
-    source = make_dataset(dir_put(root), samples=SAMPLES, per_shard=PER_SHARD, sizes=(900, 1100))
-    return root, source
+BLOCK = 64 * 1024  # blocks of about 30 samples of the `written` dataset (conftest.py)
 
 
 def test_a_full_write_queue_skips_caching_and_never_delays_a_read(written, tmp_path, monkeypatch):

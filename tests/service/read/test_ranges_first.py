@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
-import pytest
 
 from shardfeed.service.cache.disk import BlockCache
 from shardfeed.service.cache.names import BlockKey
@@ -17,17 +16,9 @@ from shardfeed.service.datasets.dataset import open_dataset
 from shardfeed.service.observe.metrics import Metrics
 from shardfeed.service.read.coalescer import Coalescer
 
-from common.datasets import dir_put, make_dataset
 from common.reliability import expected_members
 
-SAMPLES, PER_SHARD, BLOCK = 200, 50, 64 * 1024
-
-
-@pytest.fixture(scope="module")
-def written(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ranges-first")
-    source = make_dataset(dir_put(root), samples=SAMPLES, per_shard=PER_SHARD, sizes=(900, 1100))
-    return root, source
+BLOCK = 64 * 1024  # blocks of about 30 samples of the `written` dataset (conftest.py)
 
 
 def read_twice(written, tmp_path, indices: list[int], *, ranges_first: bool) -> tuple[list, list, list, int]:

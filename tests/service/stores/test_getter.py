@@ -86,20 +86,23 @@ def test_each_piece_is_handed_on_the_moment_it_is_complete_and_the_connection_is
     run(main())
 
 
-@pytest.mark.parametrize("answer", [
-    sized(b"<Error><Code>SlowDown</Code></Error>", "503 Slow Down"),
-    sized(BODY, "200 OK"),  # not the pieces' length: read whole, for the caller to judge
-    b"HTTP/1.1 206 Partial Content\r\nTransfer-Encoding: chunked\r\n\r\n"
-    + b"".join(b"%x\r\n" % len(BODY[i:i + 5000]) + BODY[i:i + 5000] + b"\r\n" for i in range(0, len(BODY), 5000))
-    + b"0\r\n\r\n",
+ERROR = b"<Error><Code>SlowDown</Code></Error>"
+
+
+@pytest.mark.parametrize("answer, status, body", [
+    (sized(ERROR, "503 Slow Down"), 503, ERROR),
+    (sized(BODY, "200 OK"), 200, BODY),  # not the pieces' length: read whole, for the caller to judge
+    (b"HTTP/1.1 206 Partial Content\r\nTransfer-Encoding: chunked\r\n\r\n"
+     + b"".join(b"%x\r\n" % len(BODY[i:i + 5000]) + BODY[i:i + 5000] + b"\r\n" for i in range(0, len(BODY), 5000))
+     + b"0\r\n\r\n", 206, BODY),
 ])
-def test_an_answer_that_is_not_exactly_the_pieces_is_read_whole_through_its_framing(answer):
+def test_an_answer_that_is_not_exactly_the_pieces_is_read_whole_through_its_framing(answer, status, body):
     async def main():
         async with Server([[answer]]) as url:
             get = getter(url)
             got = await get.get("/x", {"Host": "h"}, [8192], limit=1 << 20,
                                 arrived=lambda n, p: pytest.fail("handed on"))
-            assert got.pieces is None and got.body in (BODY, b"<Error><Code>SlowDown</Code></Error>")
+            assert (got.head.status, got.pieces, got.body) == (status, None, body)
             get.close()
     run(main())
 
