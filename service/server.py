@@ -13,7 +13,6 @@ import logging
 import os
 import re
 import secrets
-import signal
 import socket
 import sys
 from functools import partial
@@ -24,7 +23,7 @@ from shardfeed.retry import Backoff
 from shardfeed.service.api.tenants import full_access_tokens, load_tenants
 from shardfeed.service.cluster.membership import build_cluster
 from shardfeed.service.cluster.sources import open_source
-from shardfeed.service.cluster.workers import supervise, worker_sockets
+from shardfeed.service.cluster.workers import run_serving, supervise, worker_sockets
 from shardfeed.service.config import NODE_IDLE_EXIT, HedgePolicy, ServiceConfig, node_cache_dir
 from shardfeed.service.observe.activity import Activity
 from shardfeed.service.stores.hedge import Hedger
@@ -382,19 +381,4 @@ def _announce(config: ServiceConfig, log_file: str | None, port: int) -> None:
 def serve_one(config: ServiceConfig, data_dir: Path, log_level: str, activity: Activity,
               sockets: list[socket.socket] | None = None) -> None:
     """Serve from this process until SIGTERM or SIGINT (a worker, or the whole service)."""
-    # uvicorn drains the connections on SIGTERM, then raises the signal again: by then the
-    # shutdown was graceful, so exit 0 (and SIGTERM before serving starts still ends us).
-    signal.signal(signal.SIGTERM, _exit_cleanly)
-    # SIGHUP reopens the datasets once the app runs (``create_app``); until then it must not end us.
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    main = serve(config, data_dir, log_level, activity=activity, sockets=sockets)
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main)
-    else:
-        uvloop.run(main)
-
-
-def _exit_cleanly(signum: int, frame) -> None:
-    raise SystemExit(0)
+    run_serving(serve(config, data_dir, log_level, activity=activity, sockets=sockets))

@@ -40,7 +40,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -235,6 +235,35 @@ def _worker_main(serve_worker: Callable[[ServiceConfig], None], config: ServiceC
         message = " ".join(str(err).split()) or type(err).__name__
         print(f"shardfeed: error: worker {config.worker.index}: {message}", file=sys.stderr)
         sys.exit(1)
+
+
+def run_serving(main: Coroutine) -> None:
+    """Run a serving process's event loop (a worker's, or a lone service's) on ``main``."""
+    # uvicorn drains the connections on SIGTERM, then raises the signal again: by then the
+    # shutdown was graceful, so exit 0 (and SIGTERM before serving starts still ends us).
+    signal.signal(signal.SIGTERM, _exit_cleanly)
+    # SIGHUP reopens the datasets once the app runs (``create_app``); until then it must not end us.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(_then_ignore_sigterm(main))
+    else:
+        uvloop.run(_then_ignore_sigterm(main))
+
+
+def _exit_cleanly(signum: int, frame) -> None:
+    raise SystemExit(0)
+
+
+async def _then_ignore_sigterm(main: Coroutine) -> None:
+    # Once serving has ended, either way, the process is on its way out. A SIGTERM now (the
+    # supervisor stopping a worker that fails on its own, as its sibling did) would break the
+    # event loop's closing half-way, and the loop's executor thread would print a traceback.
+    try:
+        await main
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _listening(config: ServiceConfig) -> bool:
