@@ -4,7 +4,8 @@ and reopened when the store changes.
 A dataset is reopened (``reload``: listed again, its index read again) when someone asks
 (``POST /v1/datasets/{name}/reload``, SIGHUP) or when a read finds one of its shards
 replaced (``changed``, from the fetcher's ``ObjectChanged``). An unchanged listing only
-refreshes ``checked``. A changed one puts a new ``Dataset`` in place: requests that began
+refreshes ``checked``. A changed one, its changed shards checked against its index first
+(``agreement.py``), puts a new ``Dataset`` in place: requests that began
 on the old one finish on its versions or fail (their reads are conditional), new ones
 read the new versions, the cache drops the replaced shards' blocks, and the listeners
 (plans, GetBatch's catalog) move to the new dataset. Reloads of one dataset share one
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from shardfeed.service.cache.disk import BlockCache
 from shardfeed.service.config import ServiceConfig
+from shardfeed.service.datasets.agreement import agreed
 from shardfeed.service.datasets.autoindex import IndexKeeper, IndexProgress, write_atomically
 from shardfeed.service.datasets.dataset import Dataset, open_dataset
 from shardfeed.service.datasets.index import Share, unshared
@@ -196,6 +198,9 @@ class ServedDatasets(Mapping[str, Dataset]):
             old.checked = new.checked
             return old
         if self._datasets.get(old.name) is not old:  # removed (or replaced) meanwhile
+            return new
+        new = await agreed(old, new)  # a shard written, its index not yet (or the other way round)
+        if self._datasets.get(old.name) is not old:
             return new
         self._datasets[old.name] = new
         await asyncio.to_thread(self.cache.retain, new.id, new.shard_ids)

@@ -18,6 +18,7 @@ from aistore.sdk import Client as AisClient
 
 from shardfeed.client import Client
 from shardfeed.process import start_service
+from shardfeed.service.datasets.agreement import disagreeing
 from shardfeed.service.datasets.dataset import open_dataset
 from shardfeed.service.stores import ObjectChanged, open_store
 
@@ -227,3 +228,54 @@ def test_a_file_store_read_of_a_version_fails_once_the_file_is_replaced(tmp_path
         assert await store.read_range(shard.path, 0, 4) == b"xxxx"
 
     asyncio.run(main())
+
+
+@pytest.mark.both_s3
+def test_a_disagreeing_version_fails_every_read_of_a_shard_as_changed(s3_env, bucket, tmp_path):
+    """What ``agreement.py`` reads a shard at when its index does not describe it: each store
+    answers ``ObjectChanged`` (S3: If-Match's 412), not another error and not the bytes."""
+    make_dataset(s3_put(s3_env.client(), bucket, "d"), samples=4, per_shard=2)
+    make_dataset(dir_put(tmp_path), samples=4, per_shard=2)
+
+    async def main():
+        for store in (open_store(f"s3://{bucket}/d"), open_store(str(tmp_path))):
+            try:
+                shard = next(i for i in await store.list() if i.path == "shards/part-0000.tar")
+                assert len(await store.read_range(shard.path, 0, 512, shard.etag)) == 512
+                with pytest.raises(ObjectChanged):
+                    await store.read_range(shard.path, 0, 512, disagreeing(shard.etag))
+                with pytest.raises(ObjectChanged):
+                    await store.read_pieces(shard.path, 0, 4096, 1024, disagreeing(shard.etag))
+            finally:
+                await store.close()
+
+    asyncio.run(main())
+
+
+def test_a_shard_replaced_before_its_index_is_never_read_at_the_old_offsets(tmp_path):
+    """A writer puts a shard of a new layout, then (later) the index that agrees with it. A
+    reopening between the two finds the index not describing the shard (``agreement.py``): the
+    other shards are served, that one's samples fail with 409; never a sample cut at the old
+    offsets. Once the index is written too, the reopening takes the new layout."""
+    root = tmp_path / "data"
+    old = make_dataset(dir_put(root), seed=1, samples=SAMPLES, per_shard=30, sizes=(3000, 9000))
+    staged = {}
+    new = make_dataset(lambda path, data: staged.__setitem__(path, data), seed=2, samples=SAMPLES, per_shard=30,
+                       sizes=(2000, 12000))
+    with start_service({"train": root.as_uri()}, cache_dir=tmp_path / "cache", args=["--memory-cache", "0"]) as svc:
+        assert fetch_batch(svc.url, range(SAMPLES)) == expected(old, range(SAMPLES))
+        before = version(svc.url)
+        (root / "shards/part-0001.tar").write_bytes(staged["shards/part-0001.tar"])  # the shard, not the index
+        httpx.post(f"{svc.url}/v1/datasets/train/reload", timeout=30).raise_for_status()
+        assert version(svc.url) != before
+        for _ in range(2):  # and again: the reopening each failed read asks for finds the same
+            resp = httpx.post(f"{svc.url}/v1/batch", json={"dataset": "train", "indices": list(range(30, 60))},
+                              timeout=60)
+            assert resp.status_code == 409 and resp.json()["error"]["code"] == "dataset_changed", resp.text
+        assert fetch_batch(svc.url, range(30)) == expected(old, range(30))  # the unchanged shard's
+        (root / "index.parquet").write_bytes(staged["index.parquet"])
+        for path, data in staged.items():
+            if path.startswith("shards/") and path != "shards/part-0001.tar":
+                (root / path).write_bytes(data)
+        httpx.post(f"{svc.url}/v1/datasets/train/reload", timeout=30).raise_for_status()
+        assert fetch_batch(svc.url, range(SAMPLES)) == expected(new, range(SAMPLES))

@@ -16,7 +16,7 @@ from shardfeed.benchmarks.s3proxy import start_proxy
 from shardfeed.process import free_port
 from shardfeed.retry import Backoff
 from shardfeed.service.stores import (
-    AccessDenied, InvalidPath, ObjectChanged, ObjectNotFound, ShortRead, StoreError, StoreUnavailable, open_store,
+    AccessDenied, InvalidPath, ObjectChanged, ObjectNotFound, ShortRead, StoreUnavailable, open_store,
 )
 
 FAST = Backoff(attempts=4, base=0.01, cap=0.05)
