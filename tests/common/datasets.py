@@ -20,6 +20,7 @@ from shardfeed.service.datasets.index import Index, parquet_bytes, write_index
 from shardfeed.service.datasets.indexfile import SCHEMA
 from shardfeed.service.datasets.tarscan import index_shards
 from shardfeed.service.stores import open_store
+from shardfeed.tar import member_spans
 
 
 def make_dataset(put: Callable[[str, bytes], None], *, samples: int = 200, per_shard: int = 50,
@@ -80,6 +81,15 @@ def dir_put(root) -> Callable[[str, bytes], None]:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data)
     return put
+
+
+def flipped(shard: bytes, mask: int = 0x5A) -> bytes:
+    """``shard`` replaced in place: every member's bytes XORed with ``mask``, every header as it
+    was (a new version of the same layout, which the index still describes)."""
+    out = bytearray(shard)
+    for _, start, stop in member_spans(shard)[0]:
+        out[start:stop] = bytes(b ^ mask for b in out[start:stop])
+    return bytes(out)
 
 
 def _odd_sample(i: int, rng: random.Random) -> tuple[str, dict[str, bytes]]:

@@ -18,7 +18,7 @@ from shardfeed.benchmarks.s3proxy import start_proxy
 from shardfeed.benchmarks.soak import run_soak
 from shardfeed.process import start_service
 
-from common.datasets import bucket_dataset, make_dataset, s3_put
+from common.datasets import bucket_dataset, flipped, make_dataset, s3_put
 from common.reliability import expected_members, received_members, wrong_members
 from common.service import metrics
 
@@ -158,7 +158,7 @@ def test_a_shard_replaced_while_served_is_read_at_its_new_version_never_mixed(mo
         before = httpx.get(f"{svc.url}/v1/datasets/train").json()["version"]
         key = "train/shards/part-0000.tar"
         old = client.get_object(Bucket="replaced", Key=key)["Body"].read()
-        client.put_object(Bucket="replaced", Key=key, Body=bytes(b ^ 0x5A for b in old))  # same size
+        client.put_object(Bucket="replaced", Key=key, Body=flipped(old))  # same layout
         # The read of the old version is refused (If-Match), the dataset reopened, the sample
         # read again: the bytes the store holds now at the index's place, not a mix.
         resp = httpx.get(f"{svc.url}/v1/datasets/train/samples/40/bin")
@@ -215,7 +215,7 @@ def test_a_change_that_cannot_be_reopened_now_is_a_409_and_is_read_once_the_stor
                "--block-size", "64KiB") as svc:
         key = "train/shards/part-0000.tar"
         old = client.get_object(Bucket="reopen-later", Key=key)["Body"].read()
-        client.put_object(Bucket="reopen-later", Key=key, Body=bytes(b ^ 0x5A for b in old))
+        client.put_object(Bucket="reopen-later", Key=key, Body=flipped(old))
         proxy.inject("503", count=None, match=r"^HEAD .*index\.parquet")  # the reopen cannot read the index
         resp = httpx.get(f"{svc.url}/v1/datasets/train/samples/7/bin")
         assert resp.status_code == 409 and resp.json()["error"]["code"] == "dataset_changed"
