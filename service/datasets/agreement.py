@@ -11,7 +11,8 @@ bytes before a member's data must be a tar header of that size, and of that name
 fits there. The dataset is adopted either way, for its other shards; a shard that disagrees is
 read at a version no store holds (``disagreeing``), so its reads fail with ``ObjectChanged``
 (a 409 ``dataset_changed`` the client retries), never wrong bytes, and the reopening that
-failure asks for finds the writer done. At most ``CHECKED`` shards are read, at once.
+failure asks for finds the writer done. A shard whose headers cannot be read (cut short, gone)
+is left to its reads, which fail on their own. At most ``CHECKED`` shards are read, at once.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 
 from shardfeed.service.cache.names import shard_id
 from shardfeed.service.datasets.dataset import Dataset
+from shardfeed.service.stores import StoreError
 from shardfeed.tar import BLOCK, TarFormatError, parse_header
 
 log = logging.getLogger("shardfeed.datasets")
@@ -83,7 +85,10 @@ async def _check_member(dataset: Dataset, code: int, sample: int, edge) -> str |
     path = dataset.index.shards[code]
     if offset < BLOCK:
         return f"{path}: a member lies at offset {offset}, before any tar header"
-    header = await dataset.store.read_range(path, offset - BLOCK, BLOCK, dataset.shard_version(code))
+    try:
+        header = await dataset.store.read_range(path, offset - BLOCK, BLOCK, dataset.shard_version(code))
+    except StoreError:  # cut short, gone, replaced again: its reads say so themselves (a 503, a 412)
+        return None
     try:
         name, found, _ = parse_header(header)
     except TarFormatError:
