@@ -235,7 +235,7 @@ class BlockCache:
             slot = self._catalog.find(code)
             if slot >= 0:
                 self._remove_locked(slot)
-        (self.directory / name).unlink(missing_ok=True)
+            (self.directory / name).unlink(missing_ok=True)  # under the lock, as in ``_unlink``
         self._update_gauges()
 
     def retain(self, dataset: str, shard_ids: Iterable[str]) -> int:
@@ -295,12 +295,14 @@ class BlockCache:
             if self.direct_writes and not direct:
                 self.direct_writes = False
                 log.info("the cache's filesystem refuses O_DIRECT: block files are written buffered")
-            with self._lock:  # the record first: a crash after it leaves a file a read verifies
+            # The record first: a crash after it leaves a file a read verifies. Both under the
+            # lock: an eviction between them would leave a file no record vouches for.
+            with self._lock:
                 if (held := self._catalog.find(code)) >= 0:  # another writer of this block came first
                     self._remove_locked(held)
                 self._catalog.add(code, size)
                 self._count(code >> 32, 1)
-            os.replace(tmp, path)
+                os.replace(tmp, path)
         except CacheLocked as err:  # another process took the recreated directory
             self._disable(str(err))
             return False
@@ -349,10 +351,13 @@ class BlockCache:
         self._catalog.remove(slot)
 
     def _unlink(self, codes: list[int]) -> None:
-        """Forget and remove the files of blocks let go of (their records already written)."""
+        """Forget and remove the files of blocks let go of (their records already written); not
+        the file of a block written again meanwhile (checked under the lock its writer renames in)."""
         for code in codes:
             self.on_forget(self._block_of(code)[0])
-            (self.directory / self._file(code)).unlink(missing_ok=True)
+            with self._lock:
+                if self._catalog.find(code) < 0:
+                    (self.directory / self._file(code)).unlink(missing_ok=True)
 
     def _count(self, stream: int, step: int) -> None:
         """Count ``step`` blocks of a stream in (or out, negative) of its dataset's ``HeldBlocks``;
