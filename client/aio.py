@@ -123,7 +123,8 @@ class AsyncClient(BaseClient):
 
     async def _routing_table(self, dataset: str) -> dict | None:
         try:
-            return await self._call("GET", routing_path(dataset), parse_json)
+            return await self._call("GET", routing_path(dataset), parse_json,
+                                    Via(self.endpoints, self.router, dataset, self.router.teller(dataset)))
         except ShardfeedError:
             return None
 
@@ -187,7 +188,7 @@ class AsyncClient(BaseClient):
         try:
             if response.status >= 400:
                 raise status_error(response.status, response.headers, await response.read(ERROR_BODY_LIMIT), url)
-            self.router.saw(reader.dataset, response.headers.get(ROUTING_HEADER))
+            self.router.saw(reader.dataset, response.headers.get(ROUTING_HEADER), base)
             chunks = response.aiter_bytes()
             ready: list[dict] = []
             async for chunk in chunks:

@@ -268,9 +268,10 @@ class Router:
     a version that changes with ownership. Sending each owner its own part saves the
     hop from the node reached to the owner. The table is only advice: any node serves
     any batch correctly, so a stale table costs a hop or a retry, never a wrong, missing
-    or reordered sample. A table is fetched on first use, again (at most once per
-    ``refresh`` seconds) when an answer carries another version or an owner failed,
-    and not for ``retry`` seconds after a fetch failed (a service without routing).
+    or reordered sample. A table is fetched on first use, again before the next batch when
+    an answer carries a version it has not heard of, within ``refresh`` seconds when answers
+    keep naming it or an owner failed, and not for ``retry`` seconds after a fetch failed (a
+    service without routing).
     """
 
     def __init__(self, enabled: bool = True, refresh: float = 1.0, retry: float = 60.0):
@@ -280,6 +281,7 @@ class Router:
         self._tables: dict[str, RoutingTable] = {}
         self._due: dict[str, float] = {}  # dataset -> monotonic time its table is (re)fetched
         self._fetched: dict[str, float] = {}
+        self._news: dict[str, tuple[str, str]] = {}  # dataset -> the last other version an answer named, and by whom
 
     def due(self, dataset: str) -> bool:
         """Whether ``dataset``'s table should be fetched before the next batch."""
@@ -302,11 +304,24 @@ class Router:
             self._tables[dataset] = table
             self._due[dataset] = math.inf
 
-    def saw(self, dataset: str, version: str | None) -> None:
-        """An answer came with routing ``version``: refetch the table if ours is another."""
+    def saw(self, dataset: str, version: str | None, base: str) -> None:
+        """The node at ``base`` answered with routing ``version``: if ours is another, refetch the
+        table (from that node first: it has that version) before the next batch when the version
+        is news, else within ``refresh`` seconds (answers keep naming it while the nodes still
+        disagree: one fetch per change, not one per answer)."""
         table = self._tables.get(dataset)
-        if table is not None and version is not None and version != table.version:
+        if table is None or version is None or version == table.version:
+            return
+        if self._news.get(dataset, (None,))[0] != version:
+            self._news[dataset] = (version, base)
+            self._due[dataset] = 0.0
+        else:
             self.expire(dataset)
+
+    def teller(self, dataset: str) -> str | None:
+        """The node that last named a routing version of ``dataset`` other than ours: the
+        table is fetched from it first."""
+        return self._news.get(dataset, (None, None))[1]
 
     def expire(self, dataset: str) -> None:
         """Fetch ``dataset``'s table again soon (an owner failed, or the version moved on)."""

@@ -209,7 +209,7 @@ class Client(BaseClient):
                 raise status_error(response.status, response.headers, response.read(ERROR_BODY_LIMIT), url)
             finally:
                 response.close()
-        self.router.saw(reader.dataset, response.headers.get(ROUTING_HEADER))
+        self.router.saw(reader.dataset, response.headers.get(ROUTING_HEADER), base)
         return response
 
     def _part_threads(self) -> ThreadPoolExecutor:
@@ -256,7 +256,8 @@ class Client(BaseClient):
 
     def _routing_table(self, dataset: str) -> dict | None:
         try:
-            return self._call("GET", routing_path(dataset), parse_json)
+            return self._call("GET", routing_path(dataset), parse_json,
+                              via=Via(self.endpoints, self.router, dataset, self.router.teller(dataset)))
         except ShardfeedError:
             return None
 
@@ -323,7 +324,7 @@ class Client(BaseClient):
         try:
             if response.status >= 400:
                 raise status_error(response.status, response.headers, response.read(ERROR_BODY_LIMIT), url)
-            self.router.saw(reader.dataset, response.headers.get(ROUTING_HEADER))
+            self.router.saw(reader.dataset, response.headers.get(ROUTING_HEADER), base)
             chunks = response.iter_bytes()
             ready: list[dict] = []
             for chunk in chunks:

@@ -74,11 +74,22 @@ class Reader(threading.Thread):
         self.error: BaseException | None = None
         self.version = ""
         """The routing version of the client's table after its last batch."""
+        self.announced: dict[str, tuple[int, float]] = {}
+        """Routing version -> the batch whose answer first carried it, and when."""
+        self.taken: dict[str, tuple[int, float]] = {}
+        """Routing version -> the first batch the client sent on a table of it, and when it ended."""
 
     def run(self) -> None:
         rng = random.Random(11)
         try:
             with Client(self.url) as client:
+                saw = client.router.saw  # observed, not changed: which answer told the client first
+
+                def noted(dataset: str, version: str | None, base: str) -> None:
+                    self.announced.setdefault(version, (self.batches, time.monotonic()))
+                    saw(dataset, version, base)
+
+                client.router.saw = noted
                 while not self.stop.is_set():
                     batch = rng.sample(range(SAMPLES), 32)
                     if client.get_batch("train", batch) != [self.by_sample[i] for i in batch]:
@@ -86,6 +97,7 @@ class Reader(threading.Thread):
                     self.batches += 1
                     self.samples += len(batch)
                     self.version = client.router.version("train")
+                    self.taken.setdefault(self.version, (self.batches - 1, time.monotonic()))
         except BaseException as err:  # noqa: BLE001 - reported by the test
             self.error = err
 
@@ -185,6 +197,11 @@ def churn(tmp_path: Path, dataset, ports: dict[str, int], members) -> None:
             time.sleep(0.1)
         reader.finish()
         assert metrics(urls["a"])["shardfeed_peers_up"] == 2
+        # From the first answer that carried a new version to the first batch sent on it.
+        for n, v in ((4, version4), (2, version2)):
+            (taken, ended), (announced, at) = reader.taken[v], reader.announced[v]
+            print(f"routing: {n} replicas' version taken {taken - announced} batches, {ended - at:.3f} s after an "
+                  "answer carried it")
     finally:
         reader.stop.set()
         stop_all(list(services.values()))
