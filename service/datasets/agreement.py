@@ -1,18 +1,21 @@
-"""Whether a reopened dataset's index still describes its changed shards.
+"""Whether an opened dataset's index describes its shards.
 
 A writer replaces a shard, then ``index.parquet`` (or the index first). A listing taken between
 the two pairs the new shard with the old index: every read of that shard carries the new ETag
 and succeeds, at the old layout's offsets. The versioned cache cannot see it: those are wrong
-bytes of the right version (the chaos benchmark's overwrite fault served 56 once, under load).
+bytes of the right version (the chaos benchmark's overwrite fault served some, under load).
 
-So a reopened dataset (``served.py``) has the tar headers of the first and last members of each
-shard whose version or index rows changed (its extent, as a cheap stand-in) read first: the 512
-bytes before a member's data must be a tar header of that size, and of that name where the name
-fits there. The dataset is adopted either way, for its other shards; a shard that disagrees is
-read at a version no store holds (``disagreeing``), so its reads fail with ``ObjectChanged``
-(a 409 ``dataset_changed`` the client retries), never wrong bytes, and the reopening that
-failure asks for finds the writer done. A shard whose headers cannot be read (cut short, gone)
-is left to its reads, which fail on their own. At most ``CHECKED`` shards are read, at once.
+So an opened dataset (``served.py``'s ``Opener``) has the tar headers of the first and last
+members of some shards read first: on a reopening, each shard whose version or index rows
+changed (its extent, as a cheap stand-in); on a first opening (a service or a restarted worker
+starting while a writer is half-way), a random choice of them. The 512 bytes before a member's
+data must be a tar header of that size, and of that name (WebDataset's key and field) where the
+name fits there. The dataset is adopted either way, for its other shards; a shard that
+disagrees is read at a version no store holds (``disagreeing``), so its reads fail with
+``ObjectChanged`` (a 409 ``dataset_changed`` the client retries), never wrong bytes, and the
+reopening that failure asks for finds the writer done. A shard whose headers cannot be read
+(cut short, gone) is left to its reads, which fail on their own. At most ``CHECKED`` shards are
+read per opening, at once.
 """
 
 from __future__ import annotations
@@ -26,13 +29,15 @@ import numpy as np
 
 from shardfeed.service.cache.names import shard_id
 from shardfeed.service.datasets.dataset import Dataset
+from shardfeed.service.datasets.indexfile import split_member_name
 from shardfeed.service.stores import StoreError
 from shardfeed.tar import BLOCK, TarFormatError, parse_header
 
 log = logging.getLogger("shardfeed.datasets")
 
 CHECKED = 64
-"""Changed shards whose headers are read at most per reopening (a random choice of them)."""
+"""Shards whose headers are read at most per opening (a random choice of them when more changed,
+or on a first opening of more)."""
 
 
 def disagreeing(version: str | None) -> str:
@@ -48,12 +53,13 @@ def changed_shards(old: Dataset, new: Dataset) -> list[int]:
             if before.get(path) not in (None, (version, int(extent)))]
 
 
-async def agreed(old: Dataset, new: Dataset) -> Dataset:
-    """``new``, with each changed shard that does not hold its members where ``new``'s index
-    says read at a ``disagreeing`` version (tar layouts; loose objects have no headers)."""
+async def agreed(old: Dataset | None, new: Dataset) -> Dataset:
+    """``new``, with each shard changed since ``old`` (any shard on a first opening, ``old``
+    None) that does not hold its members where ``new``'s index says read at a ``disagreeing``
+    version (tar layouts; loose objects have no headers)."""
     if new.index.layout != "tar" or not new.versions:
         return new
-    codes = changed_shards(old, new)
+    codes = changed_shards(old, new) if old is not None else list(range(len(new.index.shards)))
     if len(codes) > CHECKED:
         codes = random.sample(codes, CHECKED)
     run_starts, run_shards = new.index.shard_runs()
@@ -93,7 +99,9 @@ async def _check_member(dataset: Dataset, code: int, sample: int, edge) -> str |
         name, found, _ = parse_header(header)
     except TarFormatError:
         return f"{path}: no tar header before offset {offset}"
-    want = f"{dataset.index.key(sample)}.{dataset.index.fields[int(members.field[row])]}".encode()
-    if found != size or (len(want) < 100 and name != want):
-        return f"{path}: the header before offset {offset} is {name[:100]!r} of {found} bytes, not {want!r}"
+    want = dataset.index.key(sample), dataset.index.fields[int(members.field[row])]
+    named = split_member_name(name.decode(errors="replace"))
+    # A name of 100 bytes or more is not whole in the header (a GNU or PAX record holds it).
+    if found != size or (len(name) < 100 and named != want):
+        return f"{path}: the header before offset {offset} is {name[:100]!r} of {found} bytes, not {want}"
     return None

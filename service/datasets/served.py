@@ -72,12 +72,14 @@ class Opener:
         return cls(config.store_options, config.index_objects, IndexKeeper(config.index_dir, share), share=share)
 
     async def __call__(self, name: str, url: str, *, store: Store | None = None,
-                       progress: IndexProgress | None = None) -> Dataset:
+                       progress: IndexProgress | None = None, before: Dataset | None = None) -> Dataset:
+        """The dataset at ``url`` now, its shards checked against its index (``agreement.py``:
+        those changed since ``before``, or a sample of them on a first opening)."""
         dataset = await open_dataset(name, url, self.store_options, index_objects=self.index_objects, store=store,
                                      keeper=self.keeper, progress=progress, share=self.share)
         if store is None:
             dataset.store = self.wrap(dataset.store)
-        return dataset
+        return await agreed(before, dataset)
 
 
 @dataclass
@@ -193,14 +195,11 @@ class ServedDatasets(Mapping[str, Dataset]):
             asyncio.ensure_future(self.reload(dataset.name)).add_done_callback(_log_failure)
 
     async def _reload(self, old: Dataset) -> Dataset:
-        new = await self.opener(old.name, old.url, store=old.store)
+        new = await self.opener(old.name, old.url, store=old.store, before=old)
         if new.version == old.version:
             old.checked = new.checked
             return old
         if self._datasets.get(old.name) is not old:  # removed (or replaced) meanwhile
-            return new
-        new = await agreed(old, new)  # a shard written, its index not yet (or the other way round)
-        if self._datasets.get(old.name) is not old:
             return new
         self._datasets[old.name] = new
         await asyncio.to_thread(self.cache.retain, new.id, new.shard_ids)

@@ -254,9 +254,10 @@ def test_a_disagreeing_version_fails_every_read_of_a_shard_as_changed(s3_env, bu
 
 def test_a_shard_replaced_before_its_index_is_never_read_at_the_old_offsets(tmp_path):
     """A writer puts a shard of a new layout, then (later) the index that agrees with it. A
-    reopening between the two finds the index not describing the shard (``agreement.py``): the
-    other shards are served, that one's samples fail with 409; never a sample cut at the old
-    offsets. Once the index is written too, the reopening takes the new layout."""
+    reopening between the two, or a first opening, finds the index not describing the shard
+    (``agreement.py``): the other shards are served, that one's samples fail with 409; never a
+    sample cut at the old offsets. Once the index is written too, the reopening takes the new
+    layout."""
     root = tmp_path / "data"
     old = make_dataset(dir_put(root), seed=1, samples=SAMPLES, per_shard=30, sizes=(3000, 9000))
     staged = {}
@@ -273,6 +274,12 @@ def test_a_shard_replaced_before_its_index_is_never_read_at_the_old_offsets(tmp_
                               timeout=60)
             assert resp.status_code == 409 and resp.json()["error"]["code"] == "dataset_changed", resp.text
         assert fetch_batch(svc.url, range(30)) == expected(old, range(30))  # the unchanged shard's
+        # A service that starts now (a restarted worker or replica) finds the same on its first opening.
+        with start_service({"train": root.as_uri()}, cache_dir=tmp_path / "cache2") as starting:
+            resp = httpx.post(f"{starting.url}/v1/batch", json={"dataset": "train", "indices": list(range(30, 60))},
+                              timeout=60)
+            assert resp.status_code == 409 and resp.json()["error"]["code"] == "dataset_changed", resp.text
+            assert fetch_batch(starting.url, range(30)) == expected(old, range(30))
         (root / "index.parquet").write_bytes(staged["index.parquet"])
         for path, data in staged.items():
             if path.startswith("shards/") and path != "shards/part-0001.tar":
