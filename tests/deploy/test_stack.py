@@ -125,6 +125,8 @@ def test_a_port_in_use_is_a_one_line_error_naming_it(tmp_path):
     first = free_run_of_ports(4)
     port = first + 1  # shardfeed-1's
     with socket.socket() as busy:
+        # As free_run_of_ports checked it: a connection of another test's in TIME_WAIT there is no conflict.
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         busy.bind(("127.0.0.1", port))
         busy.listen()
         done = subprocess.run([sys.executable, "-m", "shardfeed", "stack", "--dir", str(tmp_path), "--port",
