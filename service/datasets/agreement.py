@@ -100,8 +100,9 @@ async def _check_member(dataset: Dataset, code: int, sample: int, edge) -> str |
     except TarFormatError:
         return f"{path}: no tar header before offset {offset}"
     want = dataset.index.key(sample), dataset.index.fields[int(members.field[row])]
-    named = split_member_name(name.decode(errors="replace"))
-    # A name of 100 bytes or more is not whole in the header (a GNU or PAX record holds it).
-    if found != size or (len(name) < 100 and named != want):
+    # A name of 100 bytes or more, or not ASCII, may be whole only in a GNU or PAX record before
+    # the header: then the size alone is checked.
+    whole = len(name) < 100 and all(part.isascii() for part in want)
+    if found != size or (whole and split_member_name(name.decode(errors="replace")) != want):
         return f"{path}: the header before offset {offset} is {name[:100]!r} of {found} bytes, not {want}"
     return None

@@ -9,6 +9,7 @@ import asyncio
 import os
 import random
 import signal
+import tarfile
 import threading
 import time
 
@@ -18,11 +19,11 @@ from aistore.sdk import Client as AisClient
 
 from shardfeed.client import Client
 from shardfeed.process import start_service
-from shardfeed.service.datasets.agreement import disagreeing
+from shardfeed.service.datasets.agreement import agreed, disagreeing
 from shardfeed.service.datasets.dataset import open_dataset
 from shardfeed.service.stores import ObjectChanged, open_store
 
-from common.datasets import dir_put, make_dataset, s3_put
+from common.datasets import dir_put, make_dataset, s3_put, tar_dataset
 from common.s3 import point_aws_at
 from common.service import fetch_batch, metrics, tar_members
 
@@ -250,6 +251,26 @@ def test_a_disagreeing_version_fails_every_read_of_a_shard_as_changed(s3_env, bu
                 await store.close()
 
     asyncio.run(main())
+
+
+def test_shards_of_every_tar_format_agree_with_their_index(tmp_path):
+    """The check a first opening makes (``agreement.py``) finds no disagreement in shards whose
+    names tar holds in a GNU or PAX record (long, or not ASCII: the header's own name field is
+    then cut or replaced) or in upper case: each shard read as its index says."""
+    names = ["\u00e9t\u00e9/s0000.bin", "s0001.JPG", f"{'long-' * 25}/s0002.bin", "d/s0003.seg.PNG",
+             "\u4e2d/s0004.bin"]
+    shards = [{name: bytes([i]) * (100 + 37 * i) for i, name in enumerate(names)} for _ in range(3)]
+    url = tar_dataset(tmp_path / "data", shards, [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT])
+
+    async def main():
+        dataset = await open_dataset("train", url)
+        try:
+            return dataset, await agreed(None, dataset)
+        finally:
+            await dataset.store.close()
+
+    dataset, checked = asyncio.run(main())
+    assert checked is dataset and len(dataset.index.shards) == 3
 
 
 def test_a_shard_replaced_before_its_index_is_never_read_at_the_old_offsets(tmp_path):
