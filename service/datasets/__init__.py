@@ -4,7 +4,7 @@
                   opened from one listing that names every shard's version
     served.py     the datasets a service serves: added and removed at runtime, reopened when
                   the store changes
-    agreement.py  whether a reopened index still describes its changed shards (their headers)
+    agreement.py  whether an opened index describes its shards (their members' tar headers)
     index.py      ``Index``: sample -> (shard, offset, size), compact arrays in memory
     indexfile.py  ``index.parquet``: the on-disk format and its checks, WebDataset naming;
                   ``IndexStats``, what is computed once over a whole index

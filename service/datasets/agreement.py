@@ -59,16 +59,20 @@ async def agreed(old: Dataset | None, new: Dataset) -> Dataset:
     version (tar layouts; loose objects have no headers)."""
     if new.index.layout != "tar" or not new.versions:
         return new
-    codes = changed_shards(old, new) if old is not None else list(range(len(new.index.shards)))
+    codes = changed_shards(old, new) if old is not None else range(len(new.index.shards))
     if len(codes) > CHECKED:
         codes = random.sample(codes, CHECKED)
+    # Each chosen shard's first run of samples (``Index.shard_runs``): its first and last sample.
     run_starts, run_shards = new.index.shard_runs()
-    ends = [*run_starts[1:].tolist(), len(new.index)]
-    runs: dict[int, tuple[int, int]] = {}  # shard code -> (first sample, last sample) of its first run
-    for start, end, code in zip(run_starts.tolist(), ends, run_shards.tolist()):
-        runs.setdefault(code, (start, end - 1))
-    checked = [(code, sample, edge) for code in codes if code in runs
-               for sample, edge in zip(runs[code], (np.argmin, np.argmax))]
+    ends = np.append(run_starts[1:], len(new.index))
+    present, first_run = np.unique(run_shards, return_index=True)
+    chosen = np.asarray(codes, dtype=present.dtype)
+    at = np.minimum(np.searchsorted(present, chosen), max(len(present) - 1, 0))
+    held = present[at] == chosen if len(present) else np.zeros(len(chosen), bool)
+    runs = first_run[at[held]]
+    checked = [(code, sample, edge) for code, start, end in zip(chosen[held].tolist(), run_starts[runs].tolist(),
+                                                                (ends[runs] - 1).tolist())
+               for sample, edge in ((start, np.argmin), (end, np.argmax))]
     found = await asyncio.gather(*(_check_member(new, *check) for check in checked))
     bad = sorted({code for (code, _, _), why in zip(checked, found) if why})
     if not bad:
