@@ -67,10 +67,12 @@ class RangeReader:
         self._start(dataset, missing, ahead=False)
         futures = [self._pending[key][0] for key in keys]  # before any wait: a sharer may pop them
         out = [await asyncio.shield(future) for future in futures]
-        for key in keys:
-            entry = self._pending.pop(key, None)
-            if entry is not None and entry[1] > 0:  # read ahead: its memory is free now
-                self._held -= key[3] - key[2]
+        for key, future in zip(keys, futures):
+            entry = self._pending.get(key)
+            if entry is not None and entry[0] is future:  # not a later read's of the same range
+                del self._pending[key]
+                if entry[1] > 0:  # read ahead: its memory is free now
+                    self._held -= key[3] - key[2]
             self._taken[key] = None
             self._taken.move_to_end(key)
         while len(self._taken) > TAKEN_KEPT:
@@ -90,15 +92,19 @@ class RangeReader:
         now = time.monotonic() if ahead else 0.0
         for shard, ranges in by_shard.items():
             for run in _merge(sorted(ranges), self.gap, self.max_read):
-                for start, end in run:
-                    self._pending[_key(dataset, shard, start, end)] = (loop.create_future(), now)
+                futures = [loop.create_future() for _ in run]
+                for (start, end), future in zip(run, futures):
+                    self._pending[_key(dataset, shard, start, end)] = (future, now)
                     if ahead:
                         self._held += end - start
-                task = asyncio.create_task(self._fetch(dataset, shard, run))
+                task = asyncio.create_task(self._fetch(dataset, shard, run, futures))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
-    async def _fetch(self, dataset: Dataset, shard: int, run: list[tuple[int, int]]) -> None:
+    async def _fetch(self, dataset: Dataset, shard: int, run: list[tuple[int, int]],
+                     futures: list[asyncio.Future]) -> None:
+        """Read ``run`` and resolve its ``futures``: its own, whatever ``_pending`` holds by then
+        (a reader that shared a range may have let go of it, and another read it again)."""
         first, last = run[0][0], max(end for _, end in run)
         try:
             payload: bytes | StoreError = await self.store_read(dataset, shard, first, last)
@@ -106,11 +112,9 @@ class RangeReader:
             payload = err
         except BaseException as err:  # cancelled at shutdown: waiters must not hang
             payload = StoreError(f"read of {dataset.index.shards[shard]} aborted: {err!r}")
-        for start, end in run:
-            entry = self._pending.get(_key(dataset, shard, start, end))
-            if entry is not None and not entry[0].done():
-                entry[0].set_result(payload if isinstance(payload, StoreError)
-                                    else payload[start - first:end - first])
+        for (start, end), future in zip(run, futures):
+            if not future.done():
+                future.set_result(payload if isinstance(payload, StoreError) else payload[start - first:end - first])
 
     def _drop_stale(self) -> None:
         cutoff = time.monotonic() - STALE

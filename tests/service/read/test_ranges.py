@@ -56,6 +56,42 @@ def test_a_range_a_reader_took_is_not_read_ahead_again(dataset):
         assert data == (dataset.store.root / dataset.index.shards[shard]).read_bytes()[start:end]
 
 
+def test_a_range_read_again_while_an_earlier_sharer_still_waits_is_answered(dataset):
+    """Readers A and B share a range; A takes it, C reads it again (a new read), then B, done
+    with its other range, lets go of its own: C's read must still answer C (it once popped
+    C's entry instead, and C waited forever: the chaos benchmark's 30 s stalls)."""
+    gates: list[asyncio.Event] = []
+
+    async def store_read(ds, shard: int, start: int, end: int) -> bytes:
+        gates.append(gate := asyncio.Event())
+        await gate.wait()
+        return await ds.store.read_range(ds.index.shards[shard], start, end - start, ds.shard_version(shard))
+
+    shared, other = spans_of(dataset, [0])[:1], spans_of(dataset, [25])[:1]  # shards 0 and 1: two reads
+
+    def exact(spans) -> list[bytes]:
+        return [(dataset.store.root / dataset.index.shards[s]).read_bytes()[a:b] for s, a, b in spans]
+
+    async def main() -> None:
+        ranges = RangeReader(store_read, gap=0, max_read=1 << 20, memory=1 << 20)
+        a = asyncio.create_task(ranges.read(dataset, shared))
+        await asyncio.sleep(0.01)
+        b = asyncio.create_task(ranges.read(dataset, shared + other))  # shares A's read, starts its own
+        await asyncio.sleep(0.01)
+        gates[0].set()
+        assert await a == exact(shared)
+        c = asyncio.create_task(ranges.read(dataset, shared))  # A let go: a read of its own
+        await asyncio.sleep(0.01)
+        assert len(gates) == 3
+        gates[1].set()
+        assert await b == exact(shared + other)
+        gates[2].set()
+        assert await asyncio.wait_for(c, 5) == exact(shared)
+        await ranges.close()
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("gap", [0, 2048, 1 << 20])
 def test_merged_ranges_are_byte_exact_for_every_field_across_shards(written, gap):
     dataset, source = written
