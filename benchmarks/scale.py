@@ -277,10 +277,12 @@ def cache_row(blocks: int, workdir: Path) -> dict:
     shards = [f"shard{i:07d}" for i in range(len(index.shards))]
     dataset = Dataset(name="d", url="s3://b/d", store=None, index=index, id="d1", extents=index.shard_extents(),
                       shard_ids=shards, shard_samples=index.shard_samples())
-    plans = Plans(ServiceConfig(), cache, Metrics())
+    plans = Plans(ServiceConfig(), Metrics())
     request = sampler.Request(kind="sampler", seed=1, batch_size=64)
     plans.insert(plans.build(dataset, "sampler", sampler.order(request, samples), None, True, None))
-    cache.victims = plans.victim_order
+    cache.close()
+    cache = BlockCache(directory, cache.capacity, MiB, Metrics(), victims=plans)  # the same blocks, planned
+    cache.open()
     row["evict_plans_us"] = evictions(200) * 1e6
     cache.close()
     return row

@@ -15,6 +15,7 @@ import re
 import secrets
 import socket
 import sys
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -261,29 +262,35 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
 
     from shardfeed.service.api import create_app
     from shardfeed.service.cache.disk import BlockCache
+    from shardfeed.service.cache.memtier import MemoryTier
     from shardfeed.service.cluster.keptcounters import restore_series
     from shardfeed.service.datasets.indexfile import IndexFormatError
     from shardfeed.service.datasets.served import Opener, ServedDatasets, read_registry
     from shardfeed.service.http.protocol import BoundedHeadProtocol
     from shardfeed.service.observe.metrics import Metrics
+    from shardfeed.service.plans.registry import Plans
     from shardfeed.service.stores import StoreError, open_store
 
     if not config.datasets and not config.buckets and not config.node:
-        config.datasets = {DEFAULT_DATASET: await ensure_default_dataset(data_dir)}
+        config = replace(config, datasets={DEFAULT_DATASET: await ensure_default_dataset(data_dir)})
     place = config.worker
     registry = place.registry if place is not None else None
     registered = read_registry(registry) if registry is not None else {}  # a restarted worker's
     metrics = Metrics()
     if place is not None:  # a restarted worker: its predecessor's counters count on (workers.py)
         await asyncio.to_thread(restore_series, metrics, place.counter_dirs[place.index])
+    cluster = await build_cluster(config, metrics)
+    # Routed clients send each node its own part of a batch.
+    plans = Plans(config, metrics, parts=(lambda: 1) if cluster is None
+                  else (lambda: len(cluster.workers) * len(cluster.hosts)))
+    memory = MemoryTier(config.memory_cache, metrics, config.block_size) if config.memory_cache else None
     cache = BlockCache(config.cache_dir, config.cache_size, config.block_size, metrics,
-                       direct_writes=config.direct_writes)
+                       direct_writes=config.direct_writes, victims=plans,
+                       on_forget=memory.discard if memory is not None else None)
     await asyncio.to_thread(cache.open)
     opened: dict = {}
     hedger = Hedger(config.hedge, metrics.registry) if config.hedge else None
-    opener = Opener.of(config)
-    if hedger is not None:
-        opener.wrap = hedger.wrap
+    opener = Opener.of(config, wrap=hedger.wrap if hedger is not None else None)
     buckets = {}
     try:
         for bucket in config.buckets:
@@ -301,8 +308,7 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
                      len(opened[name].index.shards), opened[name].version)
         datasets = ServedDatasets(opened, cache, opener, registry)
         await asyncio.to_thread(datasets.retain_cached)  # blocks of versions the store no longer holds
-        cluster = await build_cluster(config, metrics)
-        app = create_app(config, datasets, cache, metrics, cluster, buckets)
+        app = create_app(config, datasets, cache, memory, plans, metrics, cluster, buckets)
         activity = activity or Activity()
         slot = place.index if place is not None else 0
         server = uvicorn.Server(uvicorn.Config(
@@ -347,11 +353,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         if config.workers > 1:
             if not config.datasets and not config.node:  # seed it once, before the workers race to
-                config.datasets = {DEFAULT_DATASET: asyncio.run(ensure_default_dataset(args.data_dir))}
+                config = replace(config, datasets={DEFAULT_DATASET: asyncio.run(ensure_default_dataset(args.data_dir))})
             return supervise(config, lambda worker: serve_one(worker, args.data_dir, args.log_level, activity),
                              activity, announce=partial(_announce, config, args.log_file))
         sock = _listening(config)
-        config.port = sock.getsockname()[1]
+        config = replace(config, port=sock.getsockname()[1])
         _announce(config, args.log_file, config.port)
         serve_one(config, args.data_dir, args.log_level, activity, [sock])
         return 0

@@ -43,6 +43,7 @@ from shardfeed.service.api.auth import TokenAuth, guarded
 from shardfeed.service.api.common import ERRORS, Admission, HeldRoutes, State, describe
 from shardfeed.service.api.tenants import TenantBatches, TokenFile
 from shardfeed.service.cache.disk import BlockCache
+from shardfeed.service.cache.memtier import MemoryTier
 from shardfeed.service.cluster.peers import Cluster
 from shardfeed.service.config import ServiceConfig
 from shardfeed.service.datasets.dataset import Dataset
@@ -80,22 +81,19 @@ class ShardfeedAPI(FastAPI):
         await self.front(scope, receive, send)
 
 
-def create_app(config: ServiceConfig, datasets: ServedDatasets, cache: BlockCache,
-               metrics: Metrics, cluster: Cluster | None = None, buckets: dict[str, Store] | None = None) -> FastAPI:
-    """The ASGI app over already opened datasets, cache and GetBatch bucket stores (see ``server.py``)."""
-    coalescer = Coalescer(cache, metrics, config, cluster)
-    # Routed clients send each node its own part of a batch.
-    plans = Plans(config, cache, metrics, parts=(lambda: 1) if cluster is None
-                  else (lambda: len(cluster.workers) * len(cluster.hosts)))
-    coalescer.fetch_policy = plans
-    cache.victims = plans.victim_order
+def create_app(config: ServiceConfig, datasets: ServedDatasets, cache: BlockCache, memory: MemoryTier | None,
+               plans: Plans, metrics: Metrics, cluster: Cluster | None = None,
+               buckets: dict[str, Store] | None = None) -> FastAPI:
+    """The ASGI app over already opened datasets, the cache's tiers (the disk cache evicting in
+    ``plans``' order), and GetBatch bucket stores (see ``server.py``)."""
+    coalescer = Coalescer(cache, metrics, config, cluster, memory=memory, fetch_policy=plans,
+                          on_changed=datasets.changed)
     prefetcher = Prefetcher(plans, coalescer, config)
     admission = Admission({"batch": config.max_inflight_batches, "sample": config.max_inflight_samples}, metrics)
     bucket_stores = BucketStores(buckets or {})
     catalog = Catalog(bucket_stores, datasets, object_ttl=config.object_ttl)
     state = State(config, datasets, metrics, coalescer, SampleBatcher(coalescer, config.sample_window),
                   admission, cluster, StatsRecorder(metrics.registry), catalog, plans, prefetcher)
-    coalescer.fetcher.on_changed = datasets.changed
 
     async def replaced(old: Dataset | None, new: Dataset | None) -> None:
         if old is not None and new is not None:

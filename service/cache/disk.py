@@ -15,14 +15,14 @@ few dozen bytes a block in numpy arrays, and records on disk that a restart read
 safety: a block is written to a temporary file, recorded, then renamed into place, so it
 becomes visible only when complete; every read verifies what it reads, and files no
 record lists are removed while serving. Eviction is LRU over whole blocks, bounded by
-``capacity`` bytes, unless a ``victims`` policy orders the candidates (plans: the block
+``capacity`` bytes, unless a ``VictimOrder`` orders the candidates (plans: the block
 used farthest in the future goes first, ``service/plans/``); either ranks 64 blocks drawn
 at random rather than all of them, so an eviction costs the same at any size.
 LRU fits the access pattern: a random epoch touches every block once, and a block
 read by one batch is likely to be read again by the next samples of the same shard,
 while the blocks of the batch being served are already in memory and eviction cannot
 hurt it. A second process on the same directory is refused (an exclusive lock).
-Whoever mirrors blocks elsewhere (the RAM tier, ``memtier.py``) sets ``on_forget`` and
+Whoever mirrors blocks elsewhere (the RAM tier, ``memtier.py``) is given as ``on_forget`` and
 hears of every block that leaves the cache.
 
 Every method here blocks: callers run them in a thread.
@@ -39,6 +39,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -53,6 +54,14 @@ _OPEN_FILES = 512  # block files kept open for reads
 _CANDIDATES = 64
 """Blocks drawn at random per eviction and ranked (all of them in a cache of fewer): the one
 least recently used, or the ``victims`` policy's first, goes."""
+
+
+class VictimOrder(Protocol):
+    """Which cached block to evict first (``plans.Plans``: the one used farthest ahead)."""
+
+    def victim_order(self, keys: list[BlockKey]) -> list[BlockKey]:
+        """``keys`` (least recently used first) in the order to evict them. Called with the
+        cache's lock held, about a few blocks drawn at random, never all."""
 
 
 class CacheLocked(RuntimeError):
@@ -83,10 +92,14 @@ class BlockCache:
         metrics: counters for hits, misses, evictions, corruption and write errors.
         direct_writes: write block files around the page cache where the filesystem
             allows (``blockfile.write_file``); after one refusal, buffered.
+        victims: orders eviction candidates; ``None`` keeps LRU.
+        on_forget: called with the key of every block evicted, replaced or dropped as corrupt
+            (the RAM tier's ``discard``: it mirrors the disk).
     """
 
     def __init__(self, directory: str | os.PathLike, capacity: int, block_size: int, metrics: Metrics, *,
-                 direct_writes: bool = True):
+                 direct_writes: bool = True, victims: VictimOrder | None = None,
+                 on_forget: Callable[[BlockKey], None] | None = None):
         self.directory = Path(directory)
         self.capacity = capacity
         self.block_size = block_size
@@ -101,11 +114,8 @@ class BlockCache:
         self._lock_file = None
         self._last_warning = -1e9
         self._random = np.random.default_rng()
-        self.on_forget: Callable[[BlockKey], None] = lambda key: None
-        """Called with the key of every block evicted, replaced or dropped as corrupt."""
-        self.victims: Callable[[list[BlockKey]], list[BlockKey]] | None = None
-        """Orders eviction candidates, given least recently used first (the first returned
-        goes first); ``None`` keeps LRU. Called with the lock held."""
+        self.on_forget = on_forget or (lambda key: None)
+        self.victims = victims
 
     # -- lifecycle ---------------------------------------------------------------------
     def open(self) -> None:
@@ -194,6 +204,10 @@ class BlockCache:
     def held(self, dataset: str) -> HeldBlocks:
         """What the cache holds of dataset id ``dataset`` (read without the lock: a moment's view)."""
         return self._held.get(dataset) or HeldBlocks()
+
+    def room_blocks(self) -> int:
+        """How many blocks the cache keeps at most: none once it is disabled."""
+        return self.capacity // self.block_size if self.writable else 0
 
     def read(self, key: BlockKey, ranges: list[tuple[int, int]] | None) -> list[bytes] | None:
         """Bytes ``[start, end)`` of the block for each range (``None``: the whole block), verified;
@@ -328,7 +342,7 @@ class BlockCache:
 
     def _evict_locked(self, incoming: int = 0) -> list[int]:
         """Let go of blocks until ``incoming`` more bytes fit; their keys, to unlink. Each goes
-        first among ``_CANDIDATES`` drawn at random (LRU, or the ``victims`` policy), so an
+        first among ``_CANDIDATES`` drawn at random (LRU, or the ``victims`` order), so an
         eviction costs the same with 10^4 blocks as with 10^7 (docs/benchmarks.md, scale)."""
         evicted = []
         catalog = self._catalog
@@ -337,7 +351,7 @@ class BlockCache:
             victim = int(slots[0])
             if self.victims is not None:
                 keys = [self._block_of(catalog.key(s))[0] for s in slots.tolist()]
-                victim = int(slots[keys.index(self.victims(keys)[0])])
+                victim = int(slots[keys.index(self.victims.victim_order(keys)[0])])
             evicted.append(catalog.key(victim))
             self._remove_locked(victim)
         if evicted:

@@ -66,10 +66,12 @@ class Opener:
     """How an ``index.parquet`` read is kept for the host's other processes (``mapped.py``)."""
 
     @classmethod
-    def of(cls, config: ServiceConfig) -> Opener:
-        """A service's: its store options; indexes kept, and mapped once per host, in its index directory."""
+    def of(cls, config: ServiceConfig, wrap: Callable[[Store], Store] | None = None) -> Opener:
+        """A service's: its store options, each store opened wrapped in ``wrap``; indexes kept,
+        and mapped once per host, in its index directory."""
         share = SharedIndexes(config.index_dir / "mapped").share
-        return cls(config.store_options, config.index_objects, IndexKeeper(config.index_dir, share), share=share)
+        return cls(config.store_options, config.index_objects, IndexKeeper(config.index_dir, share),
+                   wrap=wrap or (lambda store: store), share=share)
 
     async def __call__(self, name: str, url: str, *, store: Store | None = None,
                        progress: IndexProgress | None = None, before: Dataset | None = None) -> Dataset:

@@ -71,7 +71,7 @@ class Prefetcher:
         if not self.plans.live():
             return
         if self.plans.horizon_due():
-            await asyncio.to_thread(self.plans.refresh_horizon)
+            await asyncio.to_thread(self.plans.refresh_horizon, self.coalescer.cache.room_blocks())
         for plan in self.plans.live():
             self._ahead(plan)
 

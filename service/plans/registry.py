@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shardfeed.service.cache.disk import BlockCache
 from shardfeed.service.cache.names import BlockKey
 from shardfeed.service.config import ServiceConfig
 from shardfeed.service.datasets.dataset import Dataset
@@ -179,14 +178,12 @@ class Plan:
 class Plans:
     """Every plan held, bounded; the cache's eviction policy and the coalescer's fetch policy."""
 
-    def __init__(self, config: ServiceConfig, cache: BlockCache, metrics: Metrics,
-                 parts: Callable[[], int] = lambda: 1):
+    def __init__(self, config: ServiceConfig, metrics: Metrics, parts: Callable[[], int] = lambda: 1):
         self.config = config
         self.parts = parts
         """Parts a batch may come in now, one per node of the cluster (routed clients send each
         owner its own; the replica set may change): a part of ``n`` samples spans up to
         ``n * parts()`` plan positions."""
-        self.cache = cache
         self.metrics = metrics
         self.block_size = config.block_size
         self._plans: dict[str, Plan] = {}
@@ -308,8 +305,9 @@ class Plans:
         (which runs in a thread), so a pass with nothing to recompute costs no thread hop."""
         return time.monotonic() - self._horizon_at >= HORIZON_EVERY
 
-    def refresh_horizon(self) -> None:
-        """How far ahead the cache reaches: the next-use distance of the block that just fits."""
+    def refresh_horizon(self, capacity: int) -> None:
+        """How far ahead a cache of ``capacity`` blocks reaches: the next-use distance of the
+        block that just fits."""
         self._horizon_at = time.monotonic()
         distances = [np.zeros(0)]
         for dataset_plans in self._by_dataset().values():
@@ -320,7 +318,6 @@ class Plans:
                 np.minimum.at(best, plan.blocks, until)
             distances.append(best[best < np.inf])
         distances = np.concatenate(distances)
-        capacity = self.cache.capacity // self.block_size if self.cache.writable else 0
         if len(distances) <= capacity:
             self.horizon = math.inf
         else:

@@ -16,7 +16,7 @@ members of blocks it has not cached cross its socket. While a sibling is down
 worker that stands in as the owner of its shards, and cached in that worker's own
 directory: a worker's directory has no other writer.
 
-With plans (``service/plans/``), ``fetch_policy`` says which missing blocks to fetch whole (others: ``ranges.py``).
+With plans (``service/plans/``), a ``FetchPolicy`` says which missing blocks to fetch whole (others: ``ranges.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
+from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
@@ -49,16 +51,28 @@ RANGES_FIRST_SHARE = 1 / 8
 follows, so at most an eighth more on a block's first touch."""
 
 
+class FetchPolicy(Protocol):
+    """Which missing blocks to fetch and cache whole (``plans.Plans``); the others' members are
+    read as ranges (``ranges.py``)."""
+
+    def whole_blocks(self, dataset: Dataset, shards: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """Per missing block (shard code, block number), whether to fetch it whole."""
+
+
 class Coalescer:
-    def __init__(self, cache: BlockCache, metrics: Metrics, config: ServiceConfig, cluster: Cluster | None = None):
+    """Reads members through the tiers. ``memory``: the RAM tier in front of ``cache`` (the one
+    the cache tells of blocks it lets go); ``fetch_policy``: ``None`` fetches every missing block
+    whole; ``on_changed``: told of a dataset a read found replaced in the store."""
+
+    def __init__(self, cache: BlockCache, metrics: Metrics, config: ServiceConfig, cluster: Cluster | None = None,
+                 *, memory: MemoryTier | None = None, fetch_policy: FetchPolicy | None = None,
+                 on_changed: Callable[[Dataset], None] | None = None):
         self.cache = cache
         self.cluster = cluster
         self.metrics = metrics
         self.block_size = config.block_size
-        self.memory = MemoryTier(config.memory_cache, metrics, config.block_size) if config.memory_cache else None
-        if self.memory is not None:
-            cache.on_forget = self.memory.discard
-        self.fetcher = BlockFetcher(cache, self.memory, metrics, config, cluster)
+        self.memory = memory
+        self.fetcher = BlockFetcher(cache, memory, metrics, config, cluster, on_changed=on_changed)
         self._sibling_reads: dict[BlockKey, asyncio.Future] = {}  # whole sibling blocks being read
         self._holds_all: dict[str, tuple[tuple, bool]] = {}  # dataset id -> (what it was drawn from, answer)
         self._own_blocks: dict[str, tuple] = {}  # dataset id -> ((ownership, version), blocks in all, shard ids, blocks of each)
@@ -68,9 +82,7 @@ class Coalescer:
             {node: p.cache_dir for node, p in enumerate(cluster.workers) if p.cache_dir is not None
              and node != cluster.me}, config.block_size, metrics)
         self.ranges_first = config.ranges_first
-        self.fetch_policy = None
-        """``whole_blocks(dataset, shards, blocks) -> bool array``: which missing blocks to
-        fetch and cache whole (``plans.Plans``); ``None``: all of them."""
+        self.fetch_policy = fetch_policy
 
     async def read_members(self, dataset: Dataset, members: Members, *,
                            scope: str = "cluster") -> list[bytes | StoreError | None]:

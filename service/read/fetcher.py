@@ -39,8 +39,11 @@ not cached (the RAM tier lets them go too), so a slow disk never holds up a batc
 
 
 class BlockFetcher:
+    """``on_changed`` is called when a read finds a shard replaced in the store (``ObjectChanged``):
+    the dataset is out of date and should be opened again (``datasets/served.py``)."""
+
     def __init__(self, cache: BlockCache, memory: MemoryTier | None, metrics: Metrics, config: ServiceConfig,
-                 cluster: Cluster | None = None):
+                 cluster: Cluster | None = None, *, on_changed: Callable[[Dataset], None] | None = None):
         self.cache = cache
         self.memory = memory
         self.metrics = metrics
@@ -53,9 +56,7 @@ class BlockFetcher:
         self.inflight: dict[BlockKey, asyncio.Future] = {}
         """Per block being read, the future of its bytes (or the ``StoreError`` that ended the read)."""
         self._tasks: set[asyncio.Task] = set()
-        self.on_changed: Callable[[Dataset], None] = lambda dataset: None
-        """Called when a read finds a shard replaced in the store (``ObjectChanged``): the
-        dataset is out of date and should be opened again (``datasets/served.py``)."""
+        self.on_changed = on_changed or (lambda dataset: None)
         # Cache writes wait on the disk (``O_DIRECT``, ``blockfile.py``): on threads of their
         # own, so a slow disk never queues the cache reads on the default executor behind them.
         self._writer = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="cache-write")

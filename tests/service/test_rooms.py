@@ -1,5 +1,6 @@
 """The service's layout: rooms in one order, every import pointing down (or within its room),
-each room saying what it is for and what it may import, no module too long to read."""
+each room saying what it is for and what it may import, and no room setting up a lower room's
+objects after they are built (policies are given to their constructors)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ ORDER = ["server", "api", "plans", "read", "cluster", "datasets", "cache", "stor
 """Rooms from the top (the entry) down; a room may import only rooms after it."""
 SHARED = ("shardfeed.tar", "shardfeed.retry", "shardfeed.sizes", "shardfeed.node", "shardfeed.http11")
 """Low modules outside the service that any room may import."""
-MAX_LINES = 400
 
 
 def room_of(module: str) -> str:
@@ -86,6 +86,44 @@ def test_every_room_says_what_it_is_for_and_what_it_may_import():
                 assert re.search(rf"\b{module.stem}\b", doc), f"{room}/__init__.py does not mention {module.name}"
 
 
-def test_no_module_is_longer_than_four_hundred_lines():
-    lengths = {str(p.relative_to(SERVICE)): len(p.read_text().splitlines()) for p in SERVICE.rglob("*.py")}
-    assert {path: n for path, n in lengths.items() if n > MAX_LINES} == {}
+def declared_attributes(path: Path) -> set[str]:
+    """The attributes the classes of ``path`` declare: ``self.x = ...`` in their methods and
+    annotated fields in their bodies (dataclasses)."""
+    out = set()
+    for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
+        for node in ast.walk(cls):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                out.add(node.target.id)
+            for target in assigned(node):
+                if isinstance(target.value, ast.Name) and target.value.id == "self":
+                    out.add(target.attr)
+    return out
+
+
+def assigned(node: ast.AST) -> list[ast.Attribute]:
+    """The attributes an assignment statement sets (``a.b = ...``, ``a.b += ...``)."""
+    targets = node.targets if isinstance(node, ast.Assign) else \
+        [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+    return [t for target in targets for t in ast.walk(target) if isinstance(t, ast.Attribute)
+            and isinstance(t.ctx, ast.Store)]
+
+
+def test_no_room_sets_an_attribute_of_a_lower_rooms_object():
+    """Wiring through constructors: an upper room passes its policies (fetch policy, eviction
+    order, change listener, store wrap) when it builds a lower room's object, never assigns them
+    afterwards, where the import check cannot see a lower room calling up."""
+    rooms = {room: set().union(*(declared_attributes(p) for p, m in modules() if room_of(m) == room))
+             for room in ORDER}
+    out = []
+    for path, module in modules():
+        room = room_of(module)
+        if room == "__init__":
+            continue
+        lower = set().union(*(rooms[r] for r in ORDER[ORDER.index(room) + 1:])) - rooms[room]
+        for node in ast.walk(ast.parse(path.read_text())):
+            for target in assigned(node):
+                # An object named (not an item of a container: a library's, such as prometheus' families).
+                if isinstance(target.value, (ast.Name, ast.Attribute)) and ast.unparse(target.value) != "self" \
+                        and target.attr in lower:
+                    out.append(f"{module}:{node.lineno} sets {ast.unparse(target)}")
+    assert out == []

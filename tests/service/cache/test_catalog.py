@@ -17,8 +17,9 @@ from shardfeed.service.observe.metrics import Metrics
 BLOCK = 4096
 
 
-def cache_at(directory, capacity_blocks: int = 1000) -> BlockCache:
-    cache = BlockCache(directory, capacity_blocks * (BLOCK + 64), BLOCK, Metrics(), direct_writes=False)
+def cache_at(directory, capacity_blocks: int = 1000, victims=None) -> BlockCache:
+    cache = BlockCache(directory, capacity_blocks * (BLOCK + 64), BLOCK, Metrics(), direct_writes=False,
+                       victims=victims)
     cache.open()
     return cache
 
@@ -123,14 +124,14 @@ def test_records_are_rewritten_when_they_outnumber_the_blocks(tmp_path):
 
 
 def test_eviction_keeps_the_capacity_and_asks_the_policy_about_a_sample_of_blocks(tmp_path):
-    cache = cache_at(tmp_path, capacity_blocks=100)
     asked = []
 
-    def keep_even(candidates: list[BlockKey]) -> list[BlockKey]:
-        asked.append(len(candidates))
-        return sorted(candidates, key=lambda k: k.block % 2 == 0)  # odd blocks go first
+    class KeepEven:
+        def victim_order(self, candidates: list[BlockKey]) -> list[BlockKey]:
+            asked.append(len(candidates))
+            return sorted(candidates, key=lambda k: k.block % 2 == 0)  # odd blocks go first
 
-    cache.victims = keep_even
+    cache = cache_at(tmp_path, capacity_blocks=100, victims=KeepEven())
     for i in range(300):
         cache.write(BlockKey("d1", "s1", i), payload(i))
         assert cache.bytes <= cache.capacity

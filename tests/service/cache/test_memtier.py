@@ -56,10 +56,9 @@ def test_a_block_read_from_disk_is_admitted_on_its_second_read_within_the_window
 
 
 def test_blocks_evicted_from_disk_leave_the_tier(tmp_path):
-    cache = BlockCache(tmp_path, capacity=3 * 5000, block_size=4096, metrics=Metrics())
-    cache.open()
     t = tier(1 << 20)
-    cache.on_forget = t.discard
+    cache = BlockCache(tmp_path, capacity=3 * 5000, block_size=4096, metrics=Metrics(), on_forget=t.discard)
+    cache.open()
     keys = [BlockKey("d", "s", n) for n in range(6)]
     for key in keys:
         payload = bytes([key.block]) * 4096
@@ -75,10 +74,9 @@ def test_blocks_evicted_from_disk_leave_the_tier(tmp_path):
 
 
 def test_a_block_found_corrupt_on_disk_leaves_the_tier(tmp_path):
-    cache = BlockCache(tmp_path, capacity=1 << 20, block_size=4096, metrics=Metrics())
-    cache.open()
     t = tier(1 << 20)
-    cache.on_forget = t.discard
+    cache = BlockCache(tmp_path, capacity=1 << 20, block_size=4096, metrics=Metrics(), on_forget=t.discard)
+    cache.open()
     key = BlockKey("d", "s", 0)
     cache.write(key, b"q" * 4096)
     name = key.filename(4096)

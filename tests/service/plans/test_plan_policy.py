@@ -35,17 +35,17 @@ def replay(dataset, tmp_path, order: np.ndarray, share: float, *, plan: bool) ->
     fetching what the policy says (whole blocks into the cache, or the pieces' ranges)."""
     data_bytes = int(dataset.extents.sum())
     metrics = Metrics()
-    cache = BlockCache(tmp_path / f"cache-{plan}", int(share * data_bytes), BLOCK, metrics)
+    plans = Plans(ServiceConfig(block_size=BLOCK), metrics)
+    cache = BlockCache(tmp_path / f"cache-{plan}", int(share * data_bytes), BLOCK, metrics,
+                       victims=plans if plan else None)
     cache.open()
-    plans = Plans(ServiceConfig(block_size=BLOCK), cache, metrics)
     if plan:
-        cache.victims = plans.victim_order
         plans.insert(plans.build(dataset, "indices", order, None, True, None))
     fetched = requests = 0
     for start in range(0, len(order), BATCH):
         batch = order[start:start + BATCH]
         plans.observe(dataset, batch)
-        plans.refresh_horizon()  # for every batch: no clock in this test
+        plans.refresh_horizon(cache.room_blocks())  # for every batch: no clock in this test
         members = dataset.index.lookup(batch)
         pieces = plan_pieces(members, BLOCK)
         pairs = sorted(set(zip(pieces.shard.tolist(), pieces.block.tolist())))
@@ -90,9 +90,7 @@ def test_one_owners_part_of_a_batch_moves_the_plan_when_batches_come_in_parts(da
     """Routed clients send each of ``parts`` nodes its own samples of a batch: one part is
     then a sparse pick of the batch's positions, which must still tell where the reader is."""
     order = EpochSampler(SAMPLES, 1, seed=9).rank_order()
-    cache = BlockCache(tmp_path / "cache", SAMPLES * 1100, BLOCK, Metrics())
-    cache.open()
-    plans = Plans(ServiceConfig(block_size=BLOCK), cache, Metrics(), parts=lambda: parts)
+    plans = Plans(ServiceConfig(block_size=BLOCK), Metrics(), parts=lambda: parts)
     plan = plans.build(dataset, "indices", order, None, True, None)
     plans.insert(plan)
     plans.observe(dataset, order[640:704][::8])  # one of 8 owners' samples of the batch at 640

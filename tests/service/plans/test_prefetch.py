@@ -12,6 +12,7 @@ import pytest
 
 from shardfeed.client.sampling import EpochSampler
 from shardfeed.service.cache.disk import BlockCache
+from shardfeed.service.cache.memtier import MemoryTier
 from shardfeed.service.cache.names import BlockKey
 from shardfeed.service.cluster.peers import Cluster, Peer
 from shardfeed.service.config import ServiceConfig
@@ -71,11 +72,12 @@ def test_read_ahead_stops_once_the_cache_holds_the_dataset_and_resumes_when_a_bl
     async def scenario():
         config = ServiceConfig(block_size=BLOCK, fetch_window=0)
         metrics = Metrics()
-        cache = BlockCache(tmp_path / "cache", 100 * 1024 * 1024, BLOCK, metrics)
+        plans = Plans(config, metrics)
+        memory = MemoryTier(config.memory_cache, metrics, BLOCK)
+        cache = BlockCache(tmp_path / "cache", 100 * 1024 * 1024, BLOCK, metrics, victims=plans,
+                           on_forget=memory.discard)
         cache.open()
-        coalescer = Coalescer(cache, metrics, config)
-        plans = Plans(config, cache, metrics)
-        coalescer.fetch_policy = plans
+        coalescer = Coalescer(cache, metrics, config, memory=memory, fetch_policy=plans)
         prefetcher = Prefetcher(plans, coalescer, config)
         order = EpochSampler(SAMPLES, 1, seed=5).rank_order()
         plans.insert(plans.build(dataset, "indices", order, None, True, None))

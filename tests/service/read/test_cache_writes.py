@@ -11,6 +11,7 @@ import threading
 import numpy as np
 
 from shardfeed.service.cache.disk import BlockCache
+from shardfeed.service.cache.memtier import MemoryTier
 from shardfeed.service.config import ServiceConfig
 from shardfeed.service.datasets.dataset import open_dataset
 from shardfeed.service.observe.metrics import Metrics
@@ -30,9 +31,10 @@ def test_a_full_write_queue_skips_caching_and_never_delays_a_read(written, tmp_p
     async def main():
         dataset = await open_dataset("d", root.as_uri())
         metrics = Metrics()
-        cache = BlockCache(tmp_path / "cache", 64 * BLOCK, BLOCK, metrics)
+        memory = MemoryTier(1 << 20, metrics, BLOCK)
+        cache = BlockCache(tmp_path / "cache", 64 * BLOCK, BLOCK, metrics, on_forget=memory.discard)
         cache.open()
-        coalescer = Coalescer(cache, metrics, ServiceConfig(block_size=BLOCK, fetch_window=0, memory_cache=1 << 20))
+        coalescer = Coalescer(cache, metrics, ServiceConfig(block_size=BLOCK, fetch_window=0), memory=memory)
         write = coalescer.fetcher._write_blocks
         coalescer.fetcher._write_blocks = lambda blocks: (disk_free.wait(30), write(blocks))[1]  # a stuck disk
         got = []
