@@ -28,7 +28,6 @@ import asyncio
 import signal
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -59,7 +58,7 @@ from shardfeed.service.read.coalescer import Coalescer
 from shardfeed.service.read.samples import SampleBatcher
 from shardfeed.service.stores import Store
 
-ROUTERS = (ops.router, dataset_routes.router, routing.router, samples.router, batch.router, getbatch.router,
+ROUTERS = (ops.router, dataset_routes.router, routing.router, samples.router, getbatch.router,
            internal.router, status.router, plan_routes.router)
 
 
@@ -70,15 +69,23 @@ class ShardfeedAPI(FastAPI):
     request); an unexpected exception there is still a 500, from uvicorn.
 
     ``instant``: the routes the HTTP protocol may answer without the app at all
-    (``protocol.BoundedHeadProtocol``), ``{(method, path): InstantAnswerer}``."""
+    (``protocol.BoundedHeadProtocol``), ``{(method, path): InstantAnswerer}``; ``mounted``: the
+    OpenAPI paths of the endpoints mounted in ``front``, which FastAPI's router does not see."""
 
-    def __init__(self, front: Callable[[ASGIApp], ASGIApp], instant: dict, **kwargs):
+    def __init__(self, front: Callable[[ASGIApp], ASGIApp], instant: dict, mounted: dict, **kwargs):
         super().__init__(**kwargs)
         self.front = front(super().__call__)
         self.instant = instant
+        self.mounted = mounted
 
     async def __call__(self, scope, receive, send) -> None:
         await self.front(scope, receive, send)
+
+    def openapi(self) -> dict:
+        if self.openapi_schema is None:
+            schema = super().openapi()
+            schema["paths"] = {**self.mounted, **schema["paths"]}
+        return self.openapi_schema
 
 
 def create_app(config: ServiceConfig, datasets: ServedDatasets, cache: BlockCache, memory: MemoryTier | None,
@@ -138,14 +145,17 @@ def create_app(config: ServiceConfig, datasets: ServedDatasets, cache: BlockCach
             await dataset.store.close()
         await bucket_stores.close()
 
+    batch_endpoint = batch.BatchEndpoint(state)
+
     def front(routed: ASGIApp) -> ASGIApp:
-        held = HeldRoutes(routed, state, direct={("POST", "/v1/batch"): batch.batch}, handlers=(samples.held_member,))
+        held = HeldRoutes(routed, state, direct={("POST", "/v1/batch"): batch_endpoint},
+                          handlers=(samples.held_member,))
         return TokenAuth(held, tokens, batches, metrics) if authenticated else held
 
-    instant = {("POST", "/v1/batch"): partial(batch.instant_batch, state)}
+    instant = {("POST", "/v1/batch"): batch_endpoint.instant}
     if authenticated:
         instant = {route: guarded(answer, tokens, batches, metrics) for route, answer in instant.items()}
-    app = ShardfeedAPI(front, instant, title="shardfeed", version="1", lifespan=lifespan, responses=ERRORS,
+    app = ShardfeedAPI(front, instant, batch.OPENAPI, title="shardfeed", version="1", lifespan=lifespan, responses=ERRORS,
                        description="Batched, ordered sample loading from S3-compatible storage.")
     app.state.shardfeed = state
     app.add_exception_handler(ApiError, _api_error)
@@ -153,6 +163,9 @@ def create_app(config: ServiceConfig, datasets: ServedDatasets, cache: BlockCach
     app.add_exception_handler(StarletteHTTPException, _http_error)
     for router in ROUTERS:
         app.include_router(router)
+    # Where a reader finds the route, and what answers its other methods (405); its requests are
+    # taken in front of the router (``HeldRoutes``), by the same endpoint.
+    app.router.add_route("/v1/batch", batch_endpoint, methods=["POST"], include_in_schema=False)
     return app
 
 

@@ -1,11 +1,27 @@
-"""``POST /v1/batch``: samples as one ordered tar stream.
+"""``POST /v1/batch``: samples as one ordered tar stream, through one endpoint, ``BatchEndpoint``.
 
-Validation happens before the first byte, so a 4xx is a real 4xx; the first group of a
-batch is read before the status line too, so a store outage is a 503 and not a
-truncated 200, and a shard replaced in the store meanwhile (``ObjectChanged``) gets the
-dataset reopened and the batch answered from the new version (a second change: 409). A warm
-batch (every block in RAM) is answered by the protocol itself (``instant_batch``), without the
-ASGI layers. A streamed answer states its expected length (``LENGTH_HEADER``)."""
+Its steps, in the order a request meets them:
+
+1. **authenticate**: the request's tenant (``auth.py``: ``TokenAuth`` in front of the app, ``guarded``
+   in front of the protocol's offer; without tokens, everyone may read everything);
+2. **validate and look up, once**: ``wanted_batch`` checks the body and looks every member up in the
+   dataset's index (a ``WantedBatch``), and ``held_group`` finds whether every block is in RAM
+   (a ``Decision``);
+3. **admit**: a batch slot (``Admission``, 429 beyond);
+4. **held or streamed**: a held batch is framed from RAM as it is sent; any other is read group by
+   group through the coalescer (``read/stream.py``), its store reads planned at once;
+5. **framed**: the tar parts, written by the protocol itself (``instant``: a held batch small
+   enough to write at once, without the ASGI layers) or as a ``TarStreamResponse``.
+
+The protocol offers the endpoint every request whose body came with its head (``instant``); when
+it cannot answer at once, its ``Decision`` (an error to answer included) travels in the request's
+scope to the ASGI call, which answers from it: nothing is validated or looked up twice.
+
+Validation happens before the first byte, so a 4xx is a real 4xx; the first group is read before
+the status line too, so a store outage is a 503 and not a truncated 200, and a shard replaced in
+the store meanwhile (``ObjectChanged``) gets the dataset reopened and the batch answered from the
+new version (a second change: 409). A streamed answer states its expected length (``LENGTH_HEADER``).
+"""
 
 from __future__ import annotations
 
@@ -13,13 +29,13 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
-from starlette.responses import Response, StreamingResponse
+from starlette.requests import Request
+from starlette.responses import Response
 
 from shardfeed.service.api.auth import tenant_of
 from shardfeed.service.api.common import (
-    TAR, AppState, State, answer_changed_once, count_batch, json_body, parse_json, read_body, served_metrics,
+    ERRORS, TAR, State, answer_changed_once, count_batch, json_body, parse_json, read_body, served_metrics,
     tar_stream_response,
 )
 from shardfeed.service.api.routing import ROUTING_HEADER, routing_version
@@ -30,11 +46,8 @@ from shardfeed.service.http.errors import ApiError
 from shardfeed.service.http.protocol import INSTANT_BYTES
 from shardfeed.service.read.framing import held_stream, stream_length
 from shardfeed.service.read.stream import stream_batch
-from shardfeed.service.read.warm import held_group
+from shardfeed.service.read.warm import HeldGroup, held_group
 from shardfeed.tar import END_OF_ARCHIVE
-
-router = APIRouter(tags=["samples"])
-
 
 class BatchRequest(BaseModel):
     """Body of ``POST /v1/batch``."""
@@ -94,59 +107,111 @@ def wanted_batch(state: State, body: bytes, tenant: Tenant) -> WantedBatch:
     return WantedBatch(dataset, indices, members, req.continue_on_error)
 
 
-@router.post("/v1/batch", response_class=StreamingResponse, openapi_extra=json_body(BatchRequest),
-             responses={200: {"content": {TAR: {}}, "description": "The samples, as an ordered tar stream."}})
-async def batch(request: Request, state: AppState) -> Response:
-    body = await read_body(request, state.config.max_body)
-    tenant = tenant_of(request.scope)
-    # A shard replaced in the store under the batch: answered again from the new version.
-    return await answer_changed_once(lambda: _stream(state, wanted_batch(state, body, tenant)),
-                                     lambda: state.datasets.reload(parse_json(body, BatchRequest).dataset))
+@dataclass
+class Decision:
+    """What ``BatchEndpoint.decide`` found for a request: the batch to serve and whether every block
+    of it is in RAM, or the error to answer."""
+
+    body: bytes
+    wanted: WantedBatch | None = None
+    held: HeldGroup | None = None
+    error: ApiError | None = None
 
 
-async def _stream(state: State, wanted: WantedBatch) -> Response:
-    config = state.config
-    dataset, members, indices = wanted.dataset, wanted.members, wanted.indices
-    served = _served(state, dataset, indices)
-    held = held_group(state.coalescer, dataset, members)
-    chunks = stream_batch(state.coalescer, dataset, members, indices, continue_on_error=wanted.continue_on_error,
-                          group_bytes=config.group_bytes, prefetch=config.prefetch_groups, on_served=served,
-                          held=held)
-    headers = _headers(state, dataset, indices)
-    if held is not None:  # every byte is in RAM: the length is known, no chunked framing
-        headers["Content-Length"] = str(stream_length(dataset, members, indices, held))
-    else:  # the length if every sample is served as the index says: a tensor client sizes its buffer by it
-        headers[LENGTH_HEADER] = str(stream_length(dataset, members, indices))
-    return await tar_stream_response(state, "batch", chunks, media_type=TAR, headers=headers,
-                                     what=f"batch dataset={dataset.name} samples={len(indices)}",
-                                     in_memory=held is not None)
+DECIDED = "shardfeed.batch"
+"""The scope key under which a ``Decision`` the protocol's offer did not answer reaches the ASGI call."""
 
 
-def instant_batch(state: State, scope, body: bytes) -> tuple[list[tuple[bytes, bytes]], list] | None:
-    """``POST /v1/batch`` answered by the protocol (``protocol.InstantAnswerer``) when every
-    member is found and held in RAM and the stream is small enough to write at once; None
-    (nothing done) for any other request, which ``batch`` answers, errors included."""
-    if len(body) > state.config.max_body or state.admission.full("batch"):
-        return None
-    began = time.perf_counter()
-    try:
-        wanted = wanted_batch(state, body, tenant_of(scope))
-    except ApiError:
-        return None
-    dataset, members, indices = wanted.dataset, wanted.members, wanted.indices
-    held = held_group(state.coalescer, dataset, members) if members.found.all() else None
-    if held is None:
-        return None
-    length = stream_length(dataset, members, indices, held)
-    if length > INSTANT_BYTES:
-        return None
-    parts = held_stream(dataset, members, indices, held)
-    _served(state, dataset, indices)(len(indices), length - len(END_OF_ARCHIVE))
-    count_batch(state, "batch", "200", began)
-    headers = [(b"content-type", TAR.encode()), (b"content-length", b"%d" % length)]
-    headers += [(name.lower().encode(), value.encode())
-                for name, value in _headers(state, dataset, indices).items()]
-    return headers, parts
+class BatchEndpoint:
+    """``POST /v1/batch`` (see the module's docstring for its steps): an ASGI app, mounted in front
+    of FastAPI's router (``HeldRoutes``), and the protocol's instant answerer (``instant``)."""
+
+    def __init__(self, state: State):
+        self.state = state
+
+    def decide(self, scope, body: bytes) -> Decision:
+        """Step 2: ``body`` validated and looked up for the request's tenant; every block looked for in RAM."""
+        try:
+            wanted = wanted_batch(self.state, body, tenant_of(scope))
+        except ApiError as err:
+            return Decision(body, error=err)
+        return Decision(body, wanted, held_group(self.state.coalescer, wanted.dataset, wanted.members))
+
+    def instant(self, scope, body: bytes) -> tuple[list[tuple[bytes, bytes]], list] | None:
+        """The protocol's offer (``protocol.InstantAnswerer``): the 200's headers and parts of a batch
+        held in RAM that is written at once; None otherwise, its ``Decision`` left in ``scope``."""
+        state = self.state
+        if len(body) > state.config.max_body:  # the ASGI call refuses it as it reads the body
+            return None
+        began = time.perf_counter()
+        decision = scope[DECIDED] = self.decide(scope, body)
+        wanted, held = decision.wanted, decision.held
+        if held is None or not wanted.members.found.all() or state.admission.full("batch"):
+            return None
+        dataset, members, indices = wanted.dataset, wanted.members, wanted.indices
+        length = stream_length(dataset, members, indices, held)
+        if length > INSTANT_BYTES:
+            return None
+        del scope[DECIDED]
+        parts = held_stream(dataset, members, indices, held)
+        _served(state, dataset, indices)(len(indices), length - len(END_OF_ARCHIVE))
+        count_batch(state, "batch", "200", began)
+        headers = [(b"content-type", TAR.encode()), (b"content-length", b"%d" % length)]
+        headers += [(name.lower().encode(), value.encode())
+                    for name, value in _headers(state, dataset, indices).items()]
+        return headers, parts
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            response = await self.respond(scope, receive)
+        except ApiError as err:
+            response = err.response()
+        await response(scope, receive, send)
+
+    async def respond(self, scope, receive) -> Response:
+        """The answer to a request the protocol did not answer: from its ``Decision``, or one made now."""
+        decision = scope.pop(DECIDED, None)
+        if decision is None:
+            decision = self.decide(scope, await read_body(Request(scope, receive), self.state.config.max_body))
+        if decision.error is not None:
+            raise decision.error
+        first = [decision]
+
+        def answer():  # the first try from the decision; after a change in the store, from a new one
+            return self.stream(first.pop() if first else self.decide(scope, decision.body))
+
+        return await answer_changed_once(answer, lambda: self.state.datasets.reload(decision.wanted.dataset.name))
+
+    async def stream(self, decision: Decision) -> Response:
+        """Steps 3 to 5: admitted (``tar_stream_response``), held or streamed, framed."""
+        if decision.error is not None:
+            raise decision.error
+        state, config = self.state, self.state.config
+        dataset, members, indices = decision.wanted.dataset, decision.wanted.members, decision.wanted.indices
+        held = decision.held
+        chunks = stream_batch(state.coalescer, dataset, members, indices,
+                              continue_on_error=decision.wanted.continue_on_error, group_bytes=config.group_bytes,
+                              prefetch=config.prefetch_groups, on_served=_served(state, dataset, indices), held=held,
+                              looked=True)
+        headers = _headers(state, dataset, indices)
+        if held is not None:  # every byte is in RAM: the length is known, no chunked framing
+            headers["Content-Length"] = str(stream_length(dataset, members, indices, held))
+        else:  # the length if every sample is served as the index says: a tensor client sizes its buffer by it
+            headers[LENGTH_HEADER] = str(stream_length(dataset, members, indices))
+        return await tar_stream_response(state, "batch", chunks, media_type=TAR, headers=headers,
+                                         what=f"batch dataset={dataset.name} samples={len(indices)}",
+                                         in_memory=held is not None)
+
+
+OPENAPI = {"/v1/batch": {"post": {
+    "tags": ["samples"], "summary": "Batch", "operationId": "batch_v1_batch_post",
+    "description": "Samples, in the order asked, as one tar stream.",
+    **json_body(BatchRequest),
+    "responses": {"200": {"description": "The samples, as an ordered tar stream.", "content": {TAR: {}}},
+                  **{str(status): {"description": error["description"], "content": {"application/json": {
+                      "schema": {"$ref": "#/components/schemas/ErrorBody"}}}} for status, error in ERRORS.items()}},
+}}}
+"""The endpoint's entry in the OpenAPI document (it is mounted in front of FastAPI's router)."""
 
 
 def _served(state: State, dataset: Dataset, indices: np.ndarray):

@@ -126,11 +126,10 @@ class State:
 class HeldRoutes:
     """ASGI middleware in front of the FastAPI app (``ShardfeedAPI``), for the hottest requests,
     which skip its middleware stack, the router's matching, dependency resolution and exception
-    middleware (about 115 us a request):
+    middleware:
 
-    - ``direct`` maps ``(method, path)`` to a route's own endpoint ``(request, state) ->
-      Response``, called here as the router would (an ``ApiError`` answered by its
-      ``response()``, as the app's handler does);
+    - ``direct`` maps ``(method, path)`` to an endpoint mounted here, an ASGI app (as Starlette
+      mounts them) that answers its own errors (``batch.BatchEndpoint``);
     - each of ``handlers``, ``(state, scope, send) -> bool``, may answer a request whose data
       is at hand (in RAM) without even a request object; when none does, the routed endpoint
       answers it, errors included, so every check and error is written once."""
@@ -145,12 +144,7 @@ class HeldRoutes:
         if scope["type"] == "http":
             endpoint = self.direct.get((scope["method"], scope["path"]))
             if endpoint is not None:
-                try:
-                    response = await endpoint(Request(scope, receive), self.state)
-                except ApiError as err:
-                    response = err.response()
-                await response(scope, receive, send)
-                return
+                return await endpoint(scope, receive, send)
             for handler in self.handlers:
                 if await handler(self.state, scope, send):
                     return

@@ -53,13 +53,14 @@ def _groups(members: Members, n_positions: int, group_bytes: int) -> list[tuple[
 
 async def render_group(coalescer: Coalescer, dataset: Dataset, members: Members, indices: np.ndarray,
                        continue_on_error: bool, names=SampleNames, held: HeldGroup | None = None,
-                       base: int = 0) -> tuple[list, int]:
+                       base: int = 0, looked: bool = False) -> tuple[list, int]:
     """The tar parts (bytes and views) of one group of member rows, and how many samples it served.
 
     A group whose blocks are all in RAM is framed from them at once (``warm.py``): from
-    ``held``, the whole batch's, where its rows start at ``base``; any other group is read
-    through the coalescer first. ``framing.py`` frames either."""
-    if held is None:
+    ``held``, the whole batch's, where its rows start at ``base``; any other group is looked
+    for in RAM (unless ``looked``: just done) and read through the coalescer. ``framing.py``
+    frames either."""
+    if held is None and not looked:
         held, base = held_group(coalescer, dataset, members), 0
     if held is not None and members.found.all():
         return held_parts(held, base, dataset, members, indices, names), _count_positions(members)
@@ -93,13 +94,15 @@ def _count_positions(members: Members) -> int:
 async def stream_batch(coalescer: Coalescer, dataset: Dataset, members: Members, indices: np.ndarray, *,
                        continue_on_error: bool, group_bytes: int, prefetch: int,
                        on_served=None, names=SampleNames, held: HeldGroup | None = None,
-                       ) -> AsyncIterator[list[bytes | memoryview]]:
+                       looked: bool = False) -> AsyncIterator[list[bytes | memoryview]]:
     """Yield the batch's tar stream as the parts of one group at a time (bytes and views of
     blocks, unjoined: ``chunks_of`` or a gathered write sends them), ending with the
     end-of-archive marker.
 
     ``names`` names the members (``SampleNames`` by default). ``held``: the batch's blocks,
-    all held in RAM (``held_group``); then nothing is read."""
+    all held in RAM (``held_group``); then nothing is read. ``looked``: the whole batch was
+    just looked for in RAM and ``held`` is what was found, so a batch of one group is not
+    looked for again."""
     groups = _groups(members, len(indices), group_bytes if held is None else max(group_bytes, HELD_GROUP_BYTES))
 
     def sent(parts: list, served: int, last: bool) -> list:
@@ -123,7 +126,8 @@ async def stream_batch(coalescer: Coalescer, dataset: Dataset, members: Members,
     def start_next() -> None:
         for lo, hi in upcoming:
             pending.append(asyncio.create_task(
-                render_group(coalescer, dataset, take(members, slice(lo, hi)), indices, continue_on_error, names)))
+                render_group(coalescer, dataset, take(members, slice(lo, hi)), indices, continue_on_error, names,
+                             looked=looked and len(groups) == 1)))
             return
 
     try:
