@@ -220,7 +220,7 @@ class Coalescer:
         remaining = self._take_held(pieces)
         for attempt in range(3):
             # Cached blocks first, all in one thread hop.
-            cached = [k for k in remaining if k not in self.fetcher.inflight and k in self.cache]
+            cached = [k for k in remaining if not self.fetcher.reading(k) and k in self.cache]
             if cached:
                 # Scan resistance: a block enters RAM on its second read from disk (``memtier.py``).
                 wanted = self._wanted(pieces, cached, self.memory and self.memory.admits)
@@ -239,8 +239,9 @@ class Coalescer:
             # we were reading others is left for the next round (the last round reads all).
             self.fetcher.start(dataset, [(int(pieces.plan.shard[blocks[k][0]]), k.block) for k in remaining],
                                 skip_cached=attempt < 2)
-            waiting = [k for k in remaining if k in self.fetcher.inflight]
-            results = await asyncio.gather(*(asyncio.shield(self.fetcher.inflight[k]) for k in waiting))
+            arrivals = self.fetcher.arrivals(remaining)
+            waiting = list(arrivals)
+            results = await asyncio.gather(*arrivals.values())
             for key, block in zip(waiting, results):
                 for i in blocks[key]:
                     piece_bytes[i] = block if isinstance(block, StoreError) else block[starts[i]:ends[i]]
@@ -254,7 +255,7 @@ class Coalescer:
         """Read as ranges the pieces of the blocks not worth fetching whole, and (``ranges_first``)
         of those worth it that nobody reads yet and of which this read needs a little: those
         are fetched whole behind it. The other keys."""
-        idle = [k for k in keys if k not in self.fetcher.inflight]  # a block being read is cheaper to wait for
+        idle = [k for k in keys if not self.fetcher.reading(k)]  # a block being read is cheaper to wait for
         if not idle or (self.fetch_policy is None and not self.ranges_first):
             return keys
         shards = pieces.shard[[blocks[k][0] for k in idle]]
@@ -320,7 +321,7 @@ class Coalescer:
             return set()
         ids = dataset.shard_ids
         return {pair for pair, size in pieces.needs().items() if size <= RANGES_FIRST_SHARE * self.block_size
-                and (key := BlockKey(dataset.id, ids[pair[0]], pair[1])) not in self.fetcher.inflight
+                and not self.fetcher.reading(key := BlockKey(dataset.id, ids[pair[0]], pair[1]))
                 and key not in self.cache}
 
     def own_rows(self, dataset: Dataset, members: Members) -> np.ndarray:

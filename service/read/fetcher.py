@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from shardfeed.service.cache.disk import BlockCache
@@ -53,7 +53,7 @@ class BlockFetcher:
         self.max_blocks = max(1, config.max_fetch // config.block_size)
         self.window_blocks = max(1, min(config.fetch_window // config.block_size, self.max_blocks))
         self._store_slots = asyncio.Semaphore(config.max_store_requests)
-        self.inflight: dict[BlockKey, asyncio.Future] = {}
+        self._inflight: dict[BlockKey, asyncio.Future] = {}
         """Per block being read, the future of its bytes (or the ``StoreError`` that ended the read)."""
         self._tasks: set[asyncio.Task] = set()
         self.on_changed = on_changed or (lambda dataset: None)
@@ -62,9 +62,22 @@ class BlockFetcher:
         self._writer = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="cache-write")
         self._queued = 0  # bytes handed to the writer threads and not written yet
 
+    def reading(self, key: BlockKey) -> bool:
+        """Whether a store read of block ``key`` is under way (or its bytes are being written)."""
+        return key in self._inflight
+
+    def arrivals(self, keys: list[BlockKey]) -> dict[BlockKey, Awaitable[memoryview | StoreError | None]]:
+        """For each of ``keys`` being read, what its read gives: its bytes, or the ``StoreError``
+        that ended it (shielded: a waiter that is cancelled cancels no one else's wait)."""
+        return {key: asyncio.shield(self._inflight[key]) for key in keys if key in self._inflight}
+
+    def idle(self) -> bool:
+        """Whether no store read is under way."""
+        return not self._inflight
+
     def start(self, dataset: Dataset, wanted, *, skip_cached: bool) -> None:
         """Start one store read per run of nearby wanted blocks (``(shard code, block)`` pairs)
-        that nobody is reading yet; their futures are in ``inflight`` on return."""
+        that nobody is reading yet; ``arrivals`` has them on return."""
         by_shard: dict[int, set[int]] = defaultdict(set)
         for shard, block in wanted:
             by_shard[shard].add(block)
@@ -75,7 +88,7 @@ class BlockFetcher:
 
             def idle(block: int, skip_cached: bool = True) -> bool:
                 key = shard_key._replace(block=block)
-                return key not in self.inflight and not (skip_cached and key in self.cache)
+                return key not in self._inflight and not (skip_cached and key in self.cache)
 
             todo = sorted(b for b in numbers if idle(b, skip_cached))
             if window > 1 and todo:
@@ -85,7 +98,7 @@ class BlockFetcher:
                 todo = sorted(around.union(todo))
             for first, last in merge_blocks(todo, self.gap_blocks, self.max_blocks, idle):
                 for block in range(first, last + 1):
-                    self.inflight[shard_key._replace(block=block)] = loop.create_future()
+                    self._inflight[shard_key._replace(block=block)] = loop.create_future()
                 self.metrics.cache_misses.inc(last - first + 1)
                 task = asyncio.create_task(self._fetch(dataset, shard, first, last))
                 self._tasks.add(task)
@@ -111,7 +124,7 @@ class BlockFetcher:
         end = min((last + 1) * self.block_size, int(dataset.extents[shard]))
         keys = [BlockKey(dataset.id, dataset.shard_ids[shard], b) for b in range(first, last + 1)]
         held = self.memory is not None and self.cache.writable
-        futures = {key: self.inflight[key] for key in keys}  # ours: a key may get another once we let go
+        futures = {key: self._inflight[key] for key in keys}  # ours: a key may get another once we let go
         got: dict[BlockKey, memoryview] = {}
 
         def arrived(number: int, block) -> None:
@@ -194,8 +207,8 @@ class BlockFetcher:
         """Unregister our ``futures`` (not a later read's of the same block), ending those not
         done with ``error``."""
         for key, future in futures.items():
-            if self.inflight.get(key) is future:
-                del self.inflight[key]
+            if self._inflight.get(key) is future:
+                del self._inflight[key]
             if not future.done():
                 future.set_result(error)
 

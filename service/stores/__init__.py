@@ -1,6 +1,6 @@
 """Storage backends behind one async interface (see ``base.Store``).
 
-One module per store (``file.py``, ``s3.py`` with its wire format ``s3wire.py`` and its ranged
+One module per store (``file.py``; ``s3.py``, its requests and wire format, with its ranged
 reads' transport ``getter.py``), and ``hedge.py``, which wraps any store's ranged reads. May import: ``observe``, ``http``, ``config``.
 """
 

@@ -84,7 +84,7 @@ def test_read_ahead_stops_once_the_cache_holds_the_dataset_and_resumes_when_a_bl
 
         async def settle():
             await prefetcher.step()
-            while coalescer.fetcher.inflight:
+            while not coalescer.fetcher.idle():
                 await asyncio.sleep(0.01)
 
         assert not coalescer.holds_all(dataset)

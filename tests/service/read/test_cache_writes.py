@@ -47,7 +47,7 @@ def test_a_full_write_queue_skips_caching_and_never_delays_a_read(written, tmp_p
         in_ram = len(coalescer.memory)
         disk_free.set()
         for _ in range(200):
-            if not coalescer.fetcher.inflight:
+            if coalescer.fetcher.idle():
                 break
             await asyncio.sleep(0.01)
         cached = cache.held(dataset.id).total
