@@ -33,7 +33,8 @@ from shardfeed.service.cache.disk import BlockCache
 from shardfeed.service.cache.memtier import MemoryTier
 from shardfeed.service.cache.names import BlockKey
 from shardfeed.service.cache.siblings import SiblingBlocks
-from shardfeed.service.cluster.peers import Cluster, PeerError
+from shardfeed.service.cluster.peerreader import PeerError
+from shardfeed.service.cluster.peers import Cluster
 from shardfeed.service.config import ServiceConfig
 from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.datasets.index import Members
