@@ -1,8 +1,9 @@
 """The README stays what a newcomer reads first, and no link in the docs leads nowhere.
 
 The README is capped in characters: the reference lives under docs/, one page per topic, and
-the README links to it. Every relative link in README.md and docs/*.md must name a path in
-the repository and, with a ``#fragment``, a heading of that page as GitHub spells its anchors.
+the README links to it. Every relative link in README.md, deploy/README.md and docs/*.md must
+name a path in the repository and, with a ``#fragment``, a heading of that page as GitHub
+spells its anchors.
 External links are not fetched (the suite runs without a network).
 """
 
@@ -15,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README_LIMIT = 15_000
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "deploy" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 FENCE = re.compile(r"^ {0,3}(```|~~~)")
 CODE_SPAN = re.compile(r"(`+)(.+?)\1")
