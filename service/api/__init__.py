@@ -65,8 +65,8 @@ ROUTERS = (ops.router, dataset_routes.router, routing.router, samples.router, ge
 class ShardfeedAPI(FastAPI):
     """FastAPI behind ``front``: ASGI middleware that sees every request before FastAPI's own
     stack (``TokenAuth`` when tokens are set, then ``HeldRoutes``), so that the hottest
-    requests skip that stack's error, telemetry and body-limit layers too (about 15 us a
-    request); an unexpected exception there is still a 500, from uvicorn.
+    requests skip that stack's error, telemetry and body-limit layers too; an unexpected
+    exception there is still a 500, from uvicorn.
 
     ``instant``: the routes the HTTP protocol may answer without the app at all
     (``protocol.BoundedHeadProtocol``), ``{(method, path): InstantAnswerer}``; ``mounted``: the

@@ -3,8 +3,8 @@ reading it verified.
 
 A block file is the block's payload, then an XXH3-64 digest per 16 KiB chunk, then a
 footer (magic, payload length, chunk count). A reader verifies only the chunks it reads,
-so a 10 KiB sample costs one small ``pread`` plus a checksum over at most two chunks (well
-under a microsecond), and a corrupt or truncated file is detected, never served.
+so a 10 KiB sample costs one small ``pread`` plus a checksum over at most two chunks, and a
+corrupt or truncated file is detected, never served.
 
 Files are written whole under a temporary name and renamed into place, and removed by
 unlinking, never changed in place: an open ``BlockFile`` keeps reading the bytes it was
@@ -51,8 +51,8 @@ def write_file(path: str | os.PathLike, payload: bytes | memoryview, *, direct: 
     filesystems), the file is written buffered and ``False`` returned.
 
     Why direct: the service keeps its hot blocks in its own RAM tier (``memtier.py``), so
-    a second copy in the page cache only costs RAM, and kernel CPU to fill it: here 0.4 s
-    for 225 MiB of fresh pages, against 0.05 s written direct.
+    a second copy in the page cache only costs RAM, and kernel CPU to fill it (about eight
+    times the CPU of a direct write: docs/benchmarks.md, "Figures behind the code").
     """
     tail = trailer(payload)
     if direct and hasattr(os, "O_DIRECT"):

@@ -5,8 +5,8 @@ file size and last use), found through a sorted array of the keys plus a dict of
 added since that array was sorted (sorted again when the dict reaches an eighth of the
 blocks: amortised O(log n) an insertion). A block's key is its stream's code (a dataset,
 a shard version and a block size: ``streams``) and its number, in one 64-bit integer.
-33 bytes a block after an open, up to about 46 while the dict fills (``python -m
-shardfeed.benchmarks.scale``: 10^7 blocks, 1 MiB each on disk, hold about 330 MB of RAM).
+A few dozen bytes a block (``python -m shardfeed.benchmarks.scale`` measures them; figures in
+docs/benchmarks.md).
 
 On disk, beside the blocks: ``catalog`` holds 16-byte records appended as blocks come (the
 record goes before the file is renamed into place) and go (before the file is removed), and

@@ -193,7 +193,7 @@ class Cluster:
 
     def _owner_table(self, dataset_url: str, shards: list[str], within_host: bool) -> np.ndarray:
         """Every shard's live owner, ranked once per dataset until a node goes up or down
-        (``mark``): a batch then costs one gather instead of a ranking (about 10 us)."""
+        (``mark``): a batch then costs one gather instead of a ranking."""
         kept = self._owners.get((dataset_url, within_host))
         if kept is not None and kept[0] is shards:
             return kept[1]

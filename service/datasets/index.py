@@ -82,7 +82,7 @@ class Index:
         self.stats = stats or IndexStats.of(starts, shard, offset, size, len(shards))
         self._per_sample = self.stats.per_sample
         """``lookup`` finds a batch's rows with half the numpy calls when every sample has as
-        many members (about 4 us a batch)."""
+        many members."""
         self.total_bytes = self.stats.total_bytes
 
     def __len__(self) -> int:

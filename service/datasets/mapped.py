@@ -184,7 +184,7 @@ class SharedIndexes:
 
 def release_memory() -> None:
     """Hand freed memory back to the OS: the built index's, which the Arrow pool and the C
-    heap would otherwise keep (about 90 bytes a sample, measured, for the process that built it)."""
+    heap would otherwise keep (tens of bytes a sample, for the process that built it)."""
     pa.default_memory_pool().release_unused()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -18,7 +18,7 @@ It also sends what a batch framed from RAM is made of without copying it:
 - the ASGI extension ``PARTS``: a response body message may carry a list of buffers (the
   shards' own byte ranges, as ``memoryview`` slices of blocks in RAM) that go to the socket
   in one gathered write (``writelines``: ``writev`` under uvloop), instead of being joined
-  into one new ``bytes`` first, which cost about 1 us per 10 KiB sample;
+  into one new ``bytes`` first (a copy of every sample);
 - a connection buffers up to ``WRITE_BUFFER`` bytes of response before the sender waits:
   with asyncio's default 64 KiB mark every large member would wait for the socket to
   drain before the next is queued.
@@ -27,10 +27,11 @@ And it answers the hottest requests without the ASGI app when it can (``instant`
 route's instant answerer gets the request's scope and whole body, and returns the 200's
 headers and body parts, or None to let the app answer it as any request. A request whose
 body arrives with its head (one read, the usual small JSON body) is offered to it; the
-app's task then starts only if it declines. A warm batch of RAM-held blocks is answered
-that way in 50-65 us less CPU than through the ASGI layers (a task, the request and response
-objects, the body's receive, the messages): the fixed cost of a request, which decides what
-a replica serving a third of each batch gets done per CPU-second.
+app's task then starts only if it declines. A warm batch of RAM-held blocks answered that way
+skips the ASGI layers (a task, the request and response objects, the body's receive, the
+messages): the fixed cost of a request, which decides what a replica serving a third of each
+batch gets done per CPU-second. The batch route is the one such answerer
+(``api/batch.py``'s ``BatchEndpoint.instant``).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ another server would ignore the key and send nothing.
 An ``http.response.start`` message may also say ``"parts": True`` (its body follows at once,
 as parts): its status line and headers are then held and go out in the first parts' gathered
 write. On loopback each write runs the receiver's side of TCP too, so a second write of a
-few hundred bytes cost about 40 us of a small warm batch's ~400."""
+few hundred bytes costs a small warm batch a tenth of its CPU."""
 
 InstantAnswerer = Callable[[dict, bytes], "tuple[list[tuple[bytes, bytes]], list] | None"]
 """``(scope, body) -> (headers, parts) | None``: a route's 200 answered by the protocol itself

@@ -34,7 +34,7 @@ WHOLE_SHARE = 1 / 2
 bytes. Lower fetches more whole blocks (more bytes, fewer requests: a range read costs a
 request per sample or two). At 1/2 a random order through a quarter cache reads almost
 every sample alone and the dataset's bytes about once, a locality shuffle mostly whole
-blocks; at 1/4 the random order read 1.3x the dataset in ``tests/service/plans/test_plans.py``."""
+blocks; at 1/4 the random order reads more of the dataset again (docs/benchmarks.md)."""
 
 HORIZON_EVERY = 0.1
 """Seconds between recomputations of the cache horizon (cheap, but not per request)."""

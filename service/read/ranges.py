@@ -4,8 +4,8 @@ evicted before enough of its samples are read (``service/plans/``).
 Caching a whole 1 MiB block pays only if the cache keeps it while many of its samples
 are read. With a cache smaller than the dataset and a random order, most blocks are
 evicted after one or two of their samples are read, so a block fetch costs a whole
-block for a sample or two (LRU over 1 MiB blocks reads about 18x the dataset per
-epoch). For such blocks the coalescer asks for just the members' byte ranges instead;
+block for a sample or two (LRU over 1 MiB blocks reads the dataset many times over per
+epoch: docs/benchmarks.md). For such blocks the coalescer asks for just the members' byte ranges instead;
 ranges of one shard closer than ``range_gap`` are merged into one read. The bytes are
 not cached.
 

@@ -1,9 +1,8 @@
 """HTTP/1.1 GETs on kept connections whose bodies land in memory allocated once for them.
 
-The store's ranged reads come here (``s3.py``), not through aiohttp: a 1 MiB range cost the
-reading process 0.85-1.0 ms of CPU through aiohttp against 0.4-0.5 ms this way
-(``python -m shardfeed.benchmarks.stores``): there every socket read is a new ``bytes``, fed
-through a parser into a stream buffer and joined again. Here a connection is an
+The store's ranged reads come here (``s3.py``), not through aiohttp, at about half the CPU
+per MiB (docs/benchmarks.md, "Figures behind the code"): there every socket read is a new
+``bytes``, fed through a parser into a stream buffer and joined again. Here a connection is an
 ``asyncio.BufferedProtocol``: the event loop ``recv_into``s a 2xx answer's body straight
 into the pieces the caller asked for (the cache's blocks), and each piece is handed on
 (``arrived``) the moment it is complete, before the rest of the answer is in (cut-through).
