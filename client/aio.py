@@ -1,130 +1,127 @@
 """The asyncio client: ``await AsyncClient(url).get_batch("train", [17, 4, 9])``.
 
-The twin of :mod:`.sync`, line for line; what to send and what answers mean is shared
-in :mod:`.http` and :mod:`.samples`. Batches travel over the lean HTTP/1.1 transport the
-blocking client uses, in its asyncio form (:mod:`.aiowire`); everything else over httpx.
+The twin of :mod:`.sync`, method for method (tensors included); what to send, where, and
+what answers mean is shared in :mod:`.base`, :mod:`.routing` and :mod:`.samples`, so the
+two differ only in how they wait. Batches travel over the batch transport's asyncio
+driver (:mod:`.transport.aio`); everything else over httpx.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import closing
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 
 from shardfeed.retry import retry_async
 
-from .aiowire import AsyncPool, AsyncResponse
-from .errors import ShardfeedConnectionError, ShardfeedError
-from .http import (
-    ERROR_BODY_LIMIT, ROUTING_HEADER, BaseClient, Via, as_indices, batch_body, dataset_path, merge_order,
-    parse_json, routing_path, sample_path, status_error, transport_error,
+from .base import (
+    BATCH_PATH, ERROR_BODY_LIMIT, REGISTER_POLL, BaseClient, PartRequest, Registering, as_indices, checked,
+    dataset_path, parse_json, plan_path, routing_path, sample_parser, sample_path, settled, transport_error,
 )
-from .samples import BatchReader
+from .errors import ShardfeedError
+from .routing import Via, merged
+from .transport.aio import AsyncPool, AsyncResponse
 
 T = TypeVar("T")
+P = TypeVar("P")
+
+if TYPE_CHECKING:
+    from .tensors import Batch
 
 
 class AsyncClient(BaseClient):
     """Asyncio client of a shardfeed service (keep-alive, retries, failover; see BaseClient).
 
-    Its connections belong to the event loop that opened them: using the client from
-    another loop (or another process) opens new ones. Batches travel over a lean HTTP/1.1
-    transport of their own (:mod:`.aiowire`), everything else over httpx.
+    Every method of :class:`~shardfeed.client.Client`, as a coroutine (``iter_batch`` an async
+    iterator), with the same arguments, answers and errors. Its connections belong to the
+    event loop that opened them: using the client from another loop (or another process)
+    opens new ones.
     """
 
     async def datasets(self) -> list:
-        """``GET /v1/datasets``: the datasets the service serves."""
+        """``GET /v1/datasets`` (see :meth:`Client.datasets <.sync.Client.datasets>`)."""
         return await self._call("GET", dataset_path(), parse_json)
 
     async def info(self, dataset: str) -> dict:
-        """``GET /v1/datasets/{name}``: ``{"name", "url", "samples", "shards", "bytes", "fields"}``."""
+        """``GET /v1/datasets/{name}`` (see ``Client.info``)."""
         return await self._call("GET", dataset_path(dataset), parse_json)
+
+    async def register_dataset(self, name: str, url: str, *, on_progress: Callable[[dict], None] | None = None,
+                               timeout: float | None = None) -> dict:
+        """``POST /v1/datasets`` until the dataset is served (see ``Client.register_dataset``)."""
+        registering = Registering(name, url, on_progress, timeout)
+        while True:
+            answer = await self._call("POST", dataset_path(), registering.parse, json=registering.body)
+            if (served := registering.served(answer)) is not None:
+                return served
+            await asyncio.sleep(REGISTER_POLL)
+
+    async def remove_dataset(self, name: str) -> None:
+        """``DELETE /v1/datasets/{name}`` (see ``Client.remove_dataset``)."""
+        await self._call("DELETE", dataset_path(name), lambda r: None)
+
+    async def register_plan(self, dataset: str, plan: dict) -> dict:
+        """``POST /v1/datasets/{name}/plans`` (see ``Client.register_plan``)."""
+        return await self._call("POST", plan_path(dataset), parse_json, json=plan)
+
+    async def plan(self, dataset: str, plan_id: str) -> dict:
+        """``GET /v1/datasets/{name}/plans/{id}`` (see ``Client.plan``)."""
+        return await self._call("GET", plan_path(dataset, plan_id), parse_json)
+
+    async def delete_plan(self, dataset: str, plan_id: str) -> None:
+        """``DELETE /v1/datasets/{name}/plans/{id}``."""
+        await self._call("DELETE", plan_path(dataset, plan_id), lambda r: None)
 
     async def get_field(self, dataset: str, index: int, field: str) -> bytes:
         """The raw bytes of one field of sample ``index`` (sent to its owner, with routing)."""
-        return await self._call("GET", sample_path(dataset, index, field), lambda r: r.content,
-                                via=await self._via(dataset, index))
+        via = await self._via(dataset, index)
+        return await self._call("GET", sample_path(dataset, index, field), lambda r: r.content, via=via)
 
     async def get(self, dataset: str, index: int, fields: Sequence[str] | None = None) -> dict:
-        """Sample ``index`` as a dict (see :meth:`shardfeed.client.Client.get`)."""
+        """Sample ``index`` as a dict (see ``Client.get``)."""
         if fields is not None:
             return (await self.get_batch(dataset, [index], fields))[0]
-
-        def parse(response: httpx.Response) -> dict:
-            reader = BatchReader(dataset, [index], url=str(response.url))
-            return (reader.feed(response.content) + reader.finish())[0]
-
-        return await self._call("GET", sample_path(dataset, index), parse, via=await self._via(dataset, index))
+        via = await self._via(dataset, index)
+        return await self._call("GET", sample_path(dataset, index), sample_parser(dataset, index), via=via)
 
     async def get_batch(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None = None,
                         *, continue_on_error: bool = False) -> list[dict]:
         """The samples at ``indices``, in order, in one request (see ``Client.get_batch``)."""
-        return [s async for s in self.iter_batch(dataset, indices, fields,
-                                                 continue_on_error=continue_on_error)]
+        return [s async for s in self.iter_batch(dataset, indices, fields, continue_on_error=continue_on_error)]
 
     async def iter_batch(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None = None,
                          *, continue_on_error: bool = False) -> AsyncIterator[dict]:
         """Yield the samples at ``indices`` as they arrive (see ``Client.iter_batch``)."""
-        indices = as_indices(indices)
-        if not indices:
-            return
-        if self.router.due(dataset):
-            self.router.load(dataset, await self._routing_table(dataset))
-        parts = self.router.split(dataset, indices)
-        if len(parts) == 1:
-            async for sample in self._stream(dataset, indices, fields, continue_on_error, parts[0].owner):
+        requests = await self._batch(dataset, indices, fields, continue_on_error)
+        if len(requests) == 1:
+            async for sample in self._stream(requests[0]):
                 yield sample
             return
-        answers = [asyncio.ensure_future(self._collect(dataset, part.indices, fields, continue_on_error, part.owner))
-                   for part in parts]
-        try:
-            for part, row in merge_order(parts):
-                yield (await answers[part])[row]
-        finally:
-            for answer in answers:
-                answer.cancel()
-            await asyncio.gather(*answers, return_exceptions=True)
+        for sample in merged([r.part for r in requests], await self._each_part(requests, self._collect)):
+            yield sample
 
-    async def _collect(self, dataset: str, indices: list[int], fields: Sequence[str] | None,
-                       continue_on_error: bool, owner: str | None) -> list[dict]:
-        return [s async for s in self._stream(dataset, indices, fields, continue_on_error, owner)]
+    async def get_batch_tensors(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None = None,
+                                *, continue_on_error: bool = False, shared: bool = False) -> Batch:
+        """The samples at ``indices`` as one :class:`~.tensors.Batch` (see
+        ``Client.get_batch_tensors``). Asyncio's streams read into a buffer of their own, so
+        each piece of the answer is copied into the batch's buffer once as it arrives."""
+        requests = await self._batch(dataset, indices, fields, continue_on_error, whole=True)
+        return await retry_async(lambda: self._tensors(requests, shared), backoff=self.backoff,
+                                 retryable=self._verdict)
 
-    async def _stream(self, dataset: str, indices: list[int], fields: Sequence[str] | None,
-                      continue_on_error: bool, owner: str | None) -> AsyncIterator[dict]:
-        """The samples of one request, sent to ``owner`` first (see ``Client._stream``)."""
-        reader = BatchReader(dataset, indices, fields)
-        via = Via(self.endpoints, self.router, dataset, owner)
-        while True:
-            base, response, chunks, ready = await retry_async(
-                lambda: self._open_batch(reader, fields, continue_on_error, via),
-                backoff=self.backoff, retryable=self._verdict)
-            try:
-                for sample in ready:
-                    yield sample
-                if chunks is None:
-                    return
-                try:
-                    async for chunk in chunks:
-                        for sample in reader.feed(chunk):
-                            yield sample
-                    for sample in reader.finish():
-                        yield sample
-                    return
-                except ShardfeedConnectionError as exc:
-                    error = exc
-                # The stream broke after delivering samples: ask for the rest at once.
-                if not self._verdict(error):
-                    raise error
-            finally:
-                response.close()
+    async def load_routing(self, dataset: str) -> None:
+        """Fetch ``dataset``'s routing table if one is due (see ``Client.load_routing``)."""
+        if self.router.due(dataset):
+            self.router.load(dataset, await self._routing_table(dataset))
 
     async def _routing_table(self, dataset: str) -> dict | None:
+        """``dataset``'s routing table; ``None`` if it cannot be had (a service without routing)."""
         try:
-            return await self._call("GET", routing_path(dataset), parse_json,
-                                    Via(self.endpoints, self.router, dataset, self.router.teller(dataset)))
+            return await self._call("GET", routing_path(dataset), parse_json, via=self._from_teller(dataset))
         except ShardfeedError:
             return None
 
@@ -142,6 +139,76 @@ class AsyncClient(BaseClient):
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
+    # -- a batch: its requests, each part's answer read as samples or into a tensor buffer --
+
+    async def _batch(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None,
+                     continue_on_error: bool, whole: bool = False) -> list[PartRequest]:
+        indices = as_indices(indices)
+        if indices:
+            await self.load_routing(dataset)
+        return self._requests(dataset, indices, fields, continue_on_error, whole)
+
+    async def _open(self, request: PartRequest) -> AsyncResponse:
+        """Send one try of ``request``; its answer once the head arrived (``Client._open``)."""
+        pool = self._wire()  # first: a new pool starts the rotation at a random URL
+        base, body = request.next_try()
+        response = await pool.post(base, BATCH_PATH, body, self.headers)
+        if response.status >= 400:
+            with closing(response):
+                raise request.error(response, await response.read(ERROR_BODY_LIMIT))
+        request.answered(response.headers)
+        return response
+
+    async def _stream(self, request: PartRequest) -> AsyncIterator[dict]:
+        """The samples of one request as they arrive (see ``Client._stream``)."""
+        while True:
+            try:
+                with closing(await self._open(request)) as response:
+                    async for chunk in response.aiter_bytes():
+                        for sample in request.reader.feed(chunk):
+                            yield sample
+                    for sample in request.reader.finish():
+                        yield sample
+                    return
+            except Exception as exc:
+                await asyncio.sleep(request.wait(exc))
+
+    async def _collect(self, request: PartRequest) -> list[dict]:
+        return [s async for s in self._stream(request)]
+
+    async def _tensors(self, requests: list[PartRequest], shared: bool) -> Batch:
+        """One try of :meth:`get_batch_tensors` (see ``Client._tensors``)."""
+        from .tensors import batch_of, regions_for
+
+        responses = await self._each_part(requests, self._open, AsyncResponse.close)
+        try:
+            regions = regions_for(responses, shared)
+            await self._each_part(list(zip(responses, regions.regions)), lambda pair: pair[0].read_into(pair[1]))
+        finally:
+            for response in responses:
+                response.close()
+        return batch_of(requests, regions)
+
+    async def _each_part(self, parts: Sequence[P], work: Callable[[P], Awaitable[T]],
+                         undo: Callable[[T], object] = lambda _: None) -> list[T]:
+        """``work(part)`` for every part at once, as tasks; if any fails, or this task is
+        cancelled, ``undo`` the others' results, then raise (see ``Client._each_part``)."""
+        tasks = [asyncio.ensure_future(work(part)) for part in parts]
+        if not tasks:
+            return []
+        stop: BaseException | None = None
+        try:
+            await asyncio.wait(tasks)
+        except BaseException as exc:  # cancelled: so are the parts, once they have ended
+            stop = exc
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks)
+        outcomes = [_outcome(task) for task in tasks]
+        return settled(outcomes if stop is None else [(None, stop), *outcomes], undo)
+
+    # -- the other requests, over httpx --
+
     @staticmethod
     def _loop_owner() -> tuple:
         return os.getpid(), asyncio.get_running_loop()
@@ -155,47 +222,28 @@ class AsyncClient(BaseClient):
 
     async def _via(self, dataset: str, index: int) -> Via:
         """Where a per-sample request goes (see ``Client._via``)."""
-        if self.router.due(dataset):
-            self.router.load(dataset, await self._routing_table(dataset))
-        return Via(self.endpoints, self.router, dataset, self.router.owner(dataset, index))
+        await self.load_routing(dataset)
+        return self._to_owner(dataset, index)
 
-    async def _call(self, method: str, path: str, parse: Callable[[httpx.Response], T], via: Via | None = None) -> T:
-        return await retry_async(lambda: self._once(method, path, parse, via), backoff=self.backoff,
+    async def _call(self, method: str, path: str, parse: Callable[[httpx.Response], T], json: Any = None,
+                    via: Via | None = None) -> T:
+        """One request with retries (see ``Client._call``)."""
+        return await retry_async(lambda: self._once(method, path, parse, json, via), backoff=self.backoff,
                                  retryable=self._verdict)
 
-    async def _once(self, method: str, path: str, parse: Callable[[httpx.Response], T], via: Via | None = None) -> T:
+    async def _once(self, method: str, path: str, parse: Callable[[httpx.Response], T], json: Any,
+                    via: Via | None) -> T:
         http = self._session()  # first: a new session starts the rotation at a random URL
-        base = self.endpoints.pick() if via is None else via.pick()
-        url = base + path
+        base = (via or self.endpoints).pick()
         try:
-            response = await http.request(method, url)
+            response = await http.request(method, base + path, json=json)
         except httpx.TransportError as exc:
             raise transport_error(base, exc) from None
-        if response.status_code >= 400:
-            raise status_error(response.status_code, response.headers, response.content, url)
-        return parse(response)
+        return checked(response, base + path, parse)
 
-    async def _open_batch(self, reader: BatchReader, fields: Sequence[str] | None, continue_on_error: bool,
-                          via: Via) -> tuple[str, AsyncResponse, AsyncIterator[bytes] | None, list[dict]]:
-        """Send the batch request for the samples not yet delivered; read until one arrives
-        (see ``Client._open_batch``)."""
-        pool = self._wire()
-        base = via.pick()
-        url = base + "/v1/batch"
-        reader.restart(url)
-        body = batch_body(reader.dataset, list(reader.remaining()), fields, continue_on_error)
-        response = await pool.post(base, "/v1/batch", body, self.headers)
-        try:
-            if response.status >= 400:
-                raise status_error(response.status, response.headers, await response.read(ERROR_BODY_LIMIT), url)
-            self.router.saw(reader.dataset, response.headers.get(ROUTING_HEADER), base)
-            chunks = response.aiter_bytes()
-            ready: list[dict] = []
-            async for chunk in chunks:
-                ready += reader.feed(chunk)
-                if ready:
-                    return base, response, chunks, ready
-            return base, response, None, reader.finish()
-        except BaseException:
-            response.close()
-            raise
+
+def _outcome(task: asyncio.Future) -> tuple[Any, BaseException | None]:
+    """An ended task's ``(result, failure)``."""
+    if task.cancelled():
+        return None, asyncio.CancelledError()
+    return (None, task.exception()) if task.exception() is not None else (task.result(), None)

@@ -169,11 +169,14 @@ class BatchReader:
         self._tar = TarStream()
         self._current: dict | None = None
 
-    def restart(self, url: str) -> None:
-        """Start reading a fresh response for the samples not yet delivered."""
+    def restart(self, url: str, whole: bool = False) -> None:
+        """Start reading a fresh response for the samples not yet delivered (``whole``: for
+        all of them, the samples delivered forgotten)."""
         self.url = url
         self._tar = TarStream()
         self._current = None
+        if whole:
+            self.delivered = 0
 
     def remaining(self) -> Sequence[int]:
         """Indices of the samples not yet delivered."""

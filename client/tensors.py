@@ -23,19 +23,26 @@ answer in its own stretch of it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch.utils.data._utils.collate import default_collate_fn_map
 
 from . import shm
+from .routing import merge_order
+
+if TYPE_CHECKING:
+    from .base import PartRequest
+    from .transport.sync import Response
 
 ABSENT = -1
 """The length of a field a sample lacks (or of every field of a missing sample)."""
 GUESS = 1 << 20
 """Bytes allocated for an answer that states no length; the buffer grows if it is longer."""
+LENGTH_HEADER = "x-shardfeed-length"
+"""A streamed batch answer's expected length (a tensor batch's buffer is sized by it)."""
 
 
 def allocate(size: int, shared: bool) -> tuple[torch.Tensor, shm.Lease | None]:
@@ -47,7 +54,7 @@ def allocate(size: int, shared: bool) -> tuple[torch.Tensor, shm.Lease | None]:
 
 
 class Region:
-    """Where one answer is read: a stretch of the batch's buffer (a :class:`~.wire.Sink`). An
+    """Where one answer is read: a stretch of the batch's buffer (a :class:`~.transport.base.Sink`). An
     answer longer than the stretch moves to a tensor of its own, grown by doubling."""
 
     def __init__(self, tensor: torch.Tensor, shared: bool):
@@ -104,6 +111,33 @@ class Regions:
         return buffer, lease, starts[:-1]
 
 
+def announced_length(headers: Mapping[str, str], default: int) -> int:
+    """A batch answer's length as its head states it (``Content-Length``, else the service's
+    estimate, ``LENGTH_HEADER``); ``default`` when it states none a number."""
+    for name in ("content-length", LENGTH_HEADER):
+        value = headers.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return default
+
+
+def regions_for(responses: Sequence[Response], shared: bool) -> Regions:
+    """Where the answers of a batch's parts are read: one buffer, sized as their heads say."""
+    return Regions([announced_length(r.headers, GUESS) for r in responses], shared)
+
+
+def batch_of(requests: Sequence[PartRequest], regions: Regions) -> Batch:
+    """The batch of the parts' answers read into ``regions``, parsed in place."""
+    samples = [request.reader.spans(region.data()) for request, region in zip(requests, regions.regions)]
+    buffer, lease, starts = regions.joined()
+    return Batch.of(buffer, samples, starts.tolist(), merge_order([r.part for r in requests]), lease)
+
+
+def _as_tensor(attr: str, doc: str) -> property:
+    """A read-only property: the numpy array in ``attr`` as a tensor sharing its memory."""
+    return property(lambda self: torch.from_numpy(getattr(self, attr)), doc=doc)
+
+
 class Field:
     """One field of a :class:`Batch`: ``field[i]`` is sample ``i``'s bytes as a uint8 view of
     the batch's buffer (``None`` where the sample lacks it)."""
@@ -114,15 +148,8 @@ class Field:
         self._offsets = offsets
         self._lengths = lengths
 
-    @property
-    def offsets(self) -> torch.Tensor:
-        """Where each sample's bytes start in the buffer (int64)."""
-        return torch.from_numpy(self._offsets)
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        """Each sample's byte count (int64; ``ABSENT``, -1, where it lacks the field)."""
-        return torch.from_numpy(self._lengths)
+    offsets = _as_tensor("_offsets", "Where each sample's bytes start in the buffer (int64).")
+    lengths = _as_tensor("_lengths", "Each sample's byte count (int64; ``ABSENT``, -1, where it lacks the field).")
 
     def __len__(self) -> int:
         return len(self._offsets)
@@ -194,7 +221,7 @@ class Batch:
         """A batch from the parsed answers of its parts (:meth:`BatchReader.spans`: payloads
         as ``(offset, size)`` in each answer), the answer of part ``p`` at ``starts[p]`` in
         ``buffer`` (``lease``: a pooled shared buffer's); ``order``: each position's
-        ``(part, row)`` (:func:`~.http.merge_order`)."""
+        ``(part, row)`` (:func:`~.routing.merge_order`)."""
         if order is None:
             order = [(0, row) for row in range(len(samples[0]))]
         n = len(order)
@@ -239,13 +266,8 @@ class Batch:
     def fields(self) -> list[str]:
         return list(self._offsets)
 
-    @property
-    def indices(self) -> torch.Tensor:
-        return torch.from_numpy(self._indices)
-
-    @property
-    def missing(self) -> torch.Tensor:
-        return torch.from_numpy(self._missing)
+    indices = _as_tensor("_indices", "The samples' indices (int64).")
+    missing = _as_tensor("_missing", "Which samples the service could not serve (bool).")
 
     def __len__(self) -> int:
         return len(self.keys)

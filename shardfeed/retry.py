@@ -69,8 +69,9 @@ class Backoff:
         return (self.delay(n) for n in range(self.attempts - 1))
 
 
-def _wait_for(exc: Exception, retry: int, backoff: Backoff, retryable: Retryable) -> float | None:
-    """The delay before the next try, or ``None`` to give up and re-raise ``exc``."""
+def next_wait(exc: Exception, retry: int, backoff: Backoff, retryable: Retryable) -> float | None:
+    """The delay before the next try, or ``None`` to give up and re-raise ``exc`` (also for a
+    caller that keeps its own loop, as the client's batch streams do)."""
     if retry + 1 >= backoff.attempts:
         return None
     verdict = retryable(exc)
@@ -97,7 +98,7 @@ async def retry_async(
         try:
             return await fn()
         except Exception as exc:
-            wait = _wait_for(exc, retry, backoff, retryable)
+            wait = next_wait(exc, retry, backoff, retryable)
             if wait is None:
                 raise
             if on_retry is not None:
@@ -119,7 +120,7 @@ def retry_sync(
         try:
             return fn()
         except Exception as exc:
-            wait = _wait_for(exc, retry, backoff, retryable)
+            wait = next_wait(exc, retry, backoff, retryable)
             if wait is None:
                 raise
             if on_retry is not None:

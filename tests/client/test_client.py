@@ -4,6 +4,7 @@ cannot be made to show on demand, against a scripted HTTP server on a real socke
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import multiprocessing
 import os
@@ -82,6 +83,78 @@ def test_async_client_returns_the_same_samples(service):
     assert batch == [expected(i) for i in (9, 1, 9)]
     assert streamed == [expected(i, ("cls",)) for i in (4, 2)]
     assert one == expected(3) and info["samples"] == SAMPLES
+
+
+class Blocking:
+    """An AsyncClient whose coroutines are called as blocking functions, on one event loop."""
+
+    def __init__(self, client: AsyncClient):
+        self.client = client
+        self.loop = asyncio.new_event_loop()
+
+    def __getattr__(self, name: str):
+        method = getattr(self.client, name)
+        if not inspect.iscoroutinefunction(method):
+            return method  # an attribute, as the router
+        return lambda *args, **kwargs: self.loop.run_until_complete(method(*args, **kwargs))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.client.aclose())
+        self.loop.close()
+
+
+@pytest.fixture(params=["Client", "AsyncClient"])
+def twin(request):
+    """Opens either client (an AsyncClient through :class:`Blocking`), closed after the test."""
+    opened = []
+
+    def open_client(url: str, **options):
+        opened.append(Client(url, **options) if request.param == "Client" else Blocking(AsyncClient(url, **options)))
+        return opened[-1]
+
+    yield open_client
+    for client in opened:
+        client.close()
+
+
+def test_the_async_client_has_every_method_of_the_blocking_one():
+    def public(cls):
+        return {name for name in dir(cls) if not name.startswith("_")}
+    assert public(AsyncClient) - {"aclose"} == public(Client) - {"close"}
+
+
+def test_both_clients_register_read_and_remove_a_dataset(service, twin):
+    client = twin(service.url, token="sesame", backoff=FAST)
+    info = client.register_dataset("again", (service.root / "train").as_uri())
+    assert (info["name"], info["samples"]) == ("again", SAMPLES)
+    assert client.get_batch("again", [7, 1]) == [expected(7), expected(1)]
+    assert client.get_field("again", 7, "bin") == member_bytes(0, 7, "bin", SIZES)
+    client.remove_dataset("again")
+    with pytest.raises(ShardfeedHTTPError) as err:
+        client.info("again")
+    assert err.value.code == "unknown_dataset"
+
+
+def test_both_clients_register_read_and_delete_a_plan(service, twin):
+    client = twin(service.url, token="sesame", backoff=FAST)
+    plan = client.register_plan("train", {"kind": "indices", "indices": list(range(40)), "complete": True})
+    got = client.plan("train", plan["id"])
+    assert (got["id"], got["dataset"], got["samples"]) == (plan["id"], "train", 40)
+    client.delete_plan("train", plan["id"])
+    with pytest.raises(ShardfeedHTTPError) as err:
+        client.plan("train", plan["id"])
+    assert err.value.status == 404
+
+
+def test_both_clients_read_a_batch_as_tensors_byte_for_byte(service, twin):
+    client = twin(service.url, token="sesame", backoff=FAST)
+    indices = [5, 3, 3, 299, 0]
+    batch = client.get_batch_tensors("train", indices, ["cls", "bin"])
+    for field in ("cls", "bin"):
+        assert [bytes(v.numpy()) for v in batch[field]] == [expected(i)[field] for i in indices]
+    assert batch.keys == [expected(i)["__key__"] for i in indices]
+    assert batch.indices.tolist() == indices
+    assert len(client.get_batch_tensors("train", [])) == 0
 
 
 def test_client_errors_carry_the_service_code_and_message_and_are_not_retried(client):
@@ -205,19 +278,13 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
     def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        self.server.bodies.append(body)
-        self.server.times.append(time.monotonic())
-        action = self.server.script.pop(0) if self.server.script else "ok"
+        body, action = self.request_and_action("ok")
         if action in ("429", "503"):
-            error = json.dumps({"error": {"code": "busy", "message": "try later"}}).encode()
-            self.send_response(int(action))
-            self.send_header("Retry-After", "0.3")
-            self.send_header("Content-Length", str(len(error)))
-            self.end_headers()
-            self.wfile.write(error)
+            self.send_json(int(action), {"error": {"code": "busy", "message": "try later"}}, retry_after="0.3")
             return
         data = tar_of(body["indices"])
+        if action == "short":  # a whole answer, but of three members only
+            data = data[:3 * 1024]
         self.send_response(200)
         self.send_header("Content-Type", "application/x-tar")
         self.send_header("Content-Length", str(len(data)))
@@ -227,6 +294,23 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
             self.close_connection = True
             return
+        self.wfile.write(data)
+
+    def request_and_action(self, default):
+        """The request's JSON body (recorded), and what the script says to do with it."""
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.bodies.append(body)
+        self.server.times.append(time.monotonic())
+        return body, self.server.script.pop(0) if self.server.script else default
+
+    def send_json(self, status: int, doc: dict, retry_after: str | None = None) -> None:
+        data = json.dumps(doc).encode()
+        self.send_response(status)
+        if retry_after is not None:
+            self.send_header("Retry-After", retry_after)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
         self.wfile.write(data)
 
 
@@ -270,3 +354,64 @@ def _garbage(handler: BaseHTTPRequestHandler) -> None:
     handler.send_header("Content-Length", str(len(data)))
     handler.end_headers()
     handler.wfile.write(data)
+
+
+def test_an_answer_that_ends_short_is_resumed_as_samples_and_asked_again_whole_as_tensors(twin):
+    server = Scripted(["short", "ok", "short"])
+    try:
+        client = twin(server.url, backoff=FAST)
+        got = client.get_batch("d", list(range(10)), fields=["cls"])
+        batch = client.get_batch_tensors("d", list(range(10)), fields=["cls"])
+    finally:
+        server.shutdown()
+    assert [s["cls"] for s in got] == [b"%d" % i for i in range(10)]
+    assert [bytes(v.numpy()) for v in batch["cls"]] == [b"%d" % i for i in range(10)]
+    assert [b["indices"] for b in server.bodies] == [list(range(10)), list(range(3, 10))] + [list(range(10))] * 2
+
+
+class Registrar(Handler):
+    """``POST /v1/datasets``: 202 (indexing) as many times as scripted, then the dataset."""
+
+    def do_POST(self) -> None:
+        body, busy = self.request_and_action(None)
+        if busy is None:
+            self.send_json(200, {"dataset": body})
+        else:
+            self.send_json(202, {"registering": {"shards": busy}})
+
+
+def test_both_clients_report_registering_until_the_dataset_is_served_or_time_is_up(twin, monkeypatch):
+    monkeypatch.setattr("shardfeed.client.sync.REGISTER_POLL", 0.01)
+    monkeypatch.setattr("shardfeed.client.aio.REGISTER_POLL", 0.01)
+    server = Scripted([1, 2, 3])
+    server.RequestHandlerClass = Registrar
+    try:
+        client = twin(server.url, backoff=FAST)
+        progress = []
+        info = client.register_dataset("d", "s3://b/d", on_progress=progress.append, timeout=60)
+        assert progress == [{"shards": 1}, {"shards": 2}, {"shards": 3}]
+        assert info == {"name": "d", "url": "s3://b/d"}
+        server.script = [4] * 1000  # indexing for ever
+        with pytest.raises(TimeoutError, match="not registered within 0.05 s"):
+            client.register_dataset("d", "s3://b/d", timeout=0.05)
+    finally:
+        server.shutdown()
+
+
+def test_when_one_part_fails_the_answers_of_the_others_are_closed_and_their_connections_freed(twin):
+    owner, failing = Scripted([]), Scripted(["503"])
+    try:
+        client = twin(owner.url, backoff=Backoff(attempts=1), max_connections=2, timeout=5)
+        client.router.load("d", {"version": "1", "starts": [0, 5], "urls": [owner.url, failing.url],
+                                 "owner": [0, 1]})
+        with pytest.raises(ShardfeedHTTPError) as err:
+            client.get_batch_tensors("d", list(range(10)), fields=["cls"])
+        assert err.value.status == 503
+        # Both parts at once again: each needs one of the two connections (a leaked one: no
+        # free connection within the 5 s timeout).
+        batch = client.get_batch_tensors("d", list(range(10)), fields=["cls"])
+        assert [bytes(v.numpy()) for v in batch["cls"]] == [b"%d" % i for i in range(10)]
+        assert [len(server.bodies) for server in (owner, failing)] == [2, 2]
+    finally:
+        owner.shutdown()
+        failing.shutdown()

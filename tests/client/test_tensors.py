@@ -1,10 +1,11 @@
 """Tensor batches (client/tensors.py): byte-exact against the bytes output, through real
 DataLoader workers, in one buffer read straight from the socket. The transport's odd
-answers (chunked in odd pieces, cut, garbled, stalled) are test_client_wire.py's, which
+answers (chunked in odd pieces, cut, garbled, stalled) are test_transport.py's, which
 runs every one of them on this output too."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import gc
 import glob
@@ -20,7 +21,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from shardfeed.client import Client, ShardfeedError
+from shardfeed.client import AsyncClient, Client, ShardfeedError
 from shardfeed.client import shm
 from shardfeed.client.tensors import Batch, Regions
 from shardfeed.client.torch import ShardfeedDataset, ShardfeedIterableDataset, ShardfeedLoader
@@ -259,3 +260,14 @@ def test_a_batch_routed_in_parts_lies_in_one_buffer(tmp_path):
             assert batch.shared
             ends = batch["bin"].offsets + batch["bin"].lengths
             assert int(ends.max()) <= batch.buffer.numel()  # every view within the one buffer
+        batch, samples = asyncio.run(routed_async(client.urls, indices))
+        assert as_bytes(batch) == samples == client.get_batch("train", indices)
+
+
+async def routed_async(urls: list[str], indices: list[int]) -> tuple[Batch, list[dict]]:
+    """The AsyncClient's batch as tensors and as samples, its parts read at once as the
+    blocking client's are."""
+    async with AsyncClient(urls, backoff=ONE_TRY) as client:
+        batch = await client.get_batch_tensors("train", indices)
+        assert len({part.owner for part in client.router.split("train", indices)}) == 2
+        return batch, await client.get_batch("train", indices)

@@ -1,4 +1,4 @@
-"""A lean HTTP/1.1 transport for batch streams: the blocking client's hot path.
+"""The batch transport's blocking driver, on sockets: the blocking client's hot path.
 
 A DataLoader worker spends its CPU on one thing: ``POST /v1/batch`` and reading the tar
 stream that answers it. Through httpx, a 64 x 10 KiB batch cost about 0.7 ms of CPU
@@ -7,7 +7,7 @@ chunk on the way); written in one ``sendall`` on a kept-alive socket and read wi
 ``recv`` calls, the same batch costs about 0.1 ms. This module is that, and only that:
 POST with a small body, over HTTP or HTTPS. What the bytes mean (the answer's head, a body
 framed by ``Content-Length``, chunked transfer encoding or the end of the connection,
-keep-alive) is decided in :mod:`.http11`, which the asyncio twin (:mod:`.aiowire`) shares.
+keep-alive) is decided in :mod:`.base`, which the asyncio driver (:mod:`.aio`) shares.
 The client's other requests (dataset descriptions, routing tables, plans) are rare and go
 through httpx.
 
@@ -26,25 +26,11 @@ import select
 import socket
 import threading
 from collections.abc import Iterator, Mapping
-from typing import Protocol
 
 from shardfeed.http11 import HEAD_LIMIT, READ_SIZE, Head, HeadReader, body_of
 
-from .errors import ShardfeedConnectionError
-from .http11 import Endpoint, PoolBase, post_request, reason
-
-
-class Sink(Protocol):
-    """Memory a body is read into (:meth:`Response.read_into`)."""
-
-    def space(self, wanted: int) -> memoryview:
-        """Free memory to read up to ``wanted`` bytes into (at least one byte: grow if full)."""
-
-    def wrote(self, n: int) -> None:
-        """``n`` bytes were read into the start of the last :meth:`space`."""
-
-    def write(self, data: bytes) -> None:
-        """Copy ``data`` in (body bytes that came with the head)."""
+from ..errors import ShardfeedConnectionError
+from .base import Endpoint, PoolBase, Sink, post_request, reason
 
 
 class Response:
@@ -117,7 +103,7 @@ class Response:
 
 class Pool(PoolBase):
     """Kept-alive connections of one process, per base URL; see the module's docstring and
-    :class:`~.http11.PoolBase` for the arguments."""
+    :class:`~.base.PoolBase` for the arguments."""
 
     slots = threading.BoundedSemaphore
 
@@ -130,20 +116,14 @@ class Pool(PoolBase):
         request = post_request(endpoint, path, body, headers)
         if not self._slots.acquire(timeout=self.timeout):
             raise self.no_free_connection(base)
-        try:
-            while True:
-                sock = self.kept(endpoint)
-                reused = sock is not None
-                if sock is None:
-                    sock = self._connect(endpoint, base)
+        with self.slot_held():
+            for kept in self.tries(endpoint):
+                sock = kept or self._connect(endpoint, base)
                 try:
                     sock.sendall(request)
                     return self._answer(endpoint, sock, base, exact_head and not endpoint.tls)
                 except BaseException as exc:
-                    self.failed(sock, exc, reused, base)
-        except BaseException:
-            self._slots.release()
-            raise
+                    self.failed(sock, exc, kept is not None, base)
 
     def usable(self, sock: socket.socket) -> bool:
         # An idle connection has nothing to read; if it does, the server closed it (or

@@ -1,6 +1,6 @@
-"""HTTP/1.1 for the batch transports, without I/O: what both drivers share.
+"""HTTP/1.1 for the batch transport, without I/O: what both drivers share.
 
-The blocking driver (:mod:`.wire`) and the asyncio one (:mod:`.aiowire`) only move bytes;
+The blocking driver (:mod:`.sync`) and the asyncio one (:mod:`.aio`) only move bytes;
 what the answer's bytes mean is ``shardfeed/http11.py``'s (shared with the service's store
 reads). Here: the request, whether a failed request may go out again, and the bookkeeping
 of kept connections (:class:`PoolBase`). Malformed or cut answers raise ``OSError``, which
@@ -12,13 +12,14 @@ from __future__ import annotations
 import os
 import ssl
 import threading
-from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, NamedTuple, Protocol
 from urllib.parse import urlsplit
 
 from shardfeed.http11 import resendable
 
-from .errors import ShardfeedConnectionError
+from ..errors import ShardfeedConnectionError
 
 
 class Endpoint(NamedTuple):
@@ -35,6 +36,19 @@ class Endpoint(NamedTuple):
         parts = urlsplit(base)
         tls = parts.scheme == "https"
         return cls(parts.hostname or "", parts.port or (443 if tls else 80), tls, parts.netloc, parts.path)
+
+
+class Sink(Protocol):
+    """Memory a body is read into (:meth:`Response.read_into`)."""
+
+    def space(self, wanted: int) -> memoryview:
+        """Free memory to read up to ``wanted`` bytes into (at least one byte: grow if full)."""
+
+    def wrote(self, n: int) -> None:
+        """``n`` bytes were read into the start of the last :meth:`space`."""
+
+    def write(self, data: bytes) -> None:
+        """Copy ``data`` in (body bytes that came with the head)."""
 
 
 def post_request(endpoint: Endpoint, path: str, body: bytes, headers: Mapping[str, str]) -> bytes:
@@ -93,6 +107,24 @@ class PoolBase:
             if conn is None or self.usable(conn):
                 return conn
             conn.close()
+
+    def tries(self, endpoint: Endpoint) -> Iterator[Any | None]:
+        """The connections a request goes out on in turn: each kept one that looks usable,
+        then ``None``, a new one for the driver to open (a failure there is final: see
+        :meth:`failed`)."""
+        while (conn := self.kept(endpoint)) is not None:
+            yield conn
+        yield None
+
+    @contextmanager
+    def slot_held(self) -> Iterator[None]:
+        """Around a request that took a slot: the slot is given back if it fails before its
+        answer (an answer gives it back when closed, :meth:`release`)."""
+        try:
+            yield
+        except BaseException:
+            self._slots.release()
+            raise
 
     def usable(self, conn: Any) -> bool:
         """Whether a kept connection is still open, with nothing waiting to be read."""

@@ -1,4 +1,4 @@
-"""The clients' batch transports (client/wire.py, blocking, and client/aiowire.py, asyncio,
+"""The clients' batch transport (client/transport/: sync.py, blocking, and aio.py, asyncio,
 over one HTTP/1.1 core, shardfeed/http11.py): kept-alive connections against the real
 service, and, for what a service cannot be made to do on demand (chunked or
 close-delimited answers, connections closed under a kept request, garbage, stalls), a
@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from shardfeed.client import AsyncClient, Client, ShardfeedConnectionError
-from shardfeed.client.aiowire import AsyncPool
+from shardfeed.client.transport.aio import AsyncPool
 from shardfeed.http11 import HeadReader, body_of
-from shardfeed.client.wire import Pool
+from shardfeed.client.transport.sync import Pool
 from shardfeed.process import start_service
 from shardfeed.retry import Backoff
 
@@ -62,8 +62,12 @@ class TensorDriver(BlockingDriver):
     samples turned back into dicts of ``bytes`` to compare."""
 
     def get_batch(self, dataset: str, indices: list[int]) -> list[dict]:
-        batch = self.client.get_batch_tensors(dataset, indices)
-        return [{k: bytes(v.numpy()) if torch.is_tensor(v) else v for k, v in s.items()} for s in batch]
+        return as_dicts(self.client.get_batch_tensors(dataset, indices))
+
+
+def as_dicts(batch) -> list[dict]:
+    """A tensor batch's samples as the bytes output gives them."""
+    return [{k: bytes(v.numpy()) if torch.is_tensor(v) else v for k, v in s.items()} for s in batch]
 
 
 class AsyncDriver:
@@ -94,7 +98,15 @@ class AsyncDriver:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
 
-@pytest.fixture(params=[BlockingDriver, AsyncDriver, TensorDriver], ids=["Client", "AsyncClient", "tensors"])
+class AsyncTensorDriver(AsyncDriver):
+    """An AsyncClient's tensor output (each piece of the body copied into one buffer)."""
+
+    def get_batch(self, dataset: str, indices: list[int]) -> list[dict]:
+        return as_dicts(self._run(self.client.get_batch_tensors(dataset, indices)))
+
+
+@pytest.fixture(params=[BlockingDriver, AsyncDriver, TensorDriver, AsyncTensorDriver],
+                ids=["Client", "AsyncClient", "tensors", "async-tensors"])
 def each_client(request):
     """Opens a client of any kind (the tensor output included), closed at the end of the test."""
     drivers = []

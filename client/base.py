@@ -1,30 +1,31 @@
-"""What the blocking and the asyncio client share: settings, endpoints, requests, verdicts.
+"""What the blocking and the asyncio client share: settings, requests, answers, verdicts.
 
-The two clients differ only in how they wait for the network; everything that decides
-what to send, where to send it, what an answer means and whether to try again is here.
+The two clients (:mod:`.sync`, :mod:`.aio`) differ only in how they wait for the network;
+what to send, what an answer means and whether to try again is decided here, and where
+to send it in :mod:`.routing`. A batch request (:class:`PartRequest`) is the same for both
+clients and for both outputs, sample dicts and tensors.
 """
 
 from __future__ import annotations
 
-import bisect
 import email.utils
 import json
-import math
 import operator
 import os
-import random
 import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import httpx
 
-from shardfeed.retry import Backoff
+from shardfeed.retry import Backoff, next_wait
 
 from .errors import ShardfeedConnectionError, ShardfeedError, ShardfeedHTTPError
+from .routing import Endpoints, Part, Router, Via, parse_urls
+from .samples import BatchReader
 
 T = TypeVar("T")
 
@@ -34,24 +35,11 @@ DEFAULT_BACKOFF = Backoff(attempts=6, base=0.1, cap=10.0)
 _RETRY_STATUSES = frozenset({429, 502, 503, 504})
 ROUTING_HEADER = "x-shardfeed-routing"
 """Batch answers carry the answering node's routing table version in this header."""
-LENGTH_HEADER = "x-shardfeed-length"
-"""A streamed batch answer's expected length (a tensor batch's buffer is sized by it)."""
 ERROR_BODY_LIMIT = 64 * 1024
 """Bytes of an error response read at most: it is a short JSON document, never a stream."""
-
-
-def parse_urls(url: str | Sequence[str]) -> list[str]:
-    """Service base URLs from one URL, a comma-separated string, or a list."""
-    urls = url.split(",") if isinstance(url, str) else list(url)
-    out = []
-    for u in urls:
-        u = u.strip().rstrip("/")
-        if not u.startswith(("http://", "https://")) or len(u) <= len("https://"):
-            raise ValueError(f"shardfeed service URL must start with http:// or https://, not {u!r}")
-        out.append(u)
-    if not out:
-        raise ValueError("no shardfeed service URL given")
-    return out
+BATCH_PATH = "/v1/batch"
+REGISTER_POLL = 1.0
+"""Seconds between asking again whether a dataset being indexed is served yet."""
 
 
 def as_indices(indices: Sequence[int]) -> list[int]:
@@ -60,45 +48,6 @@ def as_indices(indices: Sequence[int]) -> list[int]:
         return [operator.index(i) for i in indices]
     except TypeError:
         raise TypeError(f"sample indices must be integers, got {indices!r:.80}") from None
-
-
-class Endpoints:
-    """The service URLs of one client: round-robin spreading, skipping any that refused us.
-
-    A URL that refused a connection is left out for ``down_for`` seconds; if every URL
-    is down, the one due back first is tried anyway, so the client never gives up early.
-    """
-
-    def __init__(self, urls: list[str], down_for: float):
-        self.urls = urls
-        self.down_for = down_for
-        self._down: dict[str, float] = {}  # url -> monotonic time it may be tried again
-        self._next = 0
-
-    def scatter(self) -> None:
-        """Start the rotation at a random URL, so that many processes spread out."""
-        self._next = random.randrange(len(self.urls))
-        self._down.clear()
-
-    def pick(self) -> str:
-        """The URL for the next request."""
-        now = time.monotonic()
-        n = len(self.urls)
-        for _ in range(n):
-            url = self.urls[self._next % n]
-            self._next += 1
-            if self._down.get(url, 0.0) <= now:
-                return url
-        return min(self.urls, key=lambda u: self._down[u])
-
-    def mark_down(self, url: str) -> None:
-        """Leave ``url`` out of the rotation for a while."""
-        self._down[url] = time.monotonic() + self.down_for
-
-    def any_up(self) -> bool:
-        """Whether some URL is not marked down."""
-        now = time.monotonic()
-        return any(self._down.get(u, 0.0) <= now for u in self.urls)
 
 
 class BaseClient:
@@ -192,7 +141,7 @@ class BaseClient:
         )
 
     def _pool_options(self) -> dict:
-        """The arguments of the batch transport's pool (:mod:`.wire`, :mod:`.aiowire`)."""
+        """The arguments of the batch transport's pool (:mod:`.transport`)."""
         return dict(timeout=self.timeout, connect_timeout=self.connect_timeout,
                     max_connections=self.max_connections, verify=self.verify)
 
@@ -232,159 +181,128 @@ class BaseClient:
             return True
         return None
 
+    def _requests(self, dataset: str, indices: list[int], fields: Sequence[str] | None,
+                  continue_on_error: bool, whole: bool) -> list[PartRequest]:
+        """A batch as its requests, one per owner of its samples (one, without routing; none
+        for no indices). The routing table is loaded first, if due (the twins' ``load_routing``)."""
+        return [PartRequest(self, dataset, part, fields, continue_on_error, whole)
+                for part in (self.router.split(dataset, indices) if indices else [])]
 
-class Part(NamedTuple):
-    """The samples of a batch that go to one owner: their positions in the batch and indices."""
+    def _to_owner(self, dataset: str, index: int) -> Via:
+        """Where a per-sample request goes: the sample's owner first (see :class:`Router`)."""
+        return Via(self.endpoints, self.router, dataset, self.router.owner(dataset, index))
 
-    owner: str | None
-    positions: list[int]
-    indices: list[int]
-
-
-class RoutingTable:
-    """One dataset's ``GET /v1/datasets/{name}/routing``: samples ``starts[i]`` up to
-    ``starts[i + 1]`` are owned by ``urls[owner[i]]``."""
-
-    def __init__(self, doc: dict):
-        try:
-            self.version = str(doc["version"])
-            self.starts = [operator.index(i) for i in doc["starts"]]
-            self.urls = parse_urls(list(doc["urls"])) if doc["urls"] else []
-            self.owner = [self.urls[o] for o in doc["owner"]] if self.urls else []
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
-            raise ShardfeedError(f"malformed routing table: {exc!r:.200}") from None
-        if len(self.owner) != len(self.starts) or self.starts != sorted(self.starts):
-            raise ShardfeedError("malformed routing table: starts and owners do not match")
-
-    def owner_of(self, index: int) -> str | None:
-        run = bisect.bisect_right(self.starts, index) - 1
-        return self.owner[run] if run >= 0 and self.owner else None
+    def _from_teller(self, dataset: str) -> Via:
+        """Where a routing table is fetched: from the node that named a newer version first."""
+        return Via(self.endpoints, self.router, dataset, self.router.teller(dataset))
 
 
-class Router:
-    """Client-side routing: splits a batch into one part per owning node, and merges the parts.
+class PartRequest:
+    """One ``POST /v1/batch``: the samples of one part of a batch, sent to its owner first.
 
-    The service publishes, per dataset, which replica or worker owns which samples, with
-    a version that changes with ownership. Sending each owner its own part saves the
-    hop from the node reached to the owner. The table is only advice: any node serves
-    any batch correctly, so a stale table costs a hop or a retry, never a wrong, missing
-    or reordered sample. A table is fetched on first use, again before the next batch when
-    an answer carries a version it has not heard of, within ``refresh`` seconds when answers
-    keep naming it or an owner failed, and not for ``retry`` seconds after a fetch failed (a
-    service without routing).
+    What each try sends (the samples not yet delivered, :attr:`reader` counting them; all of
+    them when ``whole``, as the tensor output's buffer is one answer), what its answer's head
+    means and how long to wait after a failed try are decided here, for both clients; they
+    only send it and read the body, as samples or into a tensor buffer.
     """
 
-    def __init__(self, enabled: bool = True, refresh: float = 1.0, retry: float = 60.0):
-        self.enabled = enabled
-        self.refresh = refresh
-        self.retry = retry
-        self._tables: dict[str, RoutingTable] = {}
-        self._due: dict[str, float] = {}  # dataset -> monotonic time its table is (re)fetched
-        self._fetched: dict[str, float] = {}
-        self._news: dict[str, tuple[str, str]] = {}  # dataset -> the last other version an answer named, and by whom
+    def __init__(self, client: BaseClient, dataset: str, part: Part, fields: Sequence[str] | None,
+                 continue_on_error: bool, whole: bool = False):
+        self.part = part
+        self.fields = fields
+        self.continue_on_error = continue_on_error
+        self.whole = whole
+        self.reader = BatchReader(dataset, part.indices, fields)
+        self.via = Via(client.endpoints, client.router, dataset, part.owner)
+        self.router = client.router
+        self.base = ""
+        self._backoff = client.backoff
+        self._verdict = client._verdict
+        self._failures = 0  # tries failed since the last that delivered a sample
+        self._delivered = 0  # samples delivered when a try last failed
 
-    def due(self, dataset: str) -> bool:
-        """Whether ``dataset``'s table should be fetched before the next batch."""
-        return self.enabled and self._due.get(dataset, 0.0) <= time.monotonic()
+    def next_try(self) -> tuple[str, bytes]:
+        """The base URL of the next try and its body, asking for the samples not yet delivered."""
+        self.base = self.via.pick()
+        self.reader.restart(self.base + BATCH_PATH, self.whole)
+        reader = self.reader
+        return self.base, batch_body(reader.dataset, list(reader.remaining()), self.fields, self.continue_on_error)
 
-    def load(self, dataset: str, doc: dict | None) -> None:
-        """Take a fetched table (``None``: the fetch failed; route nothing for a while)."""
-        now = time.monotonic()
-        self._fetched[dataset] = now
-        table = None
-        if doc is not None:
-            try:
-                table = RoutingTable(doc)
-            except ShardfeedError:
-                pass
-        if table is None:
-            self._tables.pop(dataset, None)
-            self._due[dataset] = now + self.retry
-        else:
-            self._tables[dataset] = table
-            self._due[dataset] = math.inf
+    def error(self, response: Any, body: bytes) -> ShardfeedHTTPError:
+        """Our error for an answer with an error status (either transport's), ``body`` its start."""
+        return status_error(response.status, response.headers, body, self.reader.url)
 
-    def saw(self, dataset: str, version: str | None, base: str) -> None:
-        """The node at ``base`` answered with routing ``version``: if ours is another, refetch the
-        table (from that node first: it has that version) before the next batch when the version
-        is news, else within ``refresh`` seconds (answers keep naming it while the nodes still
-        disagree: one fetch per change, not one per answer)."""
-        table = self._tables.get(dataset)
-        if table is None or version is None or version == table.version:
-            return
-        if self._news.get(dataset, (None,))[0] != version:
-            self._news[dataset] = (version, base)
-            self._due[dataset] = 0.0
-        else:
-            self.expire(dataset)
+    def answered(self, headers: Mapping[str, str]) -> None:
+        """An answer's head arrived: note the routing version the node named."""
+        self.router.saw(self.reader.dataset, headers.get(ROUTING_HEADER), self.base)
 
-    def teller(self, dataset: str) -> str | None:
-        """The node that last named a routing version of ``dataset`` other than ours: the
-        table is fetched from it first."""
-        return self._news.get(dataset, (None, None))[1]
-
-    def expire(self, dataset: str) -> None:
-        """Fetch ``dataset``'s table again soon (an owner failed, or the version moved on)."""
-        if dataset in self._tables:
-            self._due[dataset] = self._fetched.get(dataset, 0.0) + self.refresh
-
-    def version(self, dataset: str) -> str | None:
-        """The version of the table held for ``dataset`` (``None``: no table)."""
-        table = self._tables.get(dataset)
-        return table.version if table is not None else None
-
-    def owner(self, dataset: str, index: int) -> str | None:
-        """The URL of the node that owns sample ``index`` (``None``: no table)."""
-        table = self._tables.get(dataset) if self.enabled else None
-        return table.owner_of(index) if table is not None and table.urls else None
-
-    def split(self, dataset: str, indices: list[int]) -> list[Part]:
-        """The batch as one part per owner (a single ownerless part without a table)."""
-        table = self._tables.get(dataset) if self.enabled else None
-        if table is None or not table.urls:
-            return [Part(None, list(range(len(indices))), indices)]
-        parts: dict[str | None, Part] = {}
-        for position, index in enumerate(indices):
-            owner = table.owner_of(index)
-            part = parts.get(owner)
-            if part is None:
-                part = parts[owner] = Part(owner, [], [])
-            part.positions.append(position)
-            part.indices.append(index)
-        return list(parts.values())
+    def wait(self, exc: Exception) -> float:
+        """Seconds to wait before the next try after ``exc`` failed one; ``exc`` is raised when
+        there is none. A stream that broke after delivering samples is asked for the rest at
+        once, its tries counted afresh (every round delivers a sample, so this ends); anything
+        else is for the client's retry policy (``backoff``, ``_verdict``)."""
+        if isinstance(exc, ShardfeedConnectionError) and self.reader.delivered > self._delivered:
+            self._delivered, self._failures = self.reader.delivered, 0
+            return 0.0
+        wait = next_wait(exc, self._failures, self._backoff, self._verdict)
+        if wait is None:
+            raise exc
+        self._failures += 1
+        return wait
 
 
-def merge_order(parts: list[Part]) -> list[tuple[int, int]]:
-    """For each position of the batch, in order: ``(part, row within that part's answer)``."""
-    order: list[tuple[int, int]] = [(0, 0)] * sum(len(p.positions) for p in parts)
-    for number, part in enumerate(parts):
-        for row, position in enumerate(part.positions):
-            order[position] = (number, row)
-    return order
+class Registering:
+    """``POST /v1/datasets`` until the dataset is served: a 202 says it is being indexed."""
+
+    def __init__(self, name: str, url: str, on_progress: Callable[[dict], None] | None, timeout: float | None):
+        self.name = name
+        self.url = url
+        self.body = {"name": name, "url": url}
+        self.on_progress = on_progress
+        self.timeout = timeout
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+
+    @staticmethod
+    def parse(response: httpx.Response) -> tuple[int, dict]:
+        return response.status_code, parse_json(response)
+
+    def served(self, answer: tuple[int, dict]) -> dict | None:
+        """The dataset's info once served; ``None`` to ask again after ``REGISTER_POLL`` s."""
+        status, doc = answer
+        if status != 202:
+            return doc["dataset"]
+        if self.on_progress is not None:
+            self.on_progress(doc["registering"])
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise TimeoutError(f"dataset {self.name!r} ({self.url}) not registered within {self.timeout:g} s")
+        return None
 
 
-class Via:
-    """Where the tries of one request go: its owner first, then the client's rotation.
+def sample_parser(dataset: str, index: int) -> Callable[[httpx.Response], dict]:
+    """How the per-sample ``GET``'s answer (a tar of the sample's members) reads as a sample."""
+    def parse(response: httpx.Response) -> dict:
+        reader = BatchReader(dataset, [index], url=str(response.url))
+        return (reader.feed(response.content) + reader.finish())[0]
+    return parse
 
-    Moving off the owner expires the dataset's routing table, so the next batch asks
-    for a fresh one. A request with no owner (no table, or one naming no owners, as a
-    single service's) expires nothing: a fresh table would say the same.
-    """
 
-    def __init__(self, endpoints: Endpoints, router: Router, dataset: str, owner: str | None):
-        self.endpoints = endpoints
-        self.router = router
-        self.dataset = dataset
-        self.owner = owner
-        self.routed = owner is not None
+def checked(response: httpx.Response, url: str, parse: Callable[[httpx.Response], T]) -> T:
+    """``parse(response)``, or our error for an error status."""
+    if response.status_code >= 400:
+        raise status_error(response.status_code, response.headers, response.content, url)
+    return parse(response)
 
-    def pick(self) -> str:
-        owner, self.owner = self.owner, None
-        if owner is not None:
-            return owner
-        if self.routed:
-            self.router.expire(self.dataset)
-        return self.endpoints.pick()
+
+def settled(outcomes: list[tuple[Any, BaseException | None]], undo: Callable[[Any], object]) -> list:
+    """The results of a batch's parts, each ``(value, failure)``, once every part has ended:
+    if any failed, the others' values are undone (their answers closed), the first failure raised."""
+    failure = next((exc for _, exc in outcomes if exc is not None), None)
+    if failure is not None:
+        for value, exc in outcomes:
+            if exc is None:
+                undo(value)
+        raise failure
+    return [value for value, _ in outcomes]
 
 
 def routing_path(dataset: str) -> str:
@@ -416,16 +334,6 @@ def batch_body(dataset: str, indices: list[int], fields: Sequence[str] | None,
     if fields is not None:
         body["fields"] = list(fields)
     return json.dumps(body, separators=(",", ":")).encode()
-
-
-def announced_length(headers: Mapping[str, str], default: int) -> int:
-    """A batch answer's length as its head states it (``Content-Length``, else the service's
-    estimate, ``LENGTH_HEADER``); ``default`` when it states none a number."""
-    for name in ("content-length", LENGTH_HEADER):
-        value = headers.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return default
 
 
 def transport_error(url: str, exc: httpx.HTTPError) -> ShardfeedConnectionError:

@@ -1,9 +1,9 @@
-"""The lean HTTP/1.1 batch transport of :mod:`.wire`, for asyncio: the AsyncClient's hot path.
+"""The batch transport's asyncio driver, on streams: the AsyncClient's hot path.
 
 Through httpx an asyncio batch cost several times the CPU of the blocking client's; this
 sends ``POST /v1/batch`` in one write on a kept-alive ``asyncio.open_connection`` stream
 and hands on the answer's body as it is read. What the bytes mean is decided in
-:mod:`.http11`, shared with the blocking driver; the rules are the same as there: at most
+:mod:`.base`, shared with the blocking driver (:mod:`.sync`); the rules are the same as there: at most
 ``max_connections`` in use at once (a request beyond waits up to ``timeout``), ``timeout``
 on every read and write, ``connect_timeout`` to connect, a kept connection the server
 closed (or sent something unasked on) is dropped before reuse, a request the server
@@ -25,8 +25,8 @@ from typing import TypeVar
 
 from shardfeed.http11 import READ_SIZE, Head, HeadReader, body_of
 
-from .errors import ShardfeedConnectionError
-from .http11 import Endpoint, PoolBase, post_request, reason
+from ..errors import ShardfeedConnectionError
+from .base import Endpoint, PoolBase, Sink, post_request, reason
 
 T = TypeVar("T")
 
@@ -127,6 +127,12 @@ class AsyncResponse:
             self.close()
             raise ShardfeedConnectionError(self.base, reason(exc)) from None
 
+    async def read_into(self, sink: Sink) -> None:
+        """Read the whole body into ``sink`` (a tensor batch's buffer): each piece is copied
+        there once as it arrives, asyncio's streams reading into a buffer of their own."""
+        async for piece in self.aiter_bytes():
+            sink.write(piece)
+
     async def read(self, limit: int) -> bytes:
         """Up to ``limit`` bytes of the body (an error's JSON document: never a stream)."""
         body = b""
@@ -147,7 +153,7 @@ class AsyncResponse:
 
 class AsyncPool(PoolBase):
     """Kept-alive connections of one process and event loop, per base URL; see the module's
-    docstring and :class:`~.http11.PoolBase` for the arguments."""
+    docstring and :class:`~.base.PoolBase` for the arguments."""
 
     slots = asyncio.BoundedSemaphore
 
@@ -156,20 +162,14 @@ class AsyncPool(PoolBase):
         endpoint = self.endpoint(base)
         request = post_request(endpoint, path, body, headers)
         await self._take_slot(base)
-        try:
-            while True:
-                conn = self.kept(endpoint)
-                reused = conn is not None
-                if conn is None:
-                    conn = await self._connect(endpoint, base)
+        with self.slot_held():
+            for kept in self.tries(endpoint):
+                conn = kept or await self._connect(endpoint, base)
                 try:
                     await conn.send(request)
                     return await self._answer(endpoint, conn, base)
                 except BaseException as exc:
-                    self.failed(conn, exc, reused, base)
-        except BaseException:
-            self._slots.release()
-            raise
+                    self.failed(conn, exc, kept is not None, base)
 
     def usable(self, conn: Connection) -> bool:
         return conn.idle()
