@@ -1,7 +1,7 @@
 """HTTP/1.1 answers without I/O: the status line and headers, and where the body ends.
 
 Written once for every HTTP/1.1 reader of ours: the client's batch transports
-(``client/wire.py``, ``client/aiowire.py``) and the service's store reads
+(``client/transport/sync.py``, ``client/transport/aio.py``) and the service's store reads
 (``service/stores/getter.py``). The answer's head (:class:`HeadReader`, at most
 ``HEAD_LIMIT`` bytes), where its body ends (:func:`body_of`: ``Content-Length``, chunked
 transfer encoding with extensions and trailers, or the end of the connection), and whether
