@@ -98,11 +98,8 @@ async def retry_async(
         try:
             return await fn()
         except Exception as exc:
-            wait = next_wait(exc, retry, backoff, retryable)
-            if wait is None:
+            if (wait := _reported_wait(exc, retry, backoff, retryable, on_retry)) is None:
                 raise
-            if on_retry is not None:
-                on_retry(exc, wait)
         await asyncio.sleep(wait)
         retry += 1
 
@@ -120,10 +117,16 @@ def retry_sync(
         try:
             return fn()
         except Exception as exc:
-            wait = next_wait(exc, retry, backoff, retryable)
-            if wait is None:
+            if (wait := _reported_wait(exc, retry, backoff, retryable, on_retry)) is None:
                 raise
-            if on_retry is not None:
-                on_retry(exc, wait)
         time.sleep(wait)
         retry += 1
+
+
+def _reported_wait(exc: Exception, retry: int, backoff: Backoff, retryable: Retryable,
+                   on_retry: OnRetry | None) -> float | None:
+    """``next_wait``, told to ``on_retry`` when there is one."""
+    wait = next_wait(exc, retry, backoff, retryable)
+    if wait is not None and on_retry is not None:
+        on_retry(exc, wait)
+    return wait
