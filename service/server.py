@@ -58,6 +58,7 @@ def _datasets(specs: list[str]) -> dict[str, str]:
 
 
 def config_from_args(args: argparse.Namespace) -> ServiceConfig:
+    """The config ``serve``'s flags describe; ``ValueError`` naming the flag for a value it cannot take."""
     for option in OPTIONS:
         option.check(getattr(args, option.dest))
     given = _given(args, ServiceConfig)
