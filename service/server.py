@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import logging
 import os
-import re
 import secrets
 import socket
 import sys
@@ -25,215 +24,68 @@ from shardfeed.service.api.tenants import full_access_tokens, load_tenants
 from shardfeed.service.cluster.membership import build_cluster
 from shardfeed.service.cluster.sources import open_source
 from shardfeed.service.cluster.workers import run_serving, supervise, worker_sockets
-from shardfeed.service.config import NODE_IDLE_EXIT, HedgePolicy, ServiceConfig, node_cache_dir
+from shardfeed.service.config import (DEFAULT_DATA_DIR, OPTIONS, Group, HedgePolicy, ServiceConfig, serve_settings,
+                                      settings)
 from shardfeed.service.observe.activity import Activity
 from shardfeed.service.stores.hedge import Hedger
-from shardfeed.sizes import format_size, parse_size
 
 log = logging.getLogger("shardfeed.server")
 
 DEFAULT_DATASET = "digits"
-DEFAULT_DATA_DIR = Path(".shardfeed/datasets")
-_BUCKET = re.compile(r"[a-z0-9][a-z0-9.\-_]{1,253}[a-z0-9]")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = ServiceConfig()
-    parser.add_argument("--host", default=defaults.host, help="interface to bind (default: %(default)s)")
-    parser.add_argument("--port", type=int, help=f"port; 0: any free one (default: {defaults.port}, "
-                                                  "with --node 0)")
-    parser.add_argument("--node", action="store_true",
-                        help="be the node service, which training scripts that name only a dataset URL "
-                             "find (and start when there is none): no dataset at start, any free port, "
-                             "the cache under ~/.cache/shardfeed, a token of its own, --idle-exit "
-                             f"{NODE_IDLE_EXIT:g}; listed by `shardfeed ps`")
-    parser.add_argument("--idle-exit", type=float, metavar="SECONDS",
-                        help="stop after this long without a data request (health checks, metrics "
-                             f"and the status page do not count); 0: never (default: 0, with --node "
-                             f"{NODE_IDLE_EXIT:g})")
-    parser.add_argument("--workers", type=int, default=defaults.workers, metavar="N",
-                        help="processes serving this host, all on --port, each owning a share of the "
-                             "shards and of --cache-size; 1 serves from one process (default: the "
-                             "usable cores, %(default)s)")
-    parser.add_argument("--restart-pause", type=float, default=defaults.restart_pause, metavar="SECONDS",
-                        help="pause before a dead worker is restarted, doubling while it keeps dying, "
-                             "up to 10 s or this (default: %(default)s)")
-    parser.add_argument("--dataset", action="append", default=[], metavar="NAME=URL",
-                        help="serve the dataset at URL (file:// or s3://) as NAME; repeatable. "
-                             "Default: the embedded digits dataset under --data-dir")
-    parser.add_argument("--index-objects", action="store_true",
-                        help="index a --dataset that has no index.parquet at start, as loose objects "
-                             "(a/0001.jpg + a/0001.cls = one sample), listing its prefix")
-    parser.add_argument("--bucket", action="append", default=[], metavar="NAME",
-                        help="let GetBatch (/v1/ml/moss, the AIStore SDK's batch API) read this S3 bucket; "
-                             "repeatable. Other buckets are refused")
-    parser.add_argument("--object-ttl", type=float, default=defaults.object_ttl, metavar="SECONDS",
-                        help="trust a GetBatch object's size and version (its HEAD) this long: an "
-                             "overwritten object is read anew within it; 0: a HEAD per request "
-                             "(default: %(default)s)")
-    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
-                        help="where the embedded default dataset lives (default: %(default)s)")
-    parser.add_argument("--cache-dir", type=Path,
-                        help=f"block cache directory, ideally local NVMe (default: {defaults.cache_dir}, "
-                             f"with --node {node_cache_dir()})")
-    parser.add_argument("--cache-size", type=parse_size, default=defaults.cache_size,
-                        help="most bytes the block cache keeps, e.g. 20GiB (default: 10GiB)")
-    parser.add_argument("--memory-cache", type=parse_size, default=defaults.memory_cache,
-                        help="most bytes of verified blocks kept in RAM in front of the disk cache; "
-                             "0 disables it (default: 1GiB, at most 1/8 of the RAM)")
-    parser.add_argument("--cache-writes", choices=["direct", "buffered"], default="direct",
-                        help="write cache blocks around the page cache (O_DIRECT, where the "
-                             "filesystem allows) or through it (default: direct)")
-    parser.add_argument("--block-size", type=parse_size, default=defaults.block_size,
-                        help="cache block and store read unit (default: 1MiB)")
-    parser.add_argument("--merge-gap", type=parse_size, default=defaults.merge_gap,
-                        help="fetch missing blocks this close together in one read (default: 1MiB)")
-    parser.add_argument("--fetch-window", type=parse_size, default=defaults.fetch_window,
-                        help="a miss in a dataset the cache holds whole fetches its aligned window "
-                             "of this many shard bytes in one read (default: 8MiB)")
-    parser.add_argument("--ranges-first", choices=["on", "off"], default="off",
-                        help="on: a read needing an eighth of an uncached block or less reads its members' ranges, "
-                             "the block fetched behind (a faster first cold batch, a slower cold epoch; default: off)")
-    parser.add_argument("--max-store-requests", type=int, default=defaults.max_store_requests,
-                        help="store reads in flight at once (default: %(default)s)")
-    parser.add_argument("--store-timeout", type=float, metavar="SECONDS",
-                        help="longest silence while reading from S3, per try (default: 30)")
-    parser.add_argument("--store-retries", type=int, metavar="N", help="retries of an S3 request that failed "
-                        "with 5xx, SlowDown, a reset, a timeout or a short body (default: 4)")
-    hedge = HedgePolicy()
-    parser.add_argument("--hedge", action=argparse.BooleanOptionalAction, default=True,
-                        help="send a second read for a store read slower than most recent ones (default: on)")
-    parser.add_argument("--hedge-quantile", type=float, default=hedge.quantile, help="hedge a read still "
-                        "running after this quantile of recent read times (default: %(default)s)")
-    parser.add_argument("--hedge-min-ms", type=float, default=hedge.min_delay * 1e3,
-                        help="never hedge sooner than this (default: %(default)s)")
-    parser.add_argument("--hedge-max-ms", type=float, default=hedge.max_delay * 1e3,
-                        help="always hedge a read this slow (default: %(default)s)")
-    parser.add_argument("--hedge-budget", type=float, default=hedge.budget,
-                        help="hedges per store read at most, on average (default: %(default)s)")
-    parser.add_argument("--sample-window-ms", type=float, default=defaults.sample_window * 1e3,
-                        help="how long a per-sample GET waits to be coalesced with others (default: 1)")
-    parser.add_argument("--max-batch", type=int, default=defaults.max_batch,
-                        help="most samples per batch request (default: %(default)s)")
-    parser.add_argument("--max-inflight-batches", type=int, default=defaults.max_inflight_batches,
-                        help="batch requests served at once before answering 429 (default: %(default)s)")
-    parser.add_argument("--max-inflight-samples", type=int, default=defaults.max_inflight_samples,
-                        help="per-sample GETs served at once before answering 429 (default: %(default)s)")
-    parser.add_argument("--max-plans", type=int, default=defaults.max_plans,
-                        help="plans (announced read orders) held at once; 429 beyond (default: %(default)s)")
-    parser.add_argument("--max-plan-samples", type=int, default=defaults.max_plan_samples,
-                        help="most positions in one plan; 413 beyond (default: %(default)s)")
-    parser.add_argument("--plan-ttl", type=float, default=defaults.plan_ttl, metavar="SECONDS",
-                        help="a plan unused this long is dropped (default: %(default)s)")
-    parser.add_argument("--plan-ahead", type=parse_size, default=defaults.plan_ahead,
-                        help="payload bytes read ahead of each plan's reader (default: "
-                             f"{format_size(defaults.plan_ahead)})")
-    parser.add_argument("--plan-memory", type=parse_size, default=defaults.plan_memory,
-                        help="most bytes of sample ranges read ahead and held in memory (default: "
-                             f"{format_size(defaults.plan_memory)})")
-    parser.add_argument("--range-gap", type=parse_size, default=defaults.range_gap,
-                        help="sample ranges read without their block are merged when this close "
-                             f"(default: {format_size(defaults.range_gap)})")
-    parser.add_argument("--token-file", type=Path,
-                        help="require 'Authorization: Bearer <token>', tokens with full access one per line "
-                             "in this file (or set SHARDFEED_TOKENS, comma-separated)")
-    parser.add_argument("--tokens", type=Path, metavar="FILE", help="tenants: named tokens with scopes and their "
-                        "own bound on batches in flight, in a TOML file read again when it changes (see README)")
-    parser.add_argument("--node-id", help="this replica's id among its peers (e.g. its host name)")
-    parser.add_argument("--peers", default="", help="all replicas, this one included: URL,URL,... or ID=URL,...; "
-                        "shards are owned by rendezvous hashing and each is cached on one replica")
-    parser.add_argument("--peers-from", default="", metavar="SOURCE", help="the replicas, followed as they "
-                        "change: file:PATH (one --peers entry a line), dns:NAME[:PORT] (A/AAAA records) or "
-                        "dns+srv:NAME (SRV records), either DNS one with @SERVER[:PORT] to pick the nameserver")
-    parser.add_argument("--peers-refresh", type=float, default=defaults.peers_refresh, metavar="SECONDS",
-                        help="seconds between looks at --peers-from (default: %(default)s)")
-    parser.add_argument("--peer-timeout", type=float, default=defaults.peer_timeout, help="seconds an owner "
-                        "has to answer before the store is read directly (default: %(default)s)")
-    parser.add_argument("--tls-cert", type=Path, help="serve HTTPS with this certificate (PEM); needs --tls-key")
-    parser.add_argument("--tls-key", type=Path, help="private key (PEM) for --tls-cert")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--log-file", help="append the log to this file instead of stderr (`shardfeed ps` "
-                                           "shows it)")
+    """``serve``'s flags, made from their settings (``config.serve_settings``), one group per ``Group``."""
+    groups = {group: parser.add_argument_group(group.value) for group in Group}
+    for described in serve_settings():
+        groups[described.group].add_argument(described.flag, **described.arguments())
 
 
-def _check_ranges(args: argparse.Namespace) -> None:
-    """Refuse knob values that would make the service misbehave, naming the flag."""
-    limits = [
-        ("--port", args.port or 0, 0, 65535),
-        ("--block-size", args.block_size, 4096, 1 << 30),
-        ("--merge-gap", args.merge_gap, 0, 1 << 40),
-        ("--fetch-window", args.fetch_window, 0, 1 << 30),
-        ("--max-store-requests", args.max_store_requests, 1, 1 << 16),
-        ("--sample-window-ms", args.sample_window_ms, 0, 1000),
-        ("--max-batch", args.max_batch, 1, 1 << 24),
-        ("--max-inflight-batches", args.max_inflight_batches, 1, 1 << 20),
-        ("--max-inflight-samples", args.max_inflight_samples, 1, 1 << 24),
-    ]
-    for flag, value, low, high in limits:
-        if not low <= value <= high:
-            raise ValueError(f"{flag} must be between {low} and {high}, not {value}")
-    if args.peer_timeout <= 0:
-        raise ValueError(f"--peer-timeout must be positive, not {args.peer_timeout}")
+def _given(args: argparse.Namespace, owner: type) -> dict:
+    """The fields of ``owner`` set by a flag; a flag not given leaves its field's default."""
+    return {s.name: s.kind.value(value) for s in settings(owner) if (value := getattr(args, s.dest)) is not None}
 
 
-def config_from_args(args: argparse.Namespace) -> ServiceConfig:
-    _check_ranges(args)
-    datasets = {}
-    for spec in args.dataset:
+def _datasets(specs: list[str]) -> dict[str, str]:
+    datasets: dict[str, str] = {}
+    for spec in specs:
         name, sep, url = spec.partition("=")
         if not sep or not name or not url:
             raise ValueError(f"--dataset expects NAME=URL, got {spec!r}")
         if name in datasets:
             raise ValueError(f"dataset name {name!r} given twice")
         datasets[name] = url
-    for bucket in args.bucket:
-        if not _BUCKET.fullmatch(bucket):
-            raise ValueError(f"--bucket {bucket!r} is not an S3 bucket name")
-    tokens = set(full_access_tokens(args.token_file, os.environ.get("SHARDFEED_TOKENS", "")))
-    load_tenants(args.tokens, tokens, args.max_inflight_batches)  # a bad file fails now, with its message
-    if args.tokens and (args.peers or args.peers_from) and not tokens:
-        raise ValueError(f"--tokens with {'--peers' if args.peers else '--peers-from'} needs a full-access token "
-                         "that the replicas share for their requests to each other (--token-file or SHARDFEED_TOKENS)")
-    if bool(args.tls_cert) != bool(args.tls_key):
-        raise ValueError("--tls-cert and --tls-key go together")
-    for path in (args.tls_cert, args.tls_key):
-        if path is not None and not path.is_file():
-            raise ValueError(f"TLS file {path} does not exist")
+    return datasets
+
+
+def config_from_args(args: argparse.Namespace) -> ServiceConfig:
+    """The config ``serve``'s flags describe; ``ValueError`` naming the flag for a value it cannot take."""
+    for option in OPTIONS:
+        option.check(getattr(args, option.dest))
+    given = _given(args, ServiceConfig)
+    if given.get("node"):  # the node service's own defaults, where no flag overrides them
+        given = {s.name: s.node() if callable(s.node) else s.node
+                 for s in settings(ServiceConfig) if s.node is not None} | given
+    hedge = HedgePolicy(**_given(args, HedgePolicy)) if given.pop("hedge", True) else None
     store_options: dict = {}
     if args.store_timeout is not None:
-        if args.store_timeout <= 0:
-            raise ValueError(f"--store-timeout must be positive, not {args.store_timeout}")
         store_options["read_timeout"] = args.store_timeout
     if args.store_retries is not None:
-        if args.store_retries < 0:
-            raise ValueError(f"--store-retries must not be negative, not {args.store_retries}")
         store_options["backoff"] = Backoff(attempts=args.store_retries + 1)
-    hedge = HedgePolicy(quantile=args.hedge_quantile, min_delay=args.hedge_min_ms / 1e3,
-                        max_delay=args.hedge_max_ms / 1e3, budget=args.hedge_budget) if args.hedge else None
-    if (args.node or args.tokens) and not tokens:  # --node: only ours may read; --tokens: the workers' own
-        tokens = {secrets.token_urlsafe(24)}
-    defaults = ServiceConfig()
-    config = ServiceConfig(
-        node=args.node, idle_exit=(args.idle_exit if args.idle_exit is not None
-                                   else NODE_IDLE_EXIT if args.node else defaults.idle_exit),
-        store_options=store_options, hedge=hedge,
-        datasets=datasets, index_objects=args.index_objects, buckets=tuple(dict.fromkeys(args.bucket)),
-        object_ttl=args.object_ttl,
-        host=args.host, port=args.port if args.port is not None else 0 if args.node else defaults.port,
-        cache_dir=args.cache_dir or (node_cache_dir() if args.node else defaults.cache_dir),
-        cache_size=args.cache_size,
-        memory_cache=args.memory_cache, direct_writes=args.cache_writes == "direct",
-        block_size=args.block_size, merge_gap=args.merge_gap,
-        fetch_window=args.fetch_window, ranges_first=args.ranges_first == "on",
-        max_store_requests=args.max_store_requests, sample_window=args.sample_window_ms / 1e3,
-        max_batch=args.max_batch, max_inflight_batches=args.max_inflight_batches,
-        max_inflight_samples=args.max_inflight_samples, tokens=frozenset(tokens), tenant_file=args.tokens,
-        tls_cert=args.tls_cert, tls_key=args.tls_key, node_id=args.node_id, peers=args.peers,
-        peers_from=args.peers_from, peers_refresh=args.peers_refresh,
-        peer_timeout=args.peer_timeout, workers=args.workers, restart_pause=args.restart_pause,
-        max_plans=args.max_plans, max_plan_samples=args.max_plan_samples, plan_ttl=args.plan_ttl,
-        plan_ahead=args.plan_ahead, plan_memory=args.plan_memory, range_gap=args.range_gap,
-    )
+    full_access = full_access_tokens(args.token_file, os.environ.get("SHARDFEED_TOKENS", ""))
+    # --node: only ours may read; --tokens: the workers' own
+    own = not full_access and (given.get("node") or given.get("tenant_file"))
+    config = ServiceConfig(**given, datasets=_datasets(args.dataset or []), hedge=hedge, store_options=store_options,
+                           tokens=frozenset({secrets.token_urlsafe(24)}) if own else full_access)
+    load_tenants(config.tenant_file, full_access, config.max_inflight_batches)  # a bad file fails now, with its message
+    if config.tenant_file and (config.peers or config.peers_from) and not full_access:
+        raise ValueError(f"--tokens with {'--peers' if config.peers else '--peers-from'} needs a full-access token "
+                         "that the replicas share for their requests to each other (--token-file or SHARDFEED_TOKENS)")
+    if bool(config.tls_cert) != bool(config.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    for path in (config.tls_cert, config.tls_key):
+        if path is not None and not path.is_file():
+            raise ValueError(f"TLS file {path} does not exist")
     open_source(config)  # fail now on a bad --peers or --peers-from, with its message
     return config
 

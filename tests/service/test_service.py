@@ -364,7 +364,7 @@ def test_a_removed_cache_dir_is_recreated_and_locked_again(s3_dataset, s3_server
     (["--workers", "0"], "--workers must be between 1 and"),
     (["--workers", "-2"], "--workers must be between 1 and"),
     (["--workers", "100000"], "--workers must be between 1 and"),
-    (["--restart-pause", "0"], "--restart-pause must be between 0.01 and 3600, not 0.0"),
+    (["--restart-pause", "0"], "--restart-pause must be between 0.01 s and 1 hour, not 0 s"),
     (["--restart-pause", "soon"], "argument --restart-pause: invalid float value: 'soon'"),
     (["--bucket", "Not_A/Bucket"], "--bucket 'Not_A/Bucket' is not an S3 bucket name"),
 ])
