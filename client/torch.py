@@ -59,7 +59,7 @@ class _Source:
             raise ValueError(f"output must be one of {', '.join(map(repr, OUTPUTS))}, not {output!r}")
         if output == "tensors" and (decode or transform is not None):
             raise TypeError("decode and transform apply to sample dicts, not to output='tensors': "
-                            "decode the batch's views (shardfeed.client.tensors, docs: README 'Tensor batches')")
+                            "decode the batch's views (shardfeed.client.tensors, docs/tensors.md)")
         if isinstance(url, Client):
             if client_options:
                 raise TypeError(f"client options {sorted(client_options)} given with a ready Client")
@@ -231,7 +231,7 @@ class ShardfeedIterableDataset(IterableDataset):
             reports holds the dataset, else ``"windows"`` (a uniform order through a cache of
             a quarter of the dataset reads it 13-18x without a plan, about once with one;
             ``windows`` about once either way, at 8.3 distinct shards per batch of 64, as
-            Streaming's py1e: README, "Measuring").
+            Streaming's py1e: docs/measuring.md).
         drop_last: at the end of an epoch, drop the samples that do not fill a batch on
             every rank. By default they are padded instead, by wrapping around to the start
             of the epoch's order, so every batch is full (a few samples repeat).
