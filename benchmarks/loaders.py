@@ -242,12 +242,18 @@ def main(argv=None) -> int:
         kinds.remove("streaming")
     if args.baseline_serve_arg:
         kinds.insert(1, BASELINE)
-    each = [size.strip() for size in args.size.split(",") if size.strip()]
-    for number, size in enumerate(each):  # the same bytes at every size, the first taking --samples
-        samples = args.samples if number == 0 else max(
-            BATCH * 10, args.samples * parse_sizes(each[0])[1] // parse_sizes(size)[1])
+    for size, samples in sample_counts(args.size, args.samples):
         run_size(args, size, samples, kinds, streaming)
     return 0
+
+
+def sample_counts(sizes: str, samples: int) -> list[tuple[str, int]]:
+    """Each of the comma-separated ``sizes`` with its samples: the same bytes at every size,
+    the first taking ``samples``, none fewer than ten batches."""
+    each = [size.strip() for size in sizes.split(",") if size.strip()]
+    first = parse_sizes(each[0])[1]
+    return [(size, samples if number == 0 else max(BATCH * 10, samples * first // parse_sizes(size)[1]))
+            for number, size in enumerate(each)]
 
 
 def run_size(args, size: str, samples: int, kinds: list[str], streaming) -> None:
