@@ -75,12 +75,13 @@ from pathlib import Path
 import numpy as np
 
 from shardfeed.benchmarks import servecost
+from shardfeed.benchmarks.common import BENCH_DATA, Digests, seeded_s3
 from shardfeed.benchmarks.replicas import DATASET, Phase, RequestCost, _batches, _epochs, _replicas
-from shardfeed.benchmarks.s3server import BENCH_DATA, S3_SERVERS, default_server, seeded_s3
 from shardfeed.client import Client
 from shardfeed.client.shuffles import CACHE_SHARE
 from shardfeed.process import scrape_metrics, start_service, stop_all
-from shardfeed.seeds.synthetic import DEFAULT_FIELDS
+from shardfeed.s3server import S3_SERVERS, default_server
+from shardfeed.seeds.synthetic import DEFAULT_FIELDS, parse_sizes
 from shardfeed.service.config import ServiceConfig
 from shardfeed.sizes import format_size, parse_size
 
@@ -327,6 +328,7 @@ def check_replicas(calibration: Calibration, kind: str, samples: int, batch: int
     orders = [np.random.default_rng(e).permutation(samples) for e in range(1 + warm_epochs)]
     cold, warm = _batches(orders[:1], batch), _batches(orders[1:], batch)
     measured: dict[str, list[float]] = {}
+    digests = Digests(samples, parse_sizes(size), DEFAULT_FIELDS)
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         s3 = stack.enter_context(seeded_s3(kind, samples, size, "4MiB"))
         single = stack.enter_context(start_service({DATASET: BENCH_DATA}, cache_dir=Path(tmp) / "single",
@@ -336,10 +338,10 @@ def check_replicas(calibration: Calibration, kind: str, samples: int, batch: int
             clients = {label: stack.enter_context(Client([s.url for s in services]))
                        for label, services in topologies.items()}
             for label, services in topologies.items():
-                _epochs(clients[label], services, cold, 4)
+                _epochs(clients[label], services, cold, 4, digests)
             for _ in range(rounds):
                 for label, services in topologies.items():
-                    phase = Phase(warm_epochs * samples, *_epochs(clients[label], services, warm, 4))
+                    phase = Phase(warm_epochs * samples, *_epochs(clients[label], services, warm, 4, digests))
                     measured.setdefault(label, []).append(phase.cpu_us_per_sample)
         finally:
             stop_all(topologies["3 replicas"])
@@ -357,6 +359,7 @@ def check_cache(kind: str, samples: int, size: str) -> list[Row]:
     from shardfeed.client.torch import ShardfeedIterableDataset  # torch: for the check only
 
     rows = []
+    digests = Digests(samples, parse_sizes(size), DEFAULT_FIELDS)
     with seeded_s3(kind, samples, size, "1MiB") as s3, tempfile.TemporaryDirectory() as tmp:
         listed = s3.client().list_objects_v2(Bucket="bench", Prefix="data/")["Contents"]
         dataset_bytes = sum(o["Size"] for o in listed if o["Key"].endswith(".tar"))
@@ -369,8 +372,8 @@ def check_cache(kind: str, samples: int, size: str) -> list[Row]:
                 for epoch in range(2):
                     ds.set_epoch(epoch)
                     before = scrape_metrics(service.url)["shardfeed_store_bytes_total"]
-                    seen = sum(len(batch) for batch in ds)
-                    assert seen >= samples, f"epoch {epoch + 1} served {seen} of {samples} samples"
+                    seen = sorted(digests.check_indexed(sample) for batch in ds for sample in batch)
+                    assert seen == list(range(samples)), f"epoch {epoch + 1}: not every sample once"
                     read = (scrape_metrics(service.url)["shardfeed_store_bytes_total"] - before) / dataset_bytes
                     model = 1.0 if epoch == 0 else 1 - later_epoch_hit_ratio(cache, dataset_bytes, shuffle)
                     order = "" if shuffle else ", index order"

@@ -36,7 +36,7 @@ kinds spread out), none begun later than 5 s before the end:
                    ``--enospc-for`` seconds, delete it (skipped, with a note, when not root:
                    the filesystems are tmpfs mounts)
 ``cache-damage``   flip, truncate, delete or overwrite ``--damage-blocks`` random block files
-                   (``soak.damage_block_file``)
+                   (``shardfeed.faults.damage_block_file``)
 ``overwrite``      write a new version of a random shard with the same samples in another
                    byte layout (a padding member without an extension, which the index skips,
                    at its start, and the fields of each sample in the other order), then a
@@ -99,11 +99,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from torch.utils.data import DataLoader
 
+from shardfeed.benchmarks.common import BENCH_DATA, seeded_s3, seeded_s3_arguments
 from shardfeed.benchmarks.s3proxy import start_proxy_process
-from shardfeed.benchmarks.s3server import BENCH_DATA, S3Server, seeded_s3, seeded_s3_arguments
-from shardfeed.benchmarks.soak import DAMAGE, damage_block_file
 from shardfeed.client.sampling import epoch_order
 from shardfeed.client.torch import ShardfeedDataset, ShardfeedIterableDataset, ShardfeedLoader, ShardfeedSampler
+from shardfeed.faults import DAMAGE, damage_block_file
 from shardfeed.process import (
     ServiceProcess,
     child_pids,
@@ -115,6 +115,7 @@ from shardfeed.process import (
     stop_process,
 )
 from shardfeed.retry import Backoff
+from shardfeed.s3server import S3Server
 from shardfeed.seeds.synthetic import member_bytes, parse_sizes, sample_key, sample_size
 from shardfeed.service.datasets.index import Index, index_from_parquet, parquet_bytes
 from shardfeed.service.datasets.indexfile import INDEX_FILE

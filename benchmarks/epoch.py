@@ -20,9 +20,7 @@ into batches); ``iterable`` is ``ShardfeedIterableDataset`` (an order of whole b
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import os
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,14 +30,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from shardfeed.benchmarks.common import BENCH_DATA, Digests, benchmark_parser, load_note, seeded_s3, seeded_s3_arguments
 from shardfeed.benchmarks.s3proxy import start_proxy_process
-from shardfeed.benchmarks.s3server import BENCH_DATA, seeded_s3, seeded_s3_arguments
 from shardfeed.client.sampling import EpochSampler
 from shardfeed.client.shuffles import LOCAL, SHUFFLES, cache_window, shard_samples
 from shardfeed.process import scrape_metrics, start_service, stop_process
-from shardfeed.seeds.synthetic import member_bytes, parse_sizes
+from shardfeed.seeds.synthetic import DEFAULT_FIELDS, parse_sizes
 from shardfeed.sizes import parse_size
-from shardfeed.tar import iter_members
 
 
 def _epoch(url: str, batches: list[list[int]], workers: int, check) -> float:
@@ -115,7 +112,7 @@ def _cache_bytes(spec: str, dataset_bytes: int) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__, __spec__.name)
     seeded_s3_arguments(parser, samples=20000, shard_size="4MiB")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--workers", type=int, default=4, help="concurrent batch requests")
@@ -154,18 +151,13 @@ def main(argv=None) -> int:
             stack.callback(stop_process, proxy)
             s3["AWS_ENDPOINT_URL"] = url
 
-        def check(indices, body):
-            members = list(iter_members(body))
-            assert len(members) == 2 * len(indices)
-            for i, (name, data) in zip(np.repeat(indices, 2), members):
-                field = name.rsplit(".", 1)[1]
-                assert bytes(data) == member_bytes(0, int(i), field, sizes), f"sample {i} {field} differs"
+        digests = Digests(n, sizes, DEFAULT_FIELDS)
 
         print(f"dataset: {n} samples x {args.size} in {args.shard_size} shards on {server.kind} S3 "
               f"({shard_bytes / 2**20:.1f} MiB of shards), +{args.latency_ms:g} ms per S3 request; "
               f"batches of {args.batch}, {args.workers} concurrent; block {args.block_size}; "
               f"serve --workers {args.service_workers}; "
-              f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
+              f"{load_note()}", flush=True)
         header = (f"{'cache':>6} {'shuffle':>8} {'loader':>8} {'plan':>4} {'epoch':>5} {'samples/s':>9} "
                   f"{'x warm':>6} {'S3 B/B':>7} {'req/1k':>7} {'shards/batch':>12} {'rho':>6}")
         print(header, flush=True)
@@ -190,7 +182,7 @@ def main(argv=None) -> int:
                     order = sampler.rank_order()
                     batches = [order[i:i + args.batch].tolist() for i in range(0, len(order), args.batch)]
                     before = scrape_metrics(svc.url)
-                    elapsed = _epoch(svc.url, batches, args.workers, check)
+                    elapsed = _epoch(svc.url, batches, args.workers, digests.check_tar)
                     after = scrape_metrics(svc.url)
                     served = len(order)
                     row = {"cache": cache, "shuffle": mode, "loader": loader, "plan": plan, "epoch": epoch,

@@ -9,12 +9,11 @@ S3 is moto behind the delaying proxy (``s3proxy.py``: every S3 request waits
 ``--latency-ms`` first, as cloud S3's time to first byte). Every scenario keeps
 ``--workers`` requests in flight and reads the same shuffled batches; the individual
 GETs read a prefix of them (their rate is steady and they are slow). Every sample's
-length is checked, every 64th sample's bytes too.
+length and bytes are checked, against the object asked for at its position.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 from collections.abc import Callable
@@ -30,10 +29,11 @@ import numpy as np
 from aistore.sdk import Client as AisClient
 
 from shardfeed.benchmarks import scenarios
+from shardfeed.benchmarks.common import Digests, WrongBytes, benchmark_parser
 from shardfeed.benchmarks.s3proxy import start_proxy_process
-from shardfeed.benchmarks.s3server import start_moto
 from shardfeed.client import Client
 from shardfeed.process import start_service, stop_process
+from shardfeed.s3server import start_moto
 from shardfeed.seeds.synthetic import member_bytes
 from shardfeed.sizes import format_size, parse_size
 from shardfeed.tar import iter_members
@@ -52,7 +52,7 @@ def measure(get: Callable[[list[int]], list[bytes]], batches: list[list[int]], s
         began = perf_counter()
         got = get(batch)
         if len(got) != len(batch):
-            raise scenarios.WrongData(f"batch of {len(batch)} objects returned {len(got)}")
+            raise WrongBytes(f"batch of {len(batch)} objects returned {len(got)}")
         for i, data in zip(batch, got):
             scenarios._check(i, data, size, verify)
         return perf_counter() - began
@@ -83,7 +83,7 @@ def raw_get(http: httpx.Client) -> Callable[[list[int]], list[bytes]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__, __spec__.name)
     parser.add_argument("--objects", type=int, default=4096)
     parser.add_argument("--size", default="10KiB")
     parser.add_argument("--batch", type=int, default=256)
@@ -109,9 +109,7 @@ def main() -> None:
         list(pool.map(lambda i: direct.put_object(Bucket=BUCKET, Key=key_of(i), Body=member_bytes(0, i, "bin", (size, size))),
                       range(args.objects)))
 
-        def verify(i: int, payload: bytes) -> None:
-            if payload != member_bytes(0, i, "bin", (size, size)):
-                raise scenarios.WrongData(f"object {i}: bytes differ from the seeded ones")
+        verify = Digests(args.objects, (size, size)).verifier()
 
         order = np.random.default_rng(0).permutation(args.objects).tolist()
         batches = [order[i:i + args.batch] for i in range(0, len(order) - args.batch + 1, args.batch)]

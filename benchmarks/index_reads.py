@@ -8,12 +8,14 @@ of the shard bytes. Counts, not timings: the machine's load does not change them
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 
-from shardfeed.benchmarks.s3server import start_moto
-from shardfeed.seeds.synthetic import seed_dataset
+import numpy as np
+
+from shardfeed.benchmarks.common import benchmark_parser
+from shardfeed.s3server import start_moto
+from shardfeed.seeds.synthetic import sample_key, seed_dataset
 from shardfeed.service.datasets.tarscan import index_shards
 from shardfeed.service.stores import open_store
 from shardfeed.sizes import format_size, parse_size
@@ -33,11 +35,13 @@ async def measure(url: str, samples: int, size: str, shard_size: str) -> tuple[i
     async with open_store(url) as store:
         shard_bytes = sum(o.size for o in await store.list() if o.path.endswith(".tar"))
         index = await index_shards(store, progress=False)
+        if index.keys(np.arange(samples)) != [sample_key(i) for i in range(samples)]:  # what it read it for
+            raise RuntimeError(f"the index of {url} does not hold the {samples} samples seeded, in order")
         return len(index.shards), store.requests, store.bytes_read, shard_bytes
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    benchmark_parser(__doc__, __spec__.name).parse_args()
     moto = start_moto()
     try:
         os.environ.update(moto.env())

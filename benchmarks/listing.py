@@ -14,13 +14,13 @@ versions one object at a time would cost).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import statistics
 import time
 
-from shardfeed.benchmarks.s3server import BENCH_DATA, S3_SERVERS, default_server, seeded_s3
+from shardfeed.benchmarks.common import BENCH_DATA, benchmark_parser, seeded_s3
+from shardfeed.s3server import S3_SERVERS, default_server
 from shardfeed.service.datasets.dataset import open_dataset
 from shardfeed.service.stores import open_store
 
@@ -53,7 +53,7 @@ async def _heads(url: str, in_flight: int = 32) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__, __spec__.name)
     parser.add_argument("--shards", type=int, default=10_000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--s3", choices=S3_SERVERS, default=default_server())
@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         opens = [asyncio.run(_open(BENCH_DATA)) for _ in range(args.rounds)]
         heads = asyncio.run(_heads(BENCH_DATA))
     _, requests, shards = opens[-1]
+    if {n for _, _, n in opens} != {args.shards}:
+        raise SystemExit(f"an open found {sorted({n for _, _, n in opens})} shards, not the {args.shards} seeded")
     print(f"{args.s3}, {shards} shards: opening sent {requests} store requests "
           f"(a HEAD and a GET of index.parquet, {requests - 2} LIST pages of 1000 keys; no HEAD per shard)")
     print(f"  open: median {statistics.median(s for s, _, _ in opens):.2f} s over {args.rounds} rounds "

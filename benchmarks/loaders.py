@@ -41,7 +41,6 @@ is measured and the script says so.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import importlib.machinery
 import importlib.util
@@ -62,7 +61,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from shardfeed.benchmarks.s3server import BENCH_DATA, seeded_s3, seeded_s3_arguments
+from shardfeed.benchmarks.common import BENCH_DATA, benchmark_parser, load_note, seeded_s3, seeded_s3_arguments
 from shardfeed.benchmarks.serverside import tree_cpu
 from shardfeed.client.torch import ShardfeedDataset, ShardfeedIterableDataset, ShardfeedLoader
 from shardfeed.process import scrape_metrics, start_service
@@ -218,7 +217,7 @@ def write_mds(streaming, server, samples: int, sizes, shard_size: int, tmp: Path
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__, __spec__.name)
     seeded_s3_arguments(parser, samples=20000, shard_size="4MiB",
                         s3_help="the S3 server both loaders read from (default: SeaweedFS when installed)")
     parser.add_argument("--rounds", type=int, default=5)
@@ -243,12 +242,18 @@ def main(argv=None) -> int:
         kinds.remove("streaming")
     if args.baseline_serve_arg:
         kinds.insert(1, BASELINE)
-    each = [size.strip() for size in args.size.split(",") if size.strip()]
-    for number, size in enumerate(each):  # the same bytes at every size, the first taking --samples
-        samples = args.samples if number == 0 else max(
-            BATCH * 10, args.samples * parse_sizes(each[0])[1] // parse_sizes(size)[1])
+    for size, samples in sample_counts(args.size, args.samples):
         run_size(args, size, samples, kinds, streaming)
     return 0
+
+
+def sample_counts(sizes: str, samples: int) -> list[tuple[str, int]]:
+    """Each of the comma-separated ``sizes`` with its samples: the same bytes at every size,
+    the first taking ``samples``, none fewer than ten batches."""
+    each = [size.strip() for size in sizes.split(",") if size.strip()]
+    first = parse_sizes(each[0])[1]
+    return [(size, samples if number == 0 else max(BATCH * 10, samples * first // parse_sizes(size)[1]))
+            for number, size in enumerate(each)]
 
 
 def run_size(args, size: str, samples: int, kinds: list[str], streaming) -> None:
@@ -298,7 +303,7 @@ def run_size(args, size: str, samples: int, kinds: list[str], streaming) -> None
           f"shuffled, medians of {args.rounds} rounds, {server.kind} S3; shardfeed serve --workers "
           f"{' '.join([str(args.service_workers), *args.serve_arg])}"
           f"{'; baseline: ' + ' '.join(args.baseline_serve_arg) if args.baseline_serve_arg else ''}; "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+          f"{load_note()}")
     done = {k: [r for r in v if r is not None] for k, v in results.items()}
     done = {k: v for k, v in done.items() if v}  # a loader with no round left has no median
     medians = {k: [statistics.median(r[e].rate for r in v) for e in range(2)] for k, v in done.items()}

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,10 +33,11 @@ from pathlib import Path
 import httpx
 from torch.utils.data import DataLoader
 
+from shardfeed.benchmarks.common import seed_by_cli
 from shardfeed.benchmarks.s3proxy import start_proxy_process
-from shardfeed.benchmarks.s3server import start_moto
 from shardfeed.client.torch import ShardfeedDataset, ShardfeedIterableDataset, ShardfeedLoader, ShardfeedSampler
 from shardfeed.process import scrape_metrics, start_service, stop_process
+from shardfeed.s3server import start_moto
 from shardfeed.seeds.synthetic import member_bytes, parse_sizes
 
 FIELDS = ("bin", "cls")
@@ -69,9 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     url = "s3://recipes/data"
     try:
         s3.create_bucket("recipes")
-        subprocess.run([sys.executable, "-m", "shardfeed", "-q", "seed", url, "--samples", str(args.samples),
-                        "--size", args.size, "--shard-size", "1MiB", "--fields", ",".join(FIELDS)],
-                       env={**os.environ, **s3.env()}, check=True)
+        seed_by_cli(url, args.samples, args.size, shard_size="1MiB", fields=FIELDS, env=s3.env())
         dataset_bytes = sum(o["Size"] for o in s3.client().list_objects_v2(Bucket="recipes")["Contents"]
                             if o["Key"].endswith(".tar"))
         cache = max(1 << 20, int(args.cache_share * dataset_bytes))

@@ -37,25 +37,24 @@ per-sample GET to one replica for a sample it owns versus one a peer owns: one h
 
 from __future__ import annotations
 
-import argparse
 import math
-import os
 import statistics
 import tempfile
 import time
-from functools import partial
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import httpx
 import numpy as np
 
-from shardfeed.benchmarks.s3server import BENCH_DATA, seeded_s3, seeded_s3_arguments
+from shardfeed.benchmarks.common import BENCH_DATA, Digests, benchmark_parser, load_note, seeded_s3, seeded_s3_arguments
 from shardfeed.benchmarks.serverside import tree_cpu
 from shardfeed.client import Client
 from shardfeed.process import ServiceProcess, free_port, hops, scrape_metrics, start_all, start_service, stop_all
+from shardfeed.seeds.synthetic import DEFAULT_FIELDS, parse_sizes
 
 DATASET = "bench"
 COUNTERS = ("shardfeed_samples_served_total", "shardfeed_store_requests_total", "shardfeed_cache_hits_total",
@@ -87,15 +86,14 @@ def _batches(orders: list[np.ndarray], batch: int) -> list[list[int]]:
     return [order[i:i + batch].tolist() for order in orders for i in range(0, len(order), batch)]
 
 
-def _epochs(client: Client, services: list[ServiceProcess], batches: list[list[int]],
-            threads: int) -> tuple[float, list[Figures]]:
-    """Seconds ``batches`` took through ``client``, and each service's figures."""
+def _epochs(client: Client, services: list[ServiceProcess], batches: list[list[int]], threads: int,
+            digests: Digests) -> tuple[float, list[Figures]]:
+    """Seconds ``batches`` took through ``client``, every sample checked, and each service's figures."""
     before = [_reading(s) for s in services]
     began = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
         for asked, got in zip(batches, pool.map(lambda b: client.get_batch(DATASET, b), batches)):
-            if [s["__index__"] for s in got] != asked:
-                raise AssertionError("a batch came back incomplete or out of order")
+            digests.check_batch(asked, got)
     seconds = time.perf_counter() - began
     out = []
     for service, (metrics, cpu, replica_hops) in zip(services, before):
@@ -207,7 +205,7 @@ class RequestCost:
 
 
 def _alternating(single: ServiceProcess, replicas: list[ServiceProcess], orders: list[np.ndarray], batch: int,
-                 part: int, threads: int, rounds: int) -> tuple[list[float], list[float], list[float], RequestCost]:
+                 part: int, threads: int, rounds: int, digests: Digests) -> tuple[list[float], list[float], list[float], RequestCost]:
     """Warm, in alternating rounds: the single service (batches of ``batch``, then of ``part``),
     then each replica in turn, alone, with the parts of the same batches it owns while the
     others idle: a replica with the machine's cores to itself, as the single service has them.
@@ -221,14 +219,14 @@ def _alternating(single: ServiceProcess, replicas: list[ServiceProcess], orders:
     per_request: list[tuple[float, float]] = []
     with Client(single.url) as client:
         for r in range(rounds):
-            whole = Phase(sum(map(len, batches)), *_epochs(client, [single], batches, threads))
-            small = Phase(whole.samples, *_epochs(client, [single], small_batches, threads))
+            whole = Phase(sum(map(len, batches)), *_epochs(client, [single], batches, threads, digests))
+            small = Phase(whole.samples, *_epochs(client, [single], small_batches, threads, digests))
             per_request.append((1e6 * small.nodes[0].cpu / len(small_batches), 1e6 * whole.nodes[0].cpu / len(batches)))
             _report(f"round {r}: 1 service, warm", whole, None)
             _report(f"round {r}: 1 service, warm, batch {part} (a routed part's size)", small, None)
             for i, (replica, parts) in enumerate(zip(replicas, owned)):
                 with Client(replica.url, route=False) as own:
-                    alone = Phase(sum(map(len, parts)), *_epochs(own, [replica], parts, threads))
+                    alone = Phase(sum(map(len, parts)), *_epochs(own, [replica], parts, threads, digests))
                 _report(f"round {r}: 3 replicas, routed, warm, node {i} alone", alone, whole)
                 ratios[i].append((alone.per_node_rates(whole)[0], *alone.efficiencies(whole),
                                   *alone.efficiencies(small)))
@@ -257,7 +255,7 @@ def _hop_latency(urls: list[str], repeat: int = 3) -> tuple[float, float]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__, __spec__.name)
     seeded_s3_arguments(parser, samples=8000, shard_size="4MiB")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--threads", type=int, default=4, help="batches in flight (default: %(default)s)")
@@ -273,7 +271,8 @@ def main(argv=None) -> int:
     cold_order = np.random.default_rng(0).permutation(args.samples)
     warm_orders = [np.random.default_rng(1 + e).permutation(args.samples) for e in range(args.warm_epochs)]
     print(f"{args.samples} samples of {args.size} in shards of {args.shard_size}, batch {args.batch}, {args.threads} in flight, "
-          f"{args.warm_epochs} warm epochs; {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}")
+          f"{args.warm_epochs} warm epochs; {load_note()}")
+    digests = Digests(args.samples, parse_sizes(args.size), DEFAULT_FIELDS)
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         s3 = stack.enter_context(seeded_s3(args.s3, args.samples, args.size, args.shard_size))
         url = BENCH_DATA
@@ -283,7 +282,7 @@ def main(argv=None) -> int:
             out = {}
             with Client([s.url for s in services], route=route) as client:
                 for name, orders in phases:
-                    seconds, nodes = _epochs(client, services, _batches(orders, batch), args.threads)
+                    seconds, nodes = _epochs(client, services, _batches(orders, batch), args.threads, digests)
                     out[name] = Phase(len(orders) * args.samples, seconds, nodes)
                     _report(f"{label}, {name}", out[name], single and single[name])
             return out
@@ -298,15 +297,16 @@ def main(argv=None) -> int:
             try:
                 replicas[label] = run(f"3 replicas, {label}", nodes, route, single)
                 if route:
-                    alone = _alternating(service, nodes, warm_orders, args.batch, part, args.threads, args.rounds)
+                    alone = _alternating(service, nodes, warm_orders, args.batch, part, args.threads, args.rounds,
+                                             digests)
                     local, remote = _hop_latency([r.url for r in nodes])
                     print(f"warm per-sample GET to node 0, P50: a sample it owns {local:.2f} ms, one a peer "
                           f"owns {remote:.2f} ms (a hop: +{remote - local:.2f} ms)")
             finally:
                 stop_all(nodes)
 
-        print("\nsummary (per replica against 1 service; efficiency = the single service's CPU per sample over "
-              "the replica's):")
+        print(f"\nsummary (per replica against 1 service; efficiency = the single service's CPU per sample over "
+              f"the replica's; {load_note()}):")
         for label, phases in replicas.items():
             for name, phase in phases.items():
                 print(f"  {label:8s} {name}: samples/s per replica {_span(phase.per_node_rates(single[name]))}, "
@@ -322,7 +322,6 @@ def main(argv=None) -> int:
                               f"{cost.fixed_us:.0f} us + {cost.per_sample_us:.2f} us per sample; parts get 0.9x "
                               f"a whole batch's samples per CPU-second with a fixed cost under "
                               f"{cost.fixed_for(0.9):.0f} us")
-    print(f"load after: {os.getloadavg()[0]:.2f}")
     return 0
 
 

@@ -20,10 +20,10 @@ the clients received (a batch a dying worker was sending is sent again by anothe
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -33,10 +33,19 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from shardfeed.benchmarks.common import (
+    BENCH_DATA,
+    Digests,
+    WrongBytes,
+    benchmark_parser,
+    load_note,
+    seeded_s3,
+    seeded_s3_arguments,
+)
 from shardfeed.benchmarks.s3proxy import start_proxy
-from shardfeed.benchmarks.s3server import BENCH_DATA, seeded_s3, seeded_s3_arguments
 from shardfeed.client import Client
 from shardfeed.process import child_pids, healthy, scrape_metrics, start_service
+from shardfeed.seeds.synthetic import DEFAULT_FIELDS, parse_sizes
 
 DATASET = "bench"
 
@@ -76,16 +85,17 @@ class Scraper(threading.Thread):
                 self.dips += dipped
 
 
-def _load(url: str, samples: int, batch: int, stop: threading.Event, received: list[int], seed: int) -> None:
+def _load(url: str, digests: Digests, batch: int, stop: threading.Event, received: list[int], seed: int) -> None:
     rng = random.Random(seed)
     with Client(url, route=False) as client:  # the public port only: any worker, as a plain HTTP client
         while not stop.is_set():
-            asked = rng.sample(range(samples), batch)
-            got = client.get_batch(DATASET, asked)
-            if [s["__index__"] for s in got] != asked or any(s.get("__missing__") for s in got):
+            asked = rng.sample(range(digests.samples), batch)
+            try:
+                received.append(digests.check_batch(asked, client.get_batch(DATASET, asked)))
+            except WrongBytes as wrong:
                 received.append(-1)  # flagged: main() refuses the run
+                print(f"wrong answer: {wrong}", file=sys.stderr)
                 return
-            received.append(len(got))
 
 
 def _sibling_reads(url: str) -> float:
@@ -95,7 +105,7 @@ def _sibling_reads(url: str) -> float:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__, __spec__.name)
     seeded_s3_arguments(parser, samples=4000, shard_size="2MiB")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="clients sending batches (default: %(default)s)")
@@ -113,7 +123,8 @@ def main(argv=None) -> int:
         parser.error(f"--batch must be at most --samples ({args.samples}), not {args.batch}")
     print(f"{args.samples} samples of {args.size} in shards of {args.shard_size}, batch {args.batch}, "
           f"{args.threads} clients, restart pause {args.restart_pause or 'default'}, memory cache "
-          f"{args.memory_cache or 'default'}; load {os.getloadavg()[0]:.2f}")
+          f"{args.memory_cache or 'default'}; {load_note()}")
+    digests = Digests(args.samples, parse_sizes(args.size), DEFAULT_FIELDS)
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         s3 = stack.enter_context(seeded_s3(args.s3, args.samples, args.size, args.shard_size))
         proxy = stack.enter_context(start_proxy(s3.env()["AWS_ENDPOINT_URL"]))
@@ -137,7 +148,7 @@ def main(argv=None) -> int:
         scraper.start()
         served_before = scrape_metrics(service.url)["shardfeed_samples_served_total"]
         stop, received = threading.Event(), []
-        clients = [threading.Thread(target=_load, args=(service.url, args.samples, args.batch, stop, received, n))
+        clients = [threading.Thread(target=_load, args=(service.url, digests, args.batch, stop, received, n))
                    for n in range(args.threads)]
         for thread in clients:
             thread.start()
@@ -167,14 +178,14 @@ def main(argv=None) -> int:
         scraper.stop.set()
         scraper.join()
         if -1 in received:
-            raise SystemExit("a batch came back incomplete or out of order")
+            raise SystemExit("a batch came back incomplete, out of order or with other bytes than were seeded")
         host = scrape_metrics(service.url)["shardfeed_samples_served_total"] - served_before
         print(f"worker down {down_seconds:.2f} s: store GETs {down_gets}, blocks read from its files by the "
               f"survivor {down_files:.0f}; in the {args.after:g} s after: store GETs {after_gets}")
         print(f"scrapes of the public port {scraper.scrapes}, with a counter down {scraper.dips} (largest drop of "
               f"samples served {scraper.largest_drop:.0f}); samples served by the host {host:.0f}, received "
               f"{sum(received)}")
-    print(f"load after: {os.getloadavg()[0]:.2f}")
+    print(f"after: {load_note()}")
     return 0
 
 

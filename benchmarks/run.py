@@ -39,11 +39,12 @@ import botocore.config
 import numpy as np
 
 from shardfeed.benchmarks import hotpath, report, scenarios, serverside
+from shardfeed.benchmarks.common import Digests
 from shardfeed.benchmarks.report import SCENARIOS
 from shardfeed.benchmarks.s3proxy import start_proxy_process
-from shardfeed.benchmarks.s3server import S3_SERVERS, S3Server, default_server, start_s3
 from shardfeed.client import Client
 from shardfeed.process import ServiceProcess, scrape_metrics, start_service, stop_process
+from shardfeed.s3server import S3_SERVERS, S3Server, default_server, start_s3
 from shardfeed.seeds.synthetic import member_bytes, seed_dataset
 from shardfeed.service.datasets.index import Index
 from shardfeed.service.stores import open_store
@@ -274,6 +275,7 @@ class Bench:
         self.prefix = "" if settings.endpoint is None else f"shardfeed-bench-{int(time.time())}/"
         self.indexes: dict[int, Index] = {}
         self.orders: dict[int, np.ndarray] = {}
+        self.digests: dict[int, Digests] = {}
         self.pool = stack.enter_context(ThreadPoolExecutor(settings.workers, thread_name_prefix="bench"))
         self.done = 0
         self.total = sum(len(self.settings.batches[s]) * len(ORDER_A) + 1 for s in settings.sizes) \
@@ -310,10 +312,7 @@ class Bench:
         return f"{self.prefix}shards/{format_size(size)}"
 
     def verifier(self, size: int) -> scenarios.Verify:
-        def verify(i: int, payload: bytes) -> None:
-            if payload != member_bytes(self.settings.seed, i, "bin", (size, size)):
-                raise scenarios.WrongData(f"sample {i} of {format_size(size)}: bytes differ from the seeded ones")
-        return verify
+        return self.digests[size].verifier()
 
     def seed(self, endpoint: str) -> None:
         s = self.settings
@@ -341,6 +340,7 @@ class Bench:
 
             self.indexes[size] = asyncio.run(shards())
             self.orders[size] = np.random.default_rng(s.seed).permutation(n)
+            self.digests[size] = Digests(n, (size, size), seed=s.seed)
             self.say(f"seeded {format_size(size)}: {n} objects, and {self.indexes[size].summary()} "
                      f"in {time.monotonic() - began:.1f}s")
 

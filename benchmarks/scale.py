@@ -44,8 +44,8 @@ import resource
 import subprocess
 import sys
 import tempfile
-import tracemalloc
 import time
+import tracemalloc
 from pathlib import Path
 
 import httpx

@@ -17,8 +17,8 @@ batches, under the same concurrency budget of ``W`` requests in flight:
 Each returns a :class:`Measurement`: raw timings, no statistics (see ``report.py``).
 Per-sample latency is the latency of the request that carried the sample: a GET's own
 duration, or for a batch the time from sending the request to the sample's arrival in
-the stream. Every sample's length is checked; every 64th sample's bytes are compared
-with what the seed wrote.
+the stream. Every sample is checked against the index asked for at its position: its
+length, and its bytes with ``verify`` (an xxh3 per sample, ``common.Digests``).
 """
 
 from __future__ import annotations
@@ -34,13 +34,12 @@ from time import perf_counter
 
 import numpy as np
 
+from shardfeed.benchmarks.common import WrongBytes
 from shardfeed.client import AsyncClient, Client
 from shardfeed.service.datasets.index import Index
 
 Verify = Callable[[int, bytes], None]
 """``verify(i, payload)`` raises if ``payload`` is not sample ``i``'s ``bin`` member."""
-
-CHECK_EVERY = 64
 
 
 @dataclass
@@ -57,15 +56,19 @@ class Measurement:
     s3_bytes: int | None = None
 
 
-class WrongData(AssertionError):
-    """A scenario got bytes other than the seeded ones: its figures would be meaningless."""
-
-
 def _check(i: int, payload: bytes, size: int, verify: Verify | None) -> None:
     if len(payload) != size:
-        raise WrongData(f"sample {i}: got {len(payload)} bytes, expected {size}")
-    if verify is not None and i % CHECK_EVERY == 0:
+        raise WrongBytes(f"sample {i}: got {len(payload)} bytes, expected {size}")
+    if verify is not None:
         verify(i, payload)
+
+
+def _asked(indices: Sequence[int], n: int) -> int:
+    """The index asked for at position ``n`` of an answer (never its ``__index__``, which
+    the client copies from the request)."""
+    if n >= len(indices):
+        raise WrongBytes(f"asked for {len(indices)} samples, got more")
+    return int(indices[n])
 
 
 def individual_gets(s3, bucket: str, key_of: Callable[[int], str], batches: Sequence[Sequence[int]],
@@ -151,11 +154,11 @@ def batch_requests(client: Client, dataset: str, batches: Sequence[Sequence[int]
     def fetch(batch: Sequence[int]) -> tuple[float, list[float]]:
         began = perf_counter()
         arrivals = []
-        for sample in client.iter_batch(dataset, batch):
+        for n, sample in enumerate(client.iter_batch(dataset, batch)):
             arrivals.append(perf_counter() - began)
-            _check(sample["__index__"], sample["bin"], size, verify)
+            _check(_asked(batch, n), sample["bin"], size, verify)
         if len(arrivals) != len(batch):
-            raise WrongData(f"batch of {len(batch)} samples returned {len(arrivals)}")
+            raise WrongBytes(f"batch of {len(batch)} samples returned {len(arrivals)}")
         return perf_counter() - began, arrivals
 
     start = perf_counter()
@@ -198,7 +201,7 @@ def per_sample(url: str, dataset: str, order: Sequence[int], size: int, requeste
                 raise TimeoutError("a per-sample requester process sent nothing for 10 minutes")
             error, latencies = receive.recv()
             if error:
-                raise WrongData(error)
+                raise WrongBytes(error)
             m.sample_latencies += latencies
         m.seconds = perf_counter() - start
     finally:
@@ -259,6 +262,7 @@ def dataloader_epoch(url: str, dataset: str, order: Sequence[int], batch_size: i
 
     m = Measurement()
     positions = itertools.count()
+    asked = list(order)
     with warnings.catch_warnings():  # "suggested max number of worker": we oversubscribe on purpose
         warnings.filterwarnings("ignore", message="This DataLoader will create")
         loader = DataLoader(ShardfeedDataset(url, dataset), batch_size=batch_size, sampler=list(order),
@@ -271,14 +275,13 @@ def dataloader_epoch(url: str, dataset: str, order: Sequence[int], batch_size: i
                 now = perf_counter()
                 m.batch_latencies.append(now - last)
                 last = now
-                for i, payload in zip(batch["__index__"].tolist(), batch["bin"]):
-                    next(positions)
-                    _check(i, payload, size, verify)
+                for payload in batch["bin"]:  # the sampler's order: the n-th sample is order[n]
+                    _check(_asked(asked, next(positions)), payload, size, verify)
             m.seconds = last - start
         finally:
             del loader  # the persistent workers exit with it
     m.samples = next(positions)
     if m.samples != len(order):
-        raise WrongData(f"the DataLoader epoch yielded {m.samples} of {len(order)} samples")
+        raise WrongBytes(f"the DataLoader epoch yielded {m.samples} of {len(order)} samples")
     m.nbytes = m.samples * size
     return m

@@ -19,8 +19,6 @@ service's stacks with py-spy (``hotpath.py``) over each pass and prints the top 
 
 from __future__ import annotations
 
-import argparse
-import os
 import tempfile
 import threading
 import time
@@ -30,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from shardfeed.benchmarks import hotpath
-from shardfeed.benchmarks.s3server import BENCH_DATA, seeded_s3, seeded_s3_arguments
+from shardfeed.benchmarks.common import BENCH_DATA, Digests, benchmark_parser, load_note, seeded_s3, seeded_s3_arguments
 from shardfeed.benchmarks.serverside import process_tree, tree_cpu
 from shardfeed.client import Client
 from shardfeed.process import scrape_metrics, start_service
@@ -53,8 +51,9 @@ class Pass:
                 f"store read {self.store_mib:7.1f} MiB, S3 server {self.store_cpu / self.mib * 1e3:5.2f} ms/MiB")
 
 
-def one_pass(url: str, samples: int, size: int, clients: int, batch: int, seed: int) -> float:
-    """Every sample once, shuffled, in ``batch``-sample requests from ``clients`` threads; the MiB served."""
+def one_pass(url: str, digests: Digests, samples: int, clients: int, batch: int, seed: int) -> float:
+    """Every sample once, shuffled, in ``batch``-sample requests from ``clients`` threads, each
+    checked byte for byte; the MiB served."""
     order = np.random.default_rng(seed).permutation(samples)
     batches = [order[i:i + batch].tolist() for i in range(0, samples, batch)]
     served = [0] * clients
@@ -65,6 +64,7 @@ def one_pass(url: str, samples: int, size: int, clients: int, batch: int, seed: 
             with Client(url) as client:
                 for indices in batches[number::clients]:
                     got = client.get_batch_tensors("bench", indices, ["bin"])
+                    digests.check_batch(indices, list(got))
                     served[number] += int(got["bin"].lengths.sum())
         except BaseException as err:  # noqa: BLE001 - reported by the caller
             errors.append(err)
@@ -76,14 +76,13 @@ def one_pass(url: str, samples: int, size: int, clients: int, batch: int, seed: 
         thread.join()
     if errors:
         raise errors[0]
-    if sum(served) < samples * size:
-        raise RuntimeError(f"served {sum(served)} bytes, expected {samples * size}")
     return sum(served) / (1 << 20)
 
 
 def run(name: str, extra: list[str], args, server, tmp: Path) -> list[Pass]:
     out = []
     s3_pids = [server.process.pid]
+    digests = Digests(args.samples, (args.bytes, args.bytes))
     with start_service({"bench": BENCH_DATA}, cache_dir=tmp / name, env=server.env(), workers=args.workers,
                        args=[*extra, *args.serve_arg]) as service:
         pid = service.process.pid
@@ -96,9 +95,9 @@ def run(name: str, extra: list[str], args, server, tmp: Path) -> list[Pass]:
                 label = f"{name}-{'cold' if number == 0 else f'warm{number}'}"
                 pids = {f"{label}-{p}": p for p in process_tree(pid)}
                 with hotpath.profiled(pids, Path(args.profile)) as recording:
-                    mib = one_pass(service.url, args.samples, args.bytes, args.clients, args.batch, number)
+                    mib = one_pass(service.url, digests, args.samples, args.clients, args.batch, number)
             else:
-                mib = one_pass(service.url, args.samples, args.bytes, args.clients, args.batch, number)
+                mib = one_pass(service.url, digests, args.samples, args.clients, args.batch, number)
             seconds = time.perf_counter() - began
             result = Pass(mib, seconds, tree_cpu(pid) - before, sum(tree_cpu(p) for p in s3_pids) - s3_before,
                           (scrape_metrics(service.url)["shardfeed_store_bytes_total"] - store_before) / (1 << 20))
@@ -112,7 +111,7 @@ def run(name: str, extra: list[str], args, server, tmp: Path) -> list[Pass]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__, __spec__.name)
     seeded_s3_arguments(parser, samples=300, shard_size="64MiB")
     parser.set_defaults(size="1MiB")
     parser.add_argument("--clients", type=int, default=4, help="threads posting batches at once")
@@ -135,7 +134,7 @@ def main(argv=None) -> int:
                                                          fields="bin") as server:
         print(f"{args.samples} x {args.size} samples on {server.kind}, {args.clients} clients posting {args.batch}-"
               f"sample batches, shardfeed serve --workers {args.workers} {' '.join(args.serve_arg)}; "
-              f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+              f"{load_note()}", flush=True)
         results = {name: run(name, CONFIGURATIONS[name], args, server, Path(tmp)) for name in names}
     print("\nservice CPU per MiB served (user + system, every process of the service):")
     for name, passes in results.items():

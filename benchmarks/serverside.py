@@ -19,6 +19,13 @@ quotient ("per CPU-second") is the ratio the two would reach with the cores to t
 where on a small machine ``wrk`` takes a core from both. Every figure carries the load average
 it was measured under.
 
+Every sample counted is checked. The warming epoch compares each sample's bytes with its
+digest (``common.Digests``). wrk cannot look at what it receives without costing the load
+its figures, so each load is checked by its count of bytes: every answer to one request
+has the same length on the wire (measured beforehand, headers included), and wrk's bytes
+must lie between ``requests x length`` and what the connections' unfinished answers at the
+end can add. After the batch load, one of its batches is fetched and checked byte for byte.
+
 Run on its own (``python -m shardfeed.benchmarks.serverside``) it seeds ``file://``
 datasets; ``shardfeed bench`` runs it on its S3-backed services. Without ``wrk`` on the
 PATH it is skipped with a note (Debian: ``apt-get install wrk``).
@@ -30,7 +37,9 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -40,13 +49,15 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import numpy as np
 
 from shardfeed.benchmarks import hotpath
+from shardfeed.benchmarks.common import Digests
 from shardfeed.client import Client
 from shardfeed.process import ServiceProcess, free_port, start_service, stop_process
-from shardfeed.seeds.synthetic import member_bytes, seed_dataset
+from shardfeed.seeds.synthetic import seed_dataset
 from shardfeed.service.stores import open_store
 from shardfeed.sizes import format_size, parse_size
 
@@ -102,6 +113,42 @@ def wrk(url: str, script: str, *, connections: int, threads: int, seconds: float
         raise RuntimeError(f"wrk saw {totals['errors']} socket errors and {totals['status']} non-2xx answers "
                            f"from {url}")
     return totals
+
+
+def answer_length(url: str, method: str, path: str, body: str = "") -> int:
+    """The bytes of one answer on the wire (status line, headers and body), as wrk counts
+    them: the request written as ``wrk.format`` writes it, on a connection of its own."""
+    host, _, port = urlsplit(url).netloc.partition(":")
+    payload = body.encode()
+    head = f"{method} {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+    if payload:
+        head += f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(head.encode() + b"\r\n" + payload)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += sock.recv(1 << 16) or _closed(url)
+        header, _, received = data.partition(b"\r\n\r\n")
+        found = re.search(rb"^content-length: *(\d+)\r?$", header, re.I | re.M)
+        if not header.startswith(b"HTTP/1.1 200") or found is None:
+            raise RuntimeError(f"{method} {path} on {url}: {header.splitlines()[0]!r}, not a 200 of a known length")
+        left = int(found[1]) - len(received)
+        while left > 0:  # read it all: the server's work is done and its connection closed cleanly
+            left -= len(sock.recv(min(left, 1 << 20)) or _closed(url))
+    return len(header) + 4 + int(found[1])
+
+
+def _closed(url: str) -> bytes:
+    raise RuntimeError(f"{url} closed the connection before its answer ended")
+
+
+def check_bytes(got: dict, length: int, connections: int, what: str) -> None:
+    """wrk's bytes against its requests: each answer ``length`` bytes, and at most one
+    unfinished answer per connection when the load stopped (counted in bytes, not requests)."""
+    least, most = got["requests"] * length, (got["requests"] + connections) * length
+    if not least <= got["bytes"] <= most:
+        raise RuntimeError(f"{what}: wrk received {got['bytes']} bytes for {got['requests']} answers of {length} "
+                           f"bytes (from {least} to {most} expected)")
 
 
 def batch_script(dataset: str, bodies: list[list[int]]) -> str:
@@ -178,22 +225,25 @@ def measure_point(service: ServiceProcess, pusher: tuple[str, subprocess.Popen],
     # Enough batches in flight for every process: SO_REUSEPORT hashes each connection to one
     # worker, so a few connections may leave a worker idle.
     connections = max(4 * workers, threads)
+    digests = Digests(samples, (size, size), seed=seed)
     with Client(service.url) as client:
-        for lo in range(0, samples, batch):  # warm: every block cached (and checked once, here)
+        for lo in range(0, samples, batch):  # warm: every block cached, every sample checked
             order = list(range(lo, min(samples, lo + batch)))
-            for sample in client.get_batch(DATASET, order):
-                i = sample["__index__"]
-                if i % 64 == 0 and sample["bin"] != member_bytes(seed, i, "bin", (size, size)):
-                    raise RuntimeError(f"sample {i}: the service returned other bytes than were seeded")
+            digests.check_batch(order, client.get_batch(DATASET, order))
     bodies = [rng.integers(0, samples, batch).tolist() for _ in range(BODIES)]
+    script = batch_script(DATASET, bodies)
+    # Every body asks for `batch` samples of one size: their answers are of one length.
+    length = answer_length(service.url, "POST", "/v1/batch", json.dumps({"dataset": DATASET, "indices": bodies[0]}))
     point: dict = {"sample_size": size, "batch_size": batch, "serve_workers": workers, "seconds": seconds}
 
     before = tree_cpu(service.process.pid)
     load = _load()
     with _profiled(profile, service, scratch / f"profile-{size}-batch") as spy:
-        got = wrk(service.url, batch_script(DATASET, bodies), connections=connections, threads=threads,
-                  seconds=seconds, scratch=scratch)
+        got = wrk(service.url, script, connections=connections, threads=threads, seconds=seconds, scratch=scratch)
     cpu = tree_cpu(service.process.pid) - before
+    check_bytes(got, length, connections, f"batch {format_size(size)}")
+    with Client(service.url) as client:  # and after the load, the service still serves the right bytes
+        digests.check_batch(bodies[-1], client.get_batch(DATASET, bodies[-1]))
     served = got["requests"] * batch
     spy.report(f"batch {format_size(size)}", served, say)
     point["batch"] = {"samples_per_s": round(served / (got["duration_us"] / 1e6), 1),
@@ -204,10 +254,13 @@ def measure_point(service: ServiceProcess, pusher: tuple[str, subprocess.Popen],
 
     synthetic = f"synthetic-{size}-{batch}"
     pusher_url, pusher_process = pusher
+    pusher_body = json.dumps({"dataset": synthetic, "indices": bodies[0]})
+    pusher_length = answer_length(pusher_url, "POST", "/v1/batch", pusher_body)
     load, before = _load(), tree_cpu(pusher_process.pid)
     got = wrk(pusher_url, batch_script(synthetic, [bodies[0]]), connections=connections, threads=threads,
               seconds=seconds, scratch=scratch)
     cpu = tree_cpu(pusher_process.pid) - before
+    check_bytes(got, pusher_length, connections, f"pusher {format_size(size)}")
     pushed = got["requests"] * batch
     point["pusher"] = {"samples_per_s": round(pushed / (got["duration_us"] / 1e6), 1),
                        "mb_per_s": round(got["bytes"] / got["duration_us"], 1),
@@ -215,12 +268,14 @@ def measure_point(service: ServiceProcess, pusher: tuple[str, subprocess.Popen],
                        "processes": workers, "connections": connections, "load": load}
 
     paths = [f"/v1/datasets/{DATASET}/samples/{i}/bin" for i in rng.integers(0, samples, 4096).tolist()]
-    for name, script in (("sample", get_script(paths)), ("healthz", get_script(["/healthz"]))):
+    for name, script, probe in (("sample", get_script(paths), paths[0]), ("healthz", get_script(["/healthz"]), "/healthz")):
+        length = answer_length(service.url, "GET", probe)  # one sample's bytes, or the same JSON
         before, load = tree_cpu(service.process.pid), _load()
         with _profiled(profile and name == "sample", service, scratch / f"profile-{size}-{name}") as spy:
             got = wrk(service.url, script, connections=CONNECTIONS, threads=threads, seconds=seconds,
                       scratch=scratch)
         cpu = tree_cpu(service.process.pid) - before
+        check_bytes(got, length, CONNECTIONS, f"{name} {format_size(size)}")
         spy.report(f"per-sample GET {format_size(size)}", got["requests"], say)
         point[name] = {"requests_per_s": round(got["requests"] / (got["duration_us"] / 1e6), 1),
                        "p50_ms": got["p50_us"] / 1e3, "p99_ms": got["p99_us"] / 1e3,

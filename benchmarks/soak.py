@@ -37,46 +37,15 @@ from collections import Counter
 from pathlib import Path
 
 from shardfeed.benchmarks.s3proxy import KINDS, FaultProxy, start_proxy
-from shardfeed.benchmarks.s3server import start_moto
 from shardfeed.client import Client, ShardfeedError
+from shardfeed.faults import DAMAGE, damage_block_file, peak_rss_mib
 from shardfeed.process import ServiceProcess, start_service
+from shardfeed.s3server import start_moto
 from shardfeed.seeds.synthetic import member_bytes, sample_size
 
 SHARD_READS = r"^GET /[^?]*\.tar"  # range reads of shards, not the index
-DAMAGE = ("flip", "truncate", "delete", "garbage")
 SIZES = (1024, 16 * 1024)
 FIELDS = ("bin", "cls")
-
-
-def damage_block_file(path: Path, how: str, rng: random.Random) -> None:
-    """Break one cache block file in place, as a bad disk or a stray process would:
-    ``flip`` one byte, ``truncate`` it, ``delete`` it, or overwrite it with ``garbage``."""
-    try:
-        size = path.stat().st_size
-        if how == "delete":
-            path.unlink()
-        elif how == "truncate":
-            os.truncate(path, rng.randrange(size))
-        else:
-            with open(path, "r+b") as f:
-                if how == "flip":
-                    f.seek(rng.randrange(size))
-                    byte = f.read(1)
-                    f.seek(-1, os.SEEK_CUR)
-                    f.write(bytes([byte[0] ^ 0xFF]))
-                else:
-                    f.write(os.urandom(size))
-    except (FileNotFoundError, ValueError):
-        pass  # evicted or dropped meanwhile, or already empty
-
-
-def peak_rss_mib(pid: int) -> float:
-    """Peak resident memory of a process so far (``VmHWM``), in MiB."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmHWM for pid {pid}")
 
 
 def _metric(url: str, name: str) -> float:

@@ -11,9 +11,8 @@ bytes and a ``cls`` label; SeaweedFS, or moto with ``--s3 moto``):
     shardfeed-bytes    ShardfeedDataset, sample dicts of ``bytes``
     shardfeed-tensors  ShardfeedDataset(output="tensors"): one shared-memory buffer a batch
 
-For each sample size, each loader runs in a fresh process: a first epoch (every sample
-checked against the seeded bytes; it warms the service's cache and Streaming's local
-directory), then one epoch per step time, the loop sleeping ``step`` after each batch (a
+For each sample size, each loader runs in a fresh process: a first epoch (it warms the
+service's cache and Streaming's local directory), then one epoch per step time, the loop sleeping ``step`` after each batch (a
 GPU step: no CPU spent). Per epoch: samples/s, the stall (the fraction of the wall time,
 after the first batch, spent waiting for the next batch), the seconds to the first batch,
 and CPU per sample, in microseconds, of the training process and of the DataLoader workers
@@ -30,12 +29,13 @@ bytes, not images).
     python -m shardfeed.benchmarks.stall --sizes 10KiB,100KiB,1MiB --plot stall.png
 
 The plot (matplotlib, from the ``demo`` extra) shows the stall of each loader at each size
-and step time.
+and step time. Every sample of every epoch is checked against the seeded bytes (an xxh3 per
+sample, made before the loader starts: ``common.Digests``), and each full epoch must hold
+every sample once.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 import time
@@ -46,14 +46,24 @@ from statistics import median
 import torch
 from torch.utils.data import DataLoader
 
+from shardfeed.benchmarks.common import BENCH_DATA, Digests, benchmark_parser, load_note, seeded_s3
 from shardfeed.benchmarks.loaders import (
-    BATCH, LOADER_WORKERS, PARTIES, RamDataset, _collate, _cpu, _quiet, import_streaming, in_fresh_process, write_mds,
+    BATCH,
+    LOADER_WORKERS,
+    PARTIES,
+    RamDataset,
+    _collate,
+    _cpu,
+    _quiet,
+    import_streaming,
+    in_fresh_process,
+    write_mds,
 )
-from shardfeed.benchmarks.s3server import BENCH_DATA, S3_SERVERS, default_server, seeded_s3
 from shardfeed.client.tensors import Batch
 from shardfeed.client.torch import ShardfeedDataset
 from shardfeed.process import start_service
-from shardfeed.seeds.synthetic import member_bytes, parse_sizes
+from shardfeed.s3server import S3_SERVERS, default_server
+from shardfeed.seeds.synthetic import parse_sizes
 from shardfeed.sizes import parse_size
 
 LOADERS = ("ram", "streaming", "shardfeed-bytes", "shardfeed-tensors")
@@ -93,17 +103,17 @@ def _indices(batch) -> list[int]:
     return [int(s["__index__"] if "__index__" in s else s["index"]) for s in batch]
 
 
-def _bins(batch) -> list[bytes]:
+def _bins(batch) -> list:
     if isinstance(batch, Batch):
-        return [bytes(v.numpy()) for v in batch["bin"]]
-    return [bytes(s["bin"]) for s in batch]
+        return list(batch["bin"])
+    return [s["bin"] for s in batch]
 
 
-def _epoch(loader, step: float, samples: int, sizes, service_pid: int | None, check: bool,
+def _epoch(loader, step: float, digests: Digests, service_pid: int | None, to_gpu: bool = True,
            limit: int | None = None) -> Epoch:
-    """One epoch of the training loop, or its first ``limit`` batches; ``check``: every
-    sample's bytes (the unmeasured first epoch)."""
-    gpu = torch.cuda.is_available() and not check
+    """One epoch of the training loop, or its first ``limit`` batches, every sample checked;
+    ``to_gpu``: each tensor batch moved to the GPU too, where there is one."""
+    gpu = torch.cuda.is_available() and to_gpu
     cpu = _cpu(service_pid)
     began = time.perf_counter()
     waited, first, seen, copy = 0.0, 0.0, [], 0.0
@@ -121,9 +131,8 @@ def _epoch(loader, step: float, samples: int, sizes, service_pid: int | None, ch
             first = got
         indices = _indices(batch)
         seen += indices
-        if check:
-            for i, data in zip(indices, _bins(batch)):
-                assert data == member_bytes(0, i, "bin", sizes), f"sample {i}: wrong bytes"
+        for i, data in zip(indices, _bins(batch), strict=True):
+            digests.check(i, "bin", data)
         if gpu and isinstance(batch, Batch):
             batch.pin_memory().to("cuda", non_blocking=True)
             torch.cuda.synchronize()
@@ -135,7 +144,7 @@ def _epoch(loader, step: float, samples: int, sizes, service_pid: int | None, ch
     end = time.perf_counter()
     del batches  # the DataLoader's workers are joined: their CPU is counted
     if limit is None:
-        assert sorted(seen) == list(range(samples)), "the epoch did not hold every sample once"
+        assert sorted(seen) == list(range(digests.samples)), "the epoch did not hold every sample once"
     assert len(set(seen)) == len(seen), "a sample came twice in one epoch"
     spent = {party: (now - cpu[party]) * 1e6 / len(seen) for party, now in _cpu(service_pid).items()}
     return Epoch(step, len(seen) / (end - began), waited / max(end - first, 1e-9), first - began, spent,
@@ -144,9 +153,10 @@ def _epoch(loader, step: float, samples: int, sizes, service_pid: int | None, ch
 
 def stall_round(kind: str, source: str, local: str, samples: int, sizes, steps: list[float],
                 service_pid: int | None, limit: int | None = None) -> list[Epoch]:
-    """A fresh process's epochs for one loader: the checked first epoch, then one per step
+    """A fresh process's epochs for one loader: the first (warming), then one per step
     (flat out the whole epoch; with a step, its first ``limit`` batches)."""
     _quiet()
+    digests = Digests(samples, sizes)
     options = {"collate_fn": _collate}  # batches as lists of sample dicts
     if kind == "ram":
         dataset = RamDataset(samples, sizes)
@@ -161,9 +171,9 @@ def stall_round(kind: str, source: str, local: str, samples: int, sizes, steps: 
     loader = DataLoader(dataset, batch_size=BATCH, shuffle=kind != "streaming",  # Streaming shuffles itself
                         num_workers=LOADER_WORKERS,
                         pin_memory=torch.cuda.is_available(), **options)
-    out = [_epoch(loader, 0.0, samples, sizes, service_pid, check=True)]
+    out = [_epoch(loader, 0.0, digests, service_pid, to_gpu=False)]
     for step in steps:
-        out.append(_epoch(loader, step, samples, sizes, service_pid, check=False, limit=limit if step else None))
+        out.append(_epoch(loader, step, digests, service_pid, limit=limit if step else None))
     return out
 
 
@@ -266,7 +276,7 @@ def plot(results: list[Result], path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__, __spec__.name)
     parser.add_argument("--sizes", default="10KiB,100KiB,1MiB")
     parser.add_argument("--samples", type=int, help="samples per size (default: %s)" % DEFAULT_SAMPLES)
     parser.add_argument("--loaders", default=",".join(LOADERS),
@@ -304,7 +314,7 @@ def main(argv=None) -> int:
     if args.plot:
         plot(results, args.plot)
         print(f"\nplot: {args.plot}")
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(load_note())
     return 0
 
 

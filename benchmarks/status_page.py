@@ -20,14 +20,10 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import multiprocessing
-import os
 import re
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,8 +33,10 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 
+from shardfeed.benchmarks.common import Digests, benchmark_parser, dataset_arguments, load_note, seed_by_cli
 from shardfeed.benchmarks.hotpath import cpu_seconds
 from shardfeed.process import start_service
+from shardfeed.seeds.synthetic import DEFAULT_FIELDS, parse_sizes
 
 
 def _pages(url: str, pages: int, stop, calls) -> None:
@@ -71,8 +69,8 @@ def _pages(url: str, pages: int, stop, calls) -> None:
     asyncio.run(main())
 
 
-def _load(url: str, samples: int, batch: int, workers: int, seconds: float, seed: int) -> float:
-    """Samples/s of a warm batch load over ``seconds``."""
+def _load(url: str, digests: Digests, batch: int, workers: int, seconds: float, seed: int) -> float:
+    """Samples/s of a warm batch load over ``seconds``, every sample checked."""
     rng = np.random.default_rng(seed)
     deadline = time.monotonic() + seconds
 
@@ -81,10 +79,10 @@ def _load(url: str, samples: int, batch: int, workers: int, seconds: float, seed
         local = np.random.default_rng(rng.integers(1 << 32) + i)
         with httpx.Client(timeout=60) as client:
             while time.monotonic() < deadline:
-                indices = local.integers(0, samples, batch).tolist()
+                indices = local.integers(0, digests.samples, batch).tolist()
                 resp = client.post(f"{url}/v1/batch", json={"dataset": "bench", "indices": indices})
                 resp.raise_for_status()
-                served += batch
+                served += digests.check_tar(indices, resp.content)
         return served
 
     began = time.monotonic()
@@ -127,10 +125,8 @@ def _cpu_per_call(url: str, pid: int, calls: int, steady: bool, idle_seconds: fl
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", type=int, default=20000)
-    parser.add_argument("--size", default="10KiB")
-    parser.add_argument("--batch", type=int, default=256)
+    parser = benchmark_parser(__doc__, __spec__.name)
+    dataset_arguments(parser, samples=20000, batch=256)
     parser.add_argument("--workers", type=int, default=4, help="concurrent batch requests")
     parser.add_argument("--pages", type=int, default=50, help="status pages polling once a second")
     parser.add_argument("--seconds", type=float, default=15, help="length of one load round")
@@ -140,19 +136,19 @@ def main(argv=None) -> int:
                         help="how long the service's CPU is watched with the pages open (idle: half)")
     args = parser.parse_args(argv)
 
-    load_before = os.getloadavg()
+    before = load_note()
     with tempfile.TemporaryDirectory(prefix="shardfeed-status-") as tmp:
         data = Path(tmp) / "data"
-        subprocess.run([sys.executable, "-m", "shardfeed", "-q", "seed", data.as_uri(), "--samples",
-                        str(args.samples), "--size", args.size, "--shard-size", "4MiB"], check=True)
+        seed_by_cli(data.as_uri(), args.samples, args.size, shard_size="4MiB")
+        digests = Digests(args.samples, parse_sizes(args.size), DEFAULT_FIELDS)
         with start_service({"bench": data.as_uri()}, cache_dir=Path(tmp) / "cache") as svc:
-            _load(svc.url, args.samples, args.batch, args.workers, 5, seed=0)  # warm the cache and the code
+            _load(svc.url, digests, args.batch, args.workers, min(5.0, args.seconds), seed=0)  # warm the cache, the code
             rates: dict[bool, list[float]] = {False: [], True: []}
             polls = []
             for round_ in range(args.rounds):
                 for with_pages in (False, True) if round_ % 2 == 0 else (True, False):
                     pollers = _start_pages(svc.url, args.pages) if with_pages else None
-                    rate = _load(svc.url, args.samples, args.batch, args.workers, args.seconds, seed=round_ + 1)
+                    rate = _load(svc.url, digests, args.batch, args.workers, args.seconds, seed=round_ + 1)
                     rates[with_pages].append(rate)
                     if pollers is not None:
                         process, stop, calls = pollers
@@ -169,7 +165,7 @@ def main(argv=None) -> int:
             full, points = _cpu_per_call(svc.url, svc.process.pid, args.calls, False, args.cpu_seconds / 5)
             steady, _ = _cpu_per_call(svc.url, svc.process.pid, args.calls, True, args.cpu_seconds / 5)
     without, with_ = statistics.median(rates[False]), statistics.median(rates[True])
-    print(f"\nmachine: {os.cpu_count()} cores; load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after")
+    print(f"\nbefore: {before}; after: {load_note()}")
     print(f"warm batch load ({args.workers} x {args.batch} x {args.size}), median of {args.rounds} rounds of "
           f"{args.seconds:g} s: {without:,.0f} samples/s without pages, {with_:,.0f} with {args.pages} "
           f"({statistics.median(polls):.0f} /v1/stats calls/s): {100 * (with_ / without - 1):+.1f}%")

@@ -6,18 +6,15 @@ two tenants: ``heavy``, whose own bound on batches in flight is ``--heavy-bound`
 ``--heavy-inflight``), and ``light``. The light tenant posts ``--batches`` random batches one
 after another, alone and then beside ``--heavy-inflight`` threads of the heavy tenant posting
 without pause; printed: its P50 and P99 both times and their ratio (issue 26's target: P99
-within 2x of solo), the heavy tenant's batches/s and its 429s.
+within 2x of solo), the heavy tenant's batches/s and its 429s. Every batch either tenant
+counts is checked, sample by sample, against the seeded bytes (``common.Digests``).
 
     python -m shardfeed.benchmarks.tenants [--samples 4000] [--size 10KiB] [--heavy-inflight 64]
 """
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
-import os
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -25,10 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
+from shardfeed.benchmarks.common import Digests, WrongBytes, benchmark_parser, dataset_arguments, load_note, seed_by_cli
 from shardfeed.client import Client
 from shardfeed.client.errors import ShardfeedHTTPError
 from shardfeed.process import start_service
 from shardfeed.retry import Backoff
+from shardfeed.seeds.synthetic import DEFAULT_FIELDS, parse_sizes
 
 HEAVY, LIGHT = "heavy-secret-token", "light-secret-token"
 
@@ -39,37 +38,41 @@ def token_file(path: Path, heavy_bound: int) -> Path:
     return path
 
 
-def latencies(url: str, samples: int, batch: int, batches: int, seed: int) -> np.ndarray:
+def latencies(url: str, digests: Digests, batch: int, batches: int, seed: int) -> np.ndarray:
     """Seconds per batch of the light tenant, ``batches`` random batches one after another."""
     rng = np.random.default_rng(seed)
     out = []
     with Client(url, token=LIGHT) as client:
         for _ in range(batches):
-            indices = rng.integers(0, samples, batch).tolist()
+            indices = rng.integers(0, digests.samples, batch).tolist()
             began = time.perf_counter()
             got = client.get_batch("bench", indices)
             out.append(time.perf_counter() - began)
-            assert len(got) == batch
+            digests.check_batch(indices, got)
     return np.array(out)
 
 
-def flood(url: str, samples: int, batch: int, threads: int, stop, counts, began) -> None:
+def flood(url: str, samples: int, size: str, batch: int, threads: int, stop, counts, began) -> None:
     """``threads`` heavy-tenant threads posting random batches until ``stop`` (a process's
     ``Event``), then their answers counted into ``counts`` (a queue) from ``began`` on (an
     ``Event``: the light tenant's measurement starts). A process of its own: its threads
     parsing answers would otherwise hold the GIL the light tenant's timing needs."""
     lock = threading.Lock()
     tally: dict[str, int] = {}
+    digests = Digests(samples, parse_sizes(size), DEFAULT_FIELDS)
 
     def work(seed: int) -> None:
         rng = np.random.default_rng(1000 + seed)
         with Client(url, token=HEAVY, backoff=Backoff(attempts=1)) as client:
             while not stop.is_set():
+                indices = rng.integers(0, samples, batch).tolist()
                 try:
-                    client.get_batch("bench", rng.integers(0, samples, batch).tolist())
+                    digests.check_batch(indices, client.get_batch("bench", indices))
                     key = "served"
                 except ShardfeedHTTPError as err:
                     key = str(err.status)
+                except WrongBytes as err:
+                    key = f"wrong bytes ({err})"
                 if began.is_set():
                     with lock:
                         tally[key] = tally.get(key, 0) + 1
@@ -84,10 +87,8 @@ def flood(url: str, samples: int, batch: int, threads: int, stop, counts, began)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", type=int, default=4000)
-    parser.add_argument("--size", default="10KiB")
-    parser.add_argument("--batch", type=int, default=64)
+    parser = benchmark_parser(__doc__, __spec__.name)
+    dataset_arguments(parser, samples=4000, batch=64)
     parser.add_argument("--batches", type=int, default=200, help="the light tenant's batches, each time")
     parser.add_argument("--heavy-inflight", type=int, default=64, help="the heavy tenant's threads")
     parser.add_argument("--heavy-bound", type=int, help="its max_inflight_batches (default: --heavy-inflight)")
@@ -96,32 +97,35 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         data = tmp / "data"
-        subprocess.run([sys.executable, "-m", "shardfeed", "-q", "seed", data.as_uri(), "--samples", str(args.samples),
-                        "--size", args.size], check=True)
+        seed_by_cli(data.as_uri(), args.samples, args.size)
+        digests = Digests(args.samples, parse_sizes(args.size), DEFAULT_FIELDS)
         tokens = token_file(tmp / "tokens.toml", args.heavy_bound or args.heavy_inflight)
         with start_service({"bench": data.as_uri()}, cache_dir=tmp / "cache", workers=args.workers,
                            args=["--tokens", str(tokens)]) as service:
             with Client(service.url, token=LIGHT) as client:  # warm: every sample once
                 for start in range(0, args.samples, 256):
                     client.get_batch("bench", list(range(start, min(start + 256, args.samples))))
-            solo = latencies(service.url, args.samples, args.batch, args.batches, 0)
+            solo = latencies(service.url, digests, args.batch, args.batches, 0)
             spawn = multiprocessing.get_context("spawn")
             stop, began, counts = spawn.Event(), spawn.Event(), spawn.Queue()
-            heavy = spawn.Process(target=flood, args=(service.url, args.samples, args.batch, args.heavy_inflight,
+            heavy = spawn.Process(target=flood, args=(service.url, args.samples, args.size, args.batch, args.heavy_inflight,
                                                       stop, counts, began))
             heavy.start()
             time.sleep(3.0)  # the heavy tenant's process up and at full load
             began.set()
             started = time.perf_counter()
-            loaded = latencies(service.url, args.samples, args.batch, args.batches, 1)
+            loaded = latencies(service.url, digests, args.batch, args.batches, 1)
             seconds = time.perf_counter() - started
             stop.set()
             during = counts.get(timeout=120)
             heavy.join(60)
+    wrong = [key for key in during if key.startswith("wrong bytes")]
+    if wrong:
+        raise SystemExit(f"the heavy tenant got other bytes than were seeded: {wrong[0]}")
     p = {name: (np.percentile(v, 50) * 1e3, np.percentile(v, 99) * 1e3) for name, v in (("solo", solo),
                                                                                           ("loaded", loaded))}
     print(f"{args.samples} x {args.size}, batches of {args.batch}, shardfeed serve --workers {args.workers}; "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+          f"{load_note()}")
     print(f"light tenant alone:            P50 {p['solo'][0]:7.1f} ms   P99 {p['solo'][1]:7.1f} ms")
     print(f"beside {args.heavy_inflight} heavy batches in flight: P50 {p['loaded'][0]:7.1f} ms   "
           f"P99 {p['loaded'][1]:7.1f} ms   ({p['loaded'][1] / p['solo'][1]:.2f}x the solo P99)")

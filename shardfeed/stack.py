@@ -24,8 +24,8 @@ from pathlib import Path
 
 import botocore.exceptions
 
-from shardfeed.benchmarks.s3server import S3Server, start_seaweedfs
 from shardfeed.process import ServiceProcess, ensure_free, launch_service
+from shardfeed.s3server import S3Server, start_seaweedfs
 
 BUCKET = "shardfeed"
 DATASET = "train"

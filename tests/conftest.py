@@ -5,7 +5,7 @@ import tempfile
 
 import pytest
 
-from shardfeed.benchmarks.s3server import S3Server, start_moto, start_seaweedfs
+from shardfeed.s3server import S3Server, start_moto, start_seaweedfs
 
 from common.s3 import EVERY_SERVER, new_bucket, point_aws_at
 

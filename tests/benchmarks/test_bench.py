@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from shardfeed.benchmarks.capacity import Calibration
-from shardfeed.benchmarks.loaders import Epoch, paired_ratios
+from shardfeed.benchmarks.loaders import Epoch, paired_ratios, sample_counts
 from shardfeed.benchmarks.report import SCENARIOS
 from shardfeed.benchmarks.serverside import SKIP_NOTE
 from shardfeed.client.shuffles import CACHE_SHARE
@@ -31,7 +31,9 @@ def bench(*args: str, cwd) -> subprocess.CompletedProcess:
 
 @pytest.mark.timeout(270)
 def test_quick_bench_measures_every_scenario_at_every_point_with_sane_figures(tmp_path):
-    done = bench("--quick", "--out", "out", cwd=tmp_path)
+    # One run of the repeated scenarios, two requests in flight: a smoke run (fewer samples would leave
+    # 1 MiB without a batch size: each needs two batches).
+    done = bench("--quick", "--repeat", "1", "--workers", "2", "--out", "out", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "samples/s" in done.stdout and "targets:" in done.stdout  # progress lines, table, targets
     out = tmp_path / "out"
@@ -130,8 +132,8 @@ def run_benchmark(name: str, *args: str, timeout: float = 110) -> subprocess.Com
 
 @pytest.mark.timeout(180)
 def test_the_getbatch_benchmark_runs_every_scenario_and_checks_its_bytes():
-    out = run_benchmark("getbatch", "--objects", "512", "--batch", "128", "--latency-ms", "0", "--individual", "128",
-                        "--workers", "4", timeout=170)
+    out = run_benchmark("getbatch", "--objects", "256", "--batch", "64", "--latency-ms", "0", "--individual", "64",
+                        "--workers", "2", "--rounds", "1", timeout=170)
     for line in ("individual boto3 GETs", "shardfeed native, cold cache", "shardfeed native, warm cache",
                  "AIStore SDK GetBatch, warm cache", "GetBatch over httpx (no SDK), warm"):
         assert line in out.stdout
@@ -140,7 +142,7 @@ def test_the_getbatch_benchmark_runs_every_scenario_and_checks_its_bytes():
 
 @pytest.mark.timeout(180)
 def test_the_replicas_benchmark_routes_with_no_hop_and_prints_every_ratio():
-    out = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.replicas", "--samples", "1200", "--shard-size",
+    out = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.replicas", "--samples", "600", "--shard-size",
                           "256KiB", "--batch", "96", "--warm-epochs", "1", "--rounds", "1"], capture_output=True, text=True, timeout=170)
     assert out.returncode == 0, out.stderr[-2000:]
     summary = out.stdout.split("summary", 1)[1]
@@ -169,7 +171,7 @@ def test_the_replicas_benchmark_routes_with_no_hop_and_prints_every_ratio():
 
 @pytest.mark.timeout(180)
 def test_the_loaders_benchmark_checks_every_sample_and_compares_two_configurations():
-    out = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.loaders", "--samples", "1500", "--rounds", "1",
+    out = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.loaders", "--samples", "640", "--rounds", "1",
                           "--loaders", "ram,shardfeed-map", "--service-workers", "1", "--serve-arg=--fetch-window=4MiB",
                           "--baseline-serve-arg=--fetch-window=0", "--baseline-serve-arg=--cache-writes=buffered"],
                          capture_output=True, text=True, timeout=170)
@@ -186,13 +188,14 @@ def test_the_loaders_benchmark_checks_every_sample_and_compares_two_configuratio
     shares = re.findall(r"round 1 shardfeed-map\S* +cold .* S3 (\d+\.\d\d)x the shards +first batch +\d+\.\d\d / +"
                         r"\d+\.\d\d s", out.stdout)
     assert len(shares) == 2 and all(0.9 < float(x) < 3 for x in shares), out.stdout
-    sizes = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.loaders", "--samples", "1280", "--rounds", "1",
-                            "--loaders", "ram", "--size", "10KiB,20KiB"], capture_output=True, text=True, timeout=120)
-    assert sizes.returncode == 0, sizes.stderr[-2000:]
-    assert re.findall(r"^(\d+) x (\d+KiB) samples", sizes.stdout, re.M) == [("1280", "10KiB"), ("640", "20KiB")]
     refused = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.loaders", "--loaders", "petastorm"],
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "--loaders takes some of" in refused.stderr
+
+
+def test_the_loaders_benchmark_gives_every_size_the_same_bytes_but_ten_batches_at_least():
+    assert sample_counts("10KiB, 20KiB,1KiB-100KiB", 1280) == [("10KiB", 1280), ("20KiB", 640), ("1KiB-100KiB", 640)]
+    assert sample_counts("1MiB,512KiB", 640) == [("1MiB", 640), ("512KiB", 1280)]
 
 
 def test_the_loaders_benchmark_pairs_each_round_with_its_own_baseline():
@@ -206,7 +209,7 @@ def test_the_loaders_benchmark_pairs_each_round_with_its_own_baseline():
 
 @pytest.mark.timeout(150)
 def test_the_restart_benchmark_sees_no_counter_of_the_host_go_down():
-    out = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.restart", "--samples", "600", "--shard-size",
+    out = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.restart", "--samples", "300", "--shard-size",
                           "256KiB", "--batch", "32", "--restart-pause", "1", "--memory-cache", "0", "--after", "0.5"],
                          capture_output=True, text=True, timeout=140)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -267,7 +270,7 @@ def test_the_tenants_benchmark_times_the_light_tenant_alone_and_beside_the_heavy
 
 @pytest.mark.timeout(200)
 def test_the_stall_benchmark_compares_every_loader_with_the_ceiling_and_plots_it(tmp_path):
-    out = run_benchmark("stall", "--sizes", "10KiB", "--samples", "320", "--loaders", "ram,shardfeed-tensors",
+    out = run_benchmark("stall", "--sizes", "10KiB", "--samples", "192", "--loaders", "ram,shardfeed-tensors",
                         "--steps-ms", "2", "--step-batches", "2", "--service-workers", "1",
                         "--plot", str(tmp_path / "stall.png"), timeout=190)
     for kind in ("ram", "shardfeed-tensors"):
@@ -287,7 +290,7 @@ def test_the_stall_benchmark_compares_every_loader_with_the_ceiling_and_plots_it
 @pytest.mark.timeout(150)
 def test_the_capacity_model_reads_the_figures_its_calibration_measured_and_refuses_bad_input(tmp_path):
     calibration = tmp_path / "calibration.json"
-    out = run_benchmark("capacity", "--calibrate", str(calibration), "--calibration-samples", "300",
+    out = run_benchmark("capacity", "--calibrate", str(calibration), "--calibration-samples", "128",
                         "--calibration-sizes", "10KiB,64KiB", "--calibration-passes", "2", "--calibration-rounds", "1",
                         "--gpus", "4", timeout=140)
     figures = json.loads(calibration.read_text())
@@ -300,8 +303,8 @@ def test_the_capacity_model_reads_the_figures_its_calibration_measured_and_refus
     assert len(printed) == 8 and set(printed) == set(stored), (printed, stored)
     assert all(abs(printed[k] - stored[k]) < 0.006 for k in printed), (printed, stored)
     assert figures["batches"] == [16, 128] and figures["small_size"] == 10 << 10 and figures["large_size"] == 64 << 10
-    # The fit is the one of those passes' warm CPU (each pass serves all 300 small samples).
-    warm = [figures["passes"][f"ram 10KiB batch {b}"][0][1]["service_cpu"] * 1e6 / 300 * b for b in (16, 128)]
+    # The fit is the one of those passes' warm CPU (each pass serves all 128 small samples).
+    warm = [figures["passes"][f"ram 10KiB batch {b}"][0][1]["service_cpu"] * 1e6 / 128 * b for b in (16, 128)]
     per_member = (warm[1] - warm[0]) / (128 - 16)
     assert figures["per_member_us"] == pytest.approx(per_member)
     assert figures["fixed_us"] == pytest.approx(warm[0] - 16 * per_member, abs=1e-6)
@@ -333,7 +336,7 @@ def test_the_capacity_check_runs_every_scenario_and_prints_model_against_measure
     calibration = tmp_path / "calibration.json"
     Calibration(fixed_us=200, per_member_us=4, per_mib_us=250, cold_per_mib_us=1600, disk_per_mib_us=800,
                 small_size=10 << 10, large_size=256 << 10, batches=(16, 128), passes={}, machine={}).save(calibration)
-    out = run_benchmark("capacity", "--calibration", str(calibration), "--check", "--check-samples", "600",
+    out = run_benchmark("capacity", "--calibration", str(calibration), "--check", "--check-samples", "384",
                         "--check-batch", "96", "--check-warm-epochs", "1", "--check-rounds", "1", timeout=110)
     rows = re.findall(r"^(.+?) +(\d+\.\d{3}) +(\d+\.\d{3}) +(\d+\.\d\d|inf) +(yes|NO)$", out.stdout, re.M)
     assert [r[0].split(":")[0] for r in rows] == [
@@ -349,3 +352,65 @@ def test_the_capacity_check_runs_every_scenario_and_prints_model_against_measure
     assert model["cache 0.25x the dataset, epoch 2"][0] == pytest.approx(1 - (1 - CACHE_SHARE) * 0.25, abs=1e-3)
     assert model["cache 0.25x the dataset, epoch 2"][1] > 0
     assert model["cache 0.25x the dataset, index order, epoch 2"][0] == pytest.approx(0.75, abs=1e-3)
+
+
+@pytest.mark.timeout(120)
+def test_the_serverside_benchmark_checks_the_bytes_wrk_received_and_a_batch_after_the_load(tmp_path):
+    if shutil.which("wrk") is None:
+        pytest.skip("wrk is not installed (Debian: apt-get install wrk)")
+    run_benchmark("serverside", "--sizes", "10KiB", "--batch", "16", "--seconds", "1", "--dataset-bytes", "1MiB",
+                  "--out", str(tmp_path / "points.json"))
+    [point] = json.loads((tmp_path / "points.json").read_text())
+    assert point["sample_size"] == KIB10 and point["batch_size"] == 16, point
+    for load in ("batch", "pusher"):
+        assert point[load]["samples_per_s"] > 0, point
+    assert point["sample"]["requests_per_s"] > 0 and point["healthz"]["requests_per_s"] > 0, point
+
+
+@pytest.mark.timeout(60)
+def test_the_hotpath_benchmark_times_the_client_parse_of_every_size():
+    out = run_benchmark("hotpath")
+    sizes = re.findall(r"^client parse, +(\d+) KiB samples: +(\d+\.\d\d) us per sample$", out.stdout, re.M)
+    assert [s for s, _ in sizes] == ["1", "10", "100", "1024"] and all(float(us) > 0 for _, us in sizes), out.stdout
+
+
+@pytest.mark.timeout(90)
+def test_the_index_reads_benchmark_counts_what_indexing_each_shape_reads():
+    out = run_benchmark("index_reads")
+    rows = re.findall(r"^(.+?) +(\d+) shards +(\d+) requests \(listing included\) +\S+ read of +\S+ = +(\d+\.\d)%$",
+                      out.stdout, re.M)
+    assert [r[0] for r in rows] == ["1 MiB members, 25 MB", "10 KiB members, 24 MB", "100 KiB members, 25 MB"], rows
+    assert float(rows[0][3]) < 20 < float(rows[1][3])  # large members: the headers only; small: nearly all of it
+
+
+@pytest.mark.timeout(90)
+def test_the_listing_benchmark_opens_a_dataset_with_one_listing():
+    out = run_benchmark("listing", "--shards", "50", "--rounds", "1")
+    assert re.search(r", 50 shards: opening sent 3 store requests \(a HEAD and a GET of index\.parquet, 1 LIST pages",
+                     out.stdout), out.stdout
+
+
+@pytest.mark.timeout(150)
+def test_the_recipes_benchmark_reads_an_epoch_of_every_recipe_checked():
+    out = run_benchmark("recipes", "--samples", "200", "--service-workers", "1", timeout=140)
+    rows = re.findall(r"^(\S+) +(\d+\.\d\d) +(\d+\.\d\d) +(\d+) +([\d,]+)$", out.stdout, re.M)
+    assert [r[0] for r in rows] == ["iterable-plain", "iterable-loader", "map-sampler"], out.stdout
+    assert all(float(r[1]) >= 1 and int(r[3]) == 1 and int(r[4].replace(",", "")) > 0 for r in rows), rows
+
+
+@pytest.mark.timeout(150)
+def test_the_epoch_benchmark_prints_a_checked_cold_and_warm_epoch():
+    out = run_benchmark("epoch", "--samples", "400", "--shard-size", "1MiB", "--batch", "64", timeout=140)
+    rows = re.findall(r"^ +1 +uniform +iterable +on +(\d) +(\d+) +(\d\.\d\d) +(\d+\.\d\d)", out.stdout, re.M)
+    assert [epoch for epoch, *_ in rows] == ["0", "1"] and rows[1][2] == "1.00", out.stdout  # the warm epoch is the unit
+    assert float(rows[0][3]) >= 1 and float(rows[1][3]) == 0, rows  # the cold epoch reads the shards, the warm none
+
+
+@pytest.mark.timeout(200)
+def test_the_node_benchmark_runs_the_one_line_job_twice_every_sample_exact(tmp_path):
+    run_benchmark("node", "--samples", "400", "--size", "4KiB", "--shard-size", "1MiB", "--rounds", "0",
+                  "--json", str(tmp_path / "node.json"), timeout=190)
+    figures = json.loads((tmp_path / "node.json").read_text())
+    assert [j["job"] for j in figures["jobs"]] == ["first job (starts the service)", "second job (warm)"], figures
+    assert all(c == {"wrong": 0, "lost": 0, "extra": 0, "every_sample": True} for c in figures["checks"].values())
+    assert figures["one_tree"] and figures["requests_ratio"] <= 0.01 and figures["warm_ratio"] is None, figures

@@ -9,8 +9,8 @@ import time
 import botocore.exceptions
 import pytest
 
-from shardfeed.benchmarks import s3server
-from shardfeed.benchmarks.s3server import S3ServerError, start_seaweedfs
+from shardfeed import s3server
+from shardfeed.s3server import S3ServerError, start_seaweedfs
 
 pytestmark = [pytest.mark.both_s3, pytest.mark.slow]
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from shardfeed.benchmarks.s3server import S3_SERVERS, S3Server
+from shardfeed.s3server import S3_SERVERS, S3Server
 
 _bucket_ids = itertools.count()
 

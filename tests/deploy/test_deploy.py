@@ -41,8 +41,8 @@ import tomllib
 import yaml
 
 from shardfeed import stack
-from shardfeed.benchmarks.s3server import SEAWEEDFS_FLAGS
 from shardfeed.process import free_port, installed_script
+from shardfeed.s3server import SEAWEEDFS_FLAGS
 from shardfeed.service.cluster.sources import parse_peers
 from shardfeed.sizes import parse_size
 

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from shardfeed import cli
-from shardfeed.benchmarks import s3server
+from shardfeed import cli, s3server
 from shardfeed.client import Client
 from shardfeed.process import ensure_free
 

@@ -12,7 +12,6 @@ Each runs in its own process group, so ``stop()`` ends it with every child it st
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import os
@@ -23,8 +22,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -252,32 +249,3 @@ def start_s3(kind: str, directory: str | os.PathLike | None = None) -> S3Server:
     if kind == "moto":
         return start_moto()
     raise ValueError(f"unknown S3 server {kind!r} (choose from {', '.join(S3_SERVERS)})")
-
-
-BENCH_DATA = "s3://bench/data"
-"""Where ``seeded_s3`` puts the benchmarks' dataset."""
-
-
-def seeded_s3_arguments(parser: argparse.ArgumentParser, *, samples: int, shard_size: str,
-                        s3_help: str = "the S3 server to start on loopback (default here: %(default)s)") -> None:
-    """The options of a benchmark that runs on ``seeded_s3``: ``--samples``, ``--size``,
-    ``--shard-size`` of its synthetic dataset and ``--s3``, the server it starts."""
-    parser.add_argument("--samples", type=int, default=samples)
-    parser.add_argument("--size", default="10KiB")
-    parser.add_argument("--shard-size", default=shard_size)
-    parser.add_argument("--s3", choices=S3_SERVERS, default=default_server(), help=s3_help)
-
-
-@contextmanager
-def seeded_s3(kind: str, samples: int, size: str, shard_size: str, fields: str | None = None) -> Iterator[S3Server]:
-    """An S3 server ``kind`` holding ``samples`` synthetic samples (``shardfeed seed``) at
-    ``BENCH_DATA``, in a bucket ``bench`` that the caller may use too; stopped on exit."""
-    server = start_s3(kind)
-    try:
-        server.create_bucket("bench")
-        subprocess.run([sys.executable, "-m", "shardfeed", "-q", "seed", BENCH_DATA, "--samples", str(samples),
-                        "--size", size, "--shard-size", shard_size, *(["--fields", fields] if fields else [])],
-                       check=True, env={**os.environ, **server.env()})
-        yield server
-    finally:
-        server.stop()
