@@ -199,6 +199,15 @@ def test_bad_sample_requests_get_a_json_error(refusing_service, path, status, co
     assert resp.json()["error"]["code"] == code
 
 
+def test_a_service_left_on_the_port_is_not_taken_for_the_one_started(refusing_service, tmp_path):
+    """``/healthz`` names its pid, so ``start_service`` on a port a stale service still holds fails
+    (the new one cannot bind) instead of handing back the stale one's URL."""
+    assert httpx.get(f"{refusing_service.url}/healthz").json()["pid"] == refusing_service.process.pid
+    port = int(refusing_service.url.rsplit(":", 1)[1])
+    with pytest.raises(RuntimeError, match="exited"):
+        start_service(cache_dir=tmp_path / "cache", port=port)
+
+
 @pytest.mark.slow
 def test_overload_is_refused_with_429_and_retry_after(s3_dataset, s3_server, tmp_path):
     with start_service({"train": s3_dataset[0]}, cache_dir=tmp_path / "cache", env=s3_server.env(),
