@@ -7,6 +7,7 @@ import asyncio
 import json
 import random
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 
 from shardfeed.process import start_service
 
+from common.cli import refusals
 from common.datasets import bucket_dataset, make_dataset, s3_put
 from common.service import metrics, tar_members
 
@@ -363,7 +365,7 @@ def test_a_removed_cache_dir_is_recreated_and_locked_again(s3_dataset, s3_server
         assert "in use by another shardfeed process" in str(err.value)
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_ARGUMENTS = [
     (["--block-size", "0"], "--block-size must be between"),
     (["--port", "70000"], "--port must be between"),
     (["--max-batch", "0"], "--max-batch must be between"),
@@ -376,13 +378,20 @@ def test_a_removed_cache_dir_is_recreated_and_locked_again(s3_dataset, s3_server
     (["--restart-pause", "0"], "--restart-pause must be between 0.01 and 3600, not 0.0"),
     (["--restart-pause", "soon"], "argument --restart-pause: invalid float value: 'soon'"),
     (["--bucket", "Not_A/Bucket"], "--bucket 'Not_A/Bucket' is not an S3 bucket name"),
-])
-def test_bad_serve_arguments_are_refused_with_one_line(tmp_path, args, message):
-    import subprocess
-    import sys
+]
 
-    result = subprocess.run([sys.executable, "-m", "shardfeed", "serve", "--cache-dir", str(tmp_path), *args],
-                            capture_output=True, text=True, timeout=60)
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """``serve`` with each of ``BAD_ARGUMENTS``, all in one process; by the arguments' text."""
+    cache = str(tmp_path_factory.mktemp("refused"))
+    runs = refusals([["serve", "--cache-dir", cache, *args] for args, _ in BAD_ARGUMENTS])
+    return {" ".join(args): run for (args, _), run in zip(BAD_ARGUMENTS, runs)}
+
+
+@pytest.mark.parametrize("args, message", BAD_ARGUMENTS)
+def test_bad_serve_arguments_are_refused_with_one_line(refused, args, message):
+    result = refused[" ".join(args)]
     assert result.returncode != 0
     assert message in result.stderr
     assert "Traceback" not in result.stderr

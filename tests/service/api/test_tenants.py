@@ -9,15 +9,17 @@ import hashlib
 import os
 import signal
 import socket
+import subprocess
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import pytest
 
 from shardfeed.process import scrape_metrics, start_service
 
-from common.cli import fails
+from common.cli import fails, one_line_error, refusals
 from common.datasets import dir_put, make_dataset, s3_put
 from common.service import tar_members
 
@@ -304,7 +306,7 @@ def test_the_token_file_is_read_again_and_a_broken_one_keeps_the_tokens_read_bef
         assert secret not in log
 
 
-@pytest.mark.parametrize("text, message", [
+BAD_TOKEN_FILES = [
     ('[a]\nsecret = "s3cret-value"\nscopes = ["datasets:train"]\n',
      "tenant 'a': unknown scope 'datasets:train' (scopes: admin, dataset:NAME, bucket:NAME"),
     ('[a]\nsecret = "s3cret-value"\nscope = ["dataset:train"]\n', "tenant 'a': unknown key 'scope'"),
@@ -314,11 +316,25 @@ def test_the_token_file_is_read_again_and_a_broken_one_keeps_the_tokens_read_bef
     ('[a]\nsecret = "s3cret-value"\nmax_inflight_batches = 0\n', "max_inflight_batches must be a whole number"),
     ('[full-access]\nsecret = "s3cret-value"\n', "the name is reserved"),
     ('secret = "s3cret-value"\n', "tenant 'secret' is not a table"),
-])
-def test_a_bad_token_file_stops_serve_at_start_with_the_reason(tmp_path, text, message):
-    tokens = tmp_path / "tokens.toml"
-    tokens.write_text(text)
-    error = fails("serve", "--tokens", str(tokens), "--port", "0", "--cache-dir", str(tmp_path / "cache"))
+]
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """``serve`` with each of ``BAD_TOKEN_FILES``, all in one process; by the file's text."""
+    root = tmp_path_factory.mktemp("refused")
+    files = [root / f"tokens-{i}.toml" for i in range(len(BAD_TOKEN_FILES))]
+    for path, (text, _) in zip(files, BAD_TOKEN_FILES):
+        path.write_text(text)
+    runs = refusals([["serve", "--tokens", str(path), "--port", "0", "--cache-dir", str(root / "cache")]
+                     for path in files])
+    return {text: (path, run) for (text, _), path, run in zip(BAD_TOKEN_FILES, files, runs)}
+
+
+@pytest.mark.parametrize("text, message", BAD_TOKEN_FILES)
+def test_a_bad_token_file_stops_serve_at_start_with_the_reason(refused, text, message):
+    tokens, run = refused[text]
+    error = one_line_error(run)
     assert error.startswith(f"shardfeed: error: --tokens {tokens}")
     assert message in error and "s3cret-value" not in error
 
