@@ -29,6 +29,7 @@ from shardfeed.service.stores import open_store
 from common.datasets import dir_put, make_dataset
 from common.reliability import expected_members
 from common.service import fetch_batch, metrics
+from common.wait import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # several services, or a browser
 
@@ -222,11 +223,12 @@ def test_a_registration_is_listed_while_under_way_and_on_the_page(browser, datas
             answer = httpx.post(f"{svc.url}/v1/datasets", json={"name": "raw", "url": str(raw)},
                                 params={"wait": 0}, timeout=30)
             assert answer.status_code == 202, answer.text
-            time.sleep(0.3)
+            listed = [{"name": "raw", "url": str(raw), "indexing": None}]
+            wait_until(lambda: stats(svc.url)["registering"] == listed, 10, "the registration listed")
             for _ in range(4):  # the answering worker, or its sibling
                 doc = stats(svc.url)
                 assert doc["workers_reporting"] == 2
-                assert doc["registering"] == [{"name": "raw", "url": str(raw), "indexing": None}]
+                assert doc["registering"] == listed
             page.wait_for_function("() => !document.getElementById('registering-section').hidden", timeout=30_000)
             row = page.locator("#registering tr[data-name='raw']")
             assert row.locator("td").all_text_contents() == ["raw", "opening", str(raw)]
