@@ -57,9 +57,10 @@ print(json.dumps(done))
 
 
 def refusals(argvs: list[list[str]]) -> list[subprocess.CompletedProcess]:
-    """Each of ``argvs`` (commands that must stop before serving) as run from the command line,
-    all in one fresh process: a dozen refusals cost one import of the service, not a dozen. A
-    command that serves after all holds the process until its timeout: the tests fail."""
+    """Each of ``argvs`` (commands that must fail at once) as run from the command line, all in
+    one fresh process: a dozen refusals cost one start and one import of shardfeed, not a dozen.
+    A command that runs on after all (a ``serve`` that serves) holds the process until its
+    timeout: the tests fail."""
     done = subprocess.run([sys.executable, "-c", REFUSALS], input=json.dumps([["--quiet", *a] for a in argvs]),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
