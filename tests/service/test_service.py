@@ -15,7 +15,7 @@ import aiohttp
 import httpx
 import pytest
 
-from shardfeed.process import start_service
+from shardfeed.process import launch_service, start_service
 
 from common.cli import refusals
 from common.datasets import bucket_dataset, make_dataset, s3_put
@@ -44,10 +44,10 @@ def service(s3_dataset, s3_server, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def refusing_service(s3_dataset, s3_server, tmp_path_factory):
-    """One service for the tests that only send requests it must refuse: they read no sample, so
-    they share it."""
-    with serve_train(s3_dataset, s3_server, tmp_path_factory.mktemp("refusing") / "cache") as svc:
+def shared_service(s3_dataset, s3_server, tmp_path_factory):
+    """One service for the tests that check only the bytes they read (cold or warm alike) or
+    send only requests it must refuse: they share it."""
+    with serve_train(s3_dataset, s3_server, tmp_path_factory.mktemp("shared") / "cache") as svc:
         yield svc
 
 
@@ -65,30 +65,30 @@ def batch(url, body, **kw) -> httpx.Response:
 
 
 @pytest.mark.both_s3
-def test_random_batches_come_back_byte_exact_in_request_order(service, s3_dataset):
+def test_random_batches_come_back_byte_exact_in_request_order(shared_service, s3_dataset):
     _, source = s3_dataset
     rng = random.Random(1)
     for fields in (None, ["cls", "bin"], ["bin"]):
         indices = [rng.randrange(SAMPLES) for _ in range(150)] + [3, 3, 3]  # repeats allowed
-        resp = batch(service.url, {"dataset": "train", "indices": indices, "fields": fields})
+        resp = batch(shared_service.url, {"dataset": "train", "indices": indices, "fields": fields})
         assert resp.status_code == 200, resp.text
         assert resp.headers["content-type"] == "application/x-tar"
         assert tar_members(resp.content) == expected(source, indices, fields)
 
 
 @pytest.mark.both_s3
-def test_per_sample_and_whole_sample_gets_return_the_source_bytes(service, s3_dataset):
+def test_per_sample_and_whole_sample_gets_return_the_source_bytes(shared_service, s3_dataset):
     _, source = s3_dataset
-    assert httpx.get(f"{service.url}/v1/datasets/train/samples/7/bin").content == source[(7, "bin")]
-    assert httpx.get(f"{service.url}/v1/datasets/train/samples/7/JSON").content == source[(7, "json")]
-    whole = httpx.get(f"{service.url}/v1/datasets/train/samples/14")
+    assert httpx.get(f"{shared_service.url}/v1/datasets/train/samples/7/bin").content == source[(7, "bin")]
+    assert httpx.get(f"{shared_service.url}/v1/datasets/train/samples/7/JSON").content == source[(7, "json")]
+    whole = httpx.get(f"{shared_service.url}/v1/datasets/train/samples/14")
     assert tar_members(whole.content) == expected(source, [14])
-    info = httpx.get(f"{service.url}/v1/datasets/train").json()
+    info = httpx.get(f"{shared_service.url}/v1/datasets/train").json()
     assert len(info.pop("version")) == 12 and abs(info.pop("checked") - time.time()) < 3600
     assert info == {"name": "train", "url": s3_dataset[0], "samples": SAMPLES, "shards": 4,
                     "bytes": sum(len(v) for v in source.values()), "fields": ["bin", "cls", "json"],
                     "shard_samples": 50, "cache": {"bytes": 10 << 30, "block_size": 64 << 10}}
-    assert [d["name"] for d in httpx.get(f"{service.url}/v1/datasets").json()] == ["train"]
+    assert [d["name"] for d in httpx.get(f"{shared_service.url}/v1/datasets").json()] == ["train"]
 
 
 @pytest.mark.both_s3
@@ -176,9 +176,9 @@ def test_unreadable_samples_become_404_entries_with_continue_on_error(s3_dataset
     ({"dataset": "train", "indices": [0] * 5001}, 413, "too_many_items"),
     ({"dataset": "train", "indices": [0] * 800_000}, 413, "body_too_large"),
 ])
-def test_bad_batch_requests_get_a_json_error_before_any_data(refusing_service, body, status, code):
+def test_bad_batch_requests_get_a_json_error_before_any_data(shared_service, body, status, code):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    resp = httpx.post(f"{refusing_service.url}/v1/batch", content=content, timeout=30,
+    resp = httpx.post(f"{shared_service.url}/v1/batch", content=content, timeout=30,
                       headers={"content-type": "application/json"})
     assert resp.status_code == status, resp.text
     assert resp.json()["error"]["code"] == code
@@ -195,19 +195,20 @@ def test_bad_batch_requests_get_a_json_error_before_any_data(refusing_service, b
     ("/v1/datasets/..%2F..%2Fetc/samples/1", 404, "not_found"),
     ("/no/such/route", 404, "not_found"),
 ])
-def test_bad_sample_requests_get_a_json_error(refusing_service, path, status, code):
-    resp = httpx.get(f"{refusing_service.url}{path}")
+def test_bad_sample_requests_get_a_json_error(shared_service, path, status, code):
+    resp = httpx.get(f"{shared_service.url}{path}")
     assert resp.status_code == status, resp.text
     assert resp.json()["error"]["code"] == code
 
 
-def test_a_service_left_on_the_port_is_not_taken_for_the_one_started(refusing_service, tmp_path):
-    """``/healthz`` names its pid, so ``start_service`` on a port a stale service still holds fails
-    (the new one cannot bind) instead of handing back the stale one's URL."""
-    assert httpx.get(f"{refusing_service.url}/healthz").json()["pid"] == refusing_service.process.pid
-    port = int(refusing_service.url.rsplit(":", 1)[1])
-    with pytest.raises(RuntimeError, match="exited"):
-        start_service(cache_dir=tmp_path / "cache", port=port)
+def test_a_service_left_on_the_port_is_not_taken_for_the_one_started(shared_service, tmp_path):
+    """``/healthz`` names its pid, so a start on a port that a stale service still holds fails
+    (the new process exits: one that cannot bind, or here one that never serves) instead of
+    handing back the stale one's URL."""
+    assert httpx.get(f"{shared_service.url}/healthz").json()["pid"] == shared_service.process.pid
+    port = int(shared_service.url.rsplit(":", 1)[1])
+    with pytest.raises(RuntimeError, match="exited with 0"):
+        launch_service(["--version"], port=port, log_path=tmp_path / "version.log")
 
 
 @pytest.mark.slow

@@ -73,6 +73,7 @@ def error_code(response: httpx.Response) -> str:
     return response.json()["error"]["code"]
 
 
+@pytest.mark.slow  # two workers, one killed and restarted, as in the other tests of --workers N
 def test_a_registered_dataset_is_served_by_every_worker_and_a_restarted_one_and_removed_from_all(
         datasets, tmp_path):
     train_url, _ = datasets["train"]
