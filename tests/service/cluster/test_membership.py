@@ -15,10 +15,11 @@ import pytest
 from shardfeed.client import Client
 from shardfeed.process import free_port, start_all, start_service, stop_all
 
+from common.cli import refusals
 from common.dnsserver import ServiceRecords, dns_server
 from common.service import metrics
-from common.workers import directory_dataset
 from common.wait import wait_until
+from common.workers import directory_dataset
 
 pytestmark = pytest.mark.slow  # starts several services; not in `make check`
 
@@ -226,19 +227,16 @@ def test_a_bad_peers_source_fails_serve_at_start_with_one_clear_line(dataset, tm
     good = tmp_path / "peers"
     good.write_text(f"a=http://127.0.0.1:{port}\n")
     cases = [
-        ("ftp:/etc/peers", "--peers-from 'ftp:/etc/peers': expected file:PATH"),
-        (f"file:{tmp_path / 'missing'}", "No such file or directory"),
-        ("dns:peers.test:99999", "bad port '99999'"),
-        ("dns+srv:_http._tcp.peers.test@127.0.0.1:x", "bad port 'x'"),
-        ("dns+srv:_http._tcp.peers.test@ns.example", "nameserver 'ns.example' is not an IP address"),
+        ("a", "ftp:/etc/peers", "--peers-from 'ftp:/etc/peers': expected file:PATH"),
+        ("a", f"file:{tmp_path / 'missing'}", "No such file or directory"),
+        ("a", "dns:peers.test:99999", "bad port '99999'"),
+        ("a", "dns+srv:_http._tcp.peers.test@127.0.0.1:x", "bad port 'x'"),
+        ("a", "dns+srv:_http._tcp.peers.test@ns.example", "nameserver 'ns.example' is not an IP address"),
+        ("z", f"file:{good}", "--node-id 'z' is not one of --peers"),  # the file must name this replica
     ]
-    for spec, message in cases:
-        with pytest.raises(RuntimeError) as err:
-            start_service({"train": url}, cache_dir=tmp_path / "c", port=port,
-                          args=["--node-id", "a", "--peers-from", spec])
-        assert message in str(err.value), spec
-        assert "Traceback" not in str(err.value)
-    with pytest.raises(RuntimeError) as err:  # the file must name this replica
-        start_service({"train": url}, cache_dir=tmp_path / "c", port=port,
-                      args=["--node-id", "z", "--peers-from", f"file:{good}"])
-    assert "--node-id 'z' is not one of --peers" in str(err.value)
+    serve = ["serve", "--dataset", f"train={url}", "--cache-dir", str(tmp_path / "c"), "--port", str(port),
+             "--workers", "1"]
+    runs = refusals([[*serve, "--node-id", node, "--peers-from", spec] for node, spec, _ in cases])
+    for (_, spec, message), run in zip(cases, runs):
+        assert run.returncode != 0 and message in run.stderr, (spec, run.stderr)
+        assert "Traceback" not in run.stderr
