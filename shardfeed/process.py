@@ -3,6 +3,7 @@ and the benchmarks, which all talk to the real service over a real socket."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -218,9 +219,22 @@ def child_pids(pid: int) -> list[int]:
     return sorted(int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
 
 
+def answering_pid(url: str, timeout: float = 2) -> int | None:
+    """The pid that ``/healthz`` at ``url`` names now; None when nothing healthy answers."""
+    try:
+        with urllib.request.urlopen(f"{url}/healthz", timeout=timeout) as resp:
+            return json.load(resp).get("pid")
+    except (urllib.error.URLError, OSError, ValueError):  # refused, timed out, an error status or not JSON
+        return None
+
+
 def _wait_healthy(service: ServiceProcess, timeout: float) -> None:
+    # Healthy means our own process answers (with --workers N, one of its workers): a stale
+    # service left on a reused port would otherwise pass for the one just started.
+    pid = service.process.pid
     deadline = time.monotonic() + timeout
-    while not healthy(service.url, timeout=1):
+    while (answer := answering_pid(service.url, timeout=1)) is None or not (
+            answer == pid or answer in child_pids(pid)):
         if service.process.poll() is not None:
             raise RuntimeError(f"shardfeed serve exited with {service.process.returncode}:\n{service.log()[-3000:]}")
         if time.monotonic() > deadline:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
@@ -15,7 +16,8 @@ router = APIRouter(tags=["ops"])
 
 @router.get("/healthz")
 async def healthz(state: AppState) -> dict:
-    return {"status": "ok", "datasets": len(state.datasets)}
+    # The pid lets a starter tell its own process from a stale one left on a reused port.
+    return {"status": "ok", "datasets": len(state.datasets), "pid": os.getpid()}
 
 
 @router.get("/metrics", response_class=Response)

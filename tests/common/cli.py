@@ -4,6 +4,7 @@ through its index."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -27,12 +28,43 @@ def ok(*args: str) -> str:
 
 def fails(*args: str, env: dict | None = None) -> str:
     """Run a command that must fail; return its one-line error."""
-    result = shardfeed(*args, env=env)
+    return one_line_error(shardfeed(*args, env=env))
+
+
+def one_line_error(result: subprocess.CompletedProcess) -> str:
+    """The one-line error of a command that failed as it should: no output, one line on stderr."""
     assert result.returncode != 0
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("shardfeed: error: "), result.stderr
     return lines[0]
+
+
+REFUSALS = """
+import contextlib, io, json, sys
+from shardfeed.cli import main
+done = []
+for argv in json.load(sys.stdin):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main(argv)
+        except SystemExit as exit:  # argparse's refusals
+            status = exit.code
+    done.append((argv, status, out.getvalue(), err.getvalue()))
+print(json.dumps(done))
+"""
+
+
+def refusals(argvs: list[list[str]]) -> list[subprocess.CompletedProcess]:
+    """Each of ``argvs`` (commands that must fail at once) as run from the command line, all in
+    one fresh process: a dozen refusals cost one start and one import of shardfeed, not a dozen.
+    A command that runs on after all (a ``serve`` that serves) holds the process until its
+    timeout: the tests fail."""
+    done = subprocess.run([sys.executable, "-c", REFUSALS], input=json.dumps([["--quiet", *a] for a in argvs]),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return [subprocess.CompletedProcess(*run) for run in json.loads(done.stdout)]
 
 
 def run(coro):

@@ -8,13 +8,33 @@ import tarfile
 import httpx
 
 from shardfeed.process import hops  # noqa: F401  (re-exported for tests)
-from shardfeed.process import scrape_metrics as metrics  # noqa: F401  (re-exported for tests)
+from shardfeed.process import scrape_metrics as metrics
+
+from common.wait import wait_until
 
 
 def tar_members(data: bytes) -> list[tuple[str, bytes]]:
     """Members of a tar response, read with Python's own tarfile (an independent parser)."""
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         return [(m.name, tar.extractfile(m).read()) for m in tar.getmembers()]
+
+
+def wait_peers_up(urls, count: int, timeout: float = 20) -> None:
+    """Until each of ``urls`` (replicas, or a replica's workers) sees ``count`` replicas up."""
+    wait_until(lambda: all(metrics(url)["shardfeed_peers_up"] >= count for url in urls), timeout,
+               f"{count} replicas up, as each sees it")
+
+
+def wait_for_reading_after(url: str, moment: float, **kw) -> dict:
+    """The ``/v1/stats`` document once the recorder has read the metrics after ``moment`` (wall
+    time); ``kw`` goes to the request (a token, ``since``)."""
+    def newer() -> dict | None:
+        resp = httpx.get(f"{url}/v1/stats", timeout=10, **kw)
+        assert resp.status_code == 200, resp.text
+        doc = resp.json()
+        return doc if doc["time"] is not None and doc["time"] > moment else None
+
+    return wait_until(newer, 30, "a new reading")
 
 
 def fetch_batch(url: str, indices, dataset: str = "train") -> list[tuple[str, bytes]]:

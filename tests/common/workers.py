@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,6 +14,7 @@ from shardfeed.process import child_pids, start_service
 
 from common.datasets import dir_put, make_dataset
 from common.synthetic import seed_synthetic
+from common.wait import wait_until
 
 
 def directory_dataset(root: Path, samples: int) -> tuple[str, dict]:
@@ -61,9 +61,9 @@ def routed_client(root: Path, **client_options) -> Iterator[Client]:
     url = seed_synthetic(root / "train", samples=1000)
     with start_service({"train": url}, cache_dir=root / "cache", workers=2) as svc, \
             Client(svc.url, **client_options) as client:
-        deadline = time.monotonic() + 60
-        while len({part.owner for part in client.router.split("train", list(range(1000)))}) < 2:
-            assert time.monotonic() < deadline, "the routing table never listed both workers"
-            time.sleep(0.1)
+        def both_listed() -> bool:
             client.router.load("train", client._routing_table("train"))  # both workers up yet?
+            return len({part.owner for part in client.router.split("train", list(range(1000)))}) == 2
+
+        wait_until(both_listed, 60, "the routing table listing both workers")
         yield client

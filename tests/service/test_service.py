@@ -7,6 +7,7 @@ import asyncio
 import json
 import random
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -14,8 +15,9 @@ import aiohttp
 import httpx
 import pytest
 
-from shardfeed.process import start_service
+from shardfeed.process import launch_service, start_service
 
+from common.cli import refusals
 from common.datasets import bucket_dataset, make_dataset, s3_put
 from common.service import metrics, tar_members
 
@@ -42,10 +44,10 @@ def service(s3_dataset, s3_server, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def refusing_service(s3_dataset, s3_server, tmp_path_factory):
-    """One service for the tests that only send requests it must refuse: they read no sample, so
-    they share it."""
-    with serve_train(s3_dataset, s3_server, tmp_path_factory.mktemp("refusing") / "cache") as svc:
+def shared_service(s3_dataset, s3_server, tmp_path_factory):
+    """One service for the tests that check only the bytes they read (cold or warm alike) or
+    send only requests it must refuse: they share it."""
+    with serve_train(s3_dataset, s3_server, tmp_path_factory.mktemp("shared") / "cache") as svc:
         yield svc
 
 
@@ -63,30 +65,30 @@ def batch(url, body, **kw) -> httpx.Response:
 
 
 @pytest.mark.both_s3
-def test_random_batches_come_back_byte_exact_in_request_order(service, s3_dataset):
+def test_random_batches_come_back_byte_exact_in_request_order(shared_service, s3_dataset):
     _, source = s3_dataset
     rng = random.Random(1)
     for fields in (None, ["cls", "bin"], ["bin"]):
         indices = [rng.randrange(SAMPLES) for _ in range(150)] + [3, 3, 3]  # repeats allowed
-        resp = batch(service.url, {"dataset": "train", "indices": indices, "fields": fields})
+        resp = batch(shared_service.url, {"dataset": "train", "indices": indices, "fields": fields})
         assert resp.status_code == 200, resp.text
         assert resp.headers["content-type"] == "application/x-tar"
         assert tar_members(resp.content) == expected(source, indices, fields)
 
 
 @pytest.mark.both_s3
-def test_per_sample_and_whole_sample_gets_return_the_source_bytes(service, s3_dataset):
+def test_per_sample_and_whole_sample_gets_return_the_source_bytes(shared_service, s3_dataset):
     _, source = s3_dataset
-    assert httpx.get(f"{service.url}/v1/datasets/train/samples/7/bin").content == source[(7, "bin")]
-    assert httpx.get(f"{service.url}/v1/datasets/train/samples/7/JSON").content == source[(7, "json")]
-    whole = httpx.get(f"{service.url}/v1/datasets/train/samples/14")
+    assert httpx.get(f"{shared_service.url}/v1/datasets/train/samples/7/bin").content == source[(7, "bin")]
+    assert httpx.get(f"{shared_service.url}/v1/datasets/train/samples/7/JSON").content == source[(7, "json")]
+    whole = httpx.get(f"{shared_service.url}/v1/datasets/train/samples/14")
     assert tar_members(whole.content) == expected(source, [14])
-    info = httpx.get(f"{service.url}/v1/datasets/train").json()
+    info = httpx.get(f"{shared_service.url}/v1/datasets/train").json()
     assert len(info.pop("version")) == 12 and abs(info.pop("checked") - time.time()) < 3600
     assert info == {"name": "train", "url": s3_dataset[0], "samples": SAMPLES, "shards": 4,
                     "bytes": sum(len(v) for v in source.values()), "fields": ["bin", "cls", "json"],
                     "shard_samples": 50, "cache": {"bytes": 10 << 30, "block_size": 64 << 10}}
-    assert [d["name"] for d in httpx.get(f"{service.url}/v1/datasets").json()] == ["train"]
+    assert [d["name"] for d in httpx.get(f"{shared_service.url}/v1/datasets").json()] == ["train"]
 
 
 @pytest.mark.both_s3
@@ -174,9 +176,9 @@ def test_unreadable_samples_become_404_entries_with_continue_on_error(s3_dataset
     ({"dataset": "train", "indices": [0] * 5001}, 413, "too_many_items"),
     ({"dataset": "train", "indices": [0] * 800_000}, 413, "body_too_large"),
 ])
-def test_bad_batch_requests_get_a_json_error_before_any_data(refusing_service, body, status, code):
+def test_bad_batch_requests_get_a_json_error_before_any_data(shared_service, body, status, code):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    resp = httpx.post(f"{refusing_service.url}/v1/batch", content=content, timeout=30,
+    resp = httpx.post(f"{shared_service.url}/v1/batch", content=content, timeout=30,
                       headers={"content-type": "application/json"})
     assert resp.status_code == status, resp.text
     assert resp.json()["error"]["code"] == code
@@ -193,10 +195,20 @@ def test_bad_batch_requests_get_a_json_error_before_any_data(refusing_service, b
     ("/v1/datasets/..%2F..%2Fetc/samples/1", 404, "not_found"),
     ("/no/such/route", 404, "not_found"),
 ])
-def test_bad_sample_requests_get_a_json_error(refusing_service, path, status, code):
-    resp = httpx.get(f"{refusing_service.url}{path}")
+def test_bad_sample_requests_get_a_json_error(shared_service, path, status, code):
+    resp = httpx.get(f"{shared_service.url}{path}")
     assert resp.status_code == status, resp.text
     assert resp.json()["error"]["code"] == code
+
+
+def test_a_service_left_on_the_port_is_not_taken_for_the_one_started(shared_service, tmp_path):
+    """``/healthz`` names its pid, so a start on a port that a stale service still holds fails
+    (the new process exits: one that cannot bind, or here one that never serves) instead of
+    handing back the stale one's URL."""
+    assert httpx.get(f"{shared_service.url}/healthz").json()["pid"] == shared_service.process.pid
+    port = int(shared_service.url.rsplit(":", 1)[1])
+    with pytest.raises(RuntimeError, match="exited with 0"):
+        launch_service(["--version"], port=port, log_path=tmp_path / "version.log")
 
 
 @pytest.mark.slow
@@ -354,7 +366,7 @@ def test_a_removed_cache_dir_is_recreated_and_locked_again(s3_dataset, s3_server
         assert "in use by another shardfeed process" in str(err.value)
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_ARGUMENTS = [
     (["--block-size", "0"], "--block-size must be between"),
     (["--port", "70000"], "--port must be between"),
     (["--max-batch", "0"], "--max-batch must be between"),
@@ -367,13 +379,20 @@ def test_a_removed_cache_dir_is_recreated_and_locked_again(s3_dataset, s3_server
     (["--restart-pause", "0"], "--restart-pause must be between 0.01 s and 1 hour, not 0 s"),
     (["--restart-pause", "soon"], "argument --restart-pause: invalid float value: 'soon'"),
     (["--bucket", "Not_A/Bucket"], "--bucket 'Not_A/Bucket' is not an S3 bucket name"),
-])
-def test_bad_serve_arguments_are_refused_with_one_line(tmp_path, args, message):
-    import subprocess
-    import sys
+]
 
-    result = subprocess.run([sys.executable, "-m", "shardfeed", "serve", "--cache-dir", str(tmp_path), *args],
-                            capture_output=True, text=True, timeout=60)
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """``serve`` with each of ``BAD_ARGUMENTS``, all in one process; by the arguments' text."""
+    cache = str(tmp_path_factory.mktemp("refused"))
+    runs = refusals([["serve", "--cache-dir", cache, *args] for args, _ in BAD_ARGUMENTS])
+    return {" ".join(args): run for (args, _), run in zip(BAD_ARGUMENTS, runs)}
+
+
+@pytest.mark.parametrize("args, message", BAD_ARGUMENTS)
+def test_bad_serve_arguments_are_refused_with_one_line(refused, args, message):
+    result = refused[" ".join(args)]
     assert result.returncode != 0
     assert message in result.stderr
     assert "Traceback" not in result.stderr

@@ -26,6 +26,7 @@ from shardfeed.service.stores import ObjectChanged, open_store
 from common.datasets import dir_put, make_dataset, s3_put, tar_dataset
 from common.s3 import point_aws_at
 from common.service import fetch_batch, metrics, tar_members
+from common.wait import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -90,9 +91,8 @@ def test_getbatch_objects_overwritten_are_never_served_stale(moto, tmp_path):
     with start_service({}, cache_dir=cache, env=moto.env(), args=args) as svc:
         assert getbatch(svc.url, keys) == [new[k] for k in keys]
         old.update(new)
-        newer = overwrite(keys[:10])  # while it runs: seen within --object-ttl
-        time.sleep(1.2)
-        assert getbatch(svc.url, keys) == [newer.get(k, new[k]) for k in keys]
+        newer = overwrite(keys[:10])  # while it runs: seen once --object-ttl has passed
+        wait_until(lambda: getbatch(svc.url, keys) == [newer.get(k, new[k]) for k in keys], 10, "the newer objects")
 
 
 def test_shards_replaced_mid_epoch_never_yield_a_mixed_sample(moto, tmp_path):
@@ -128,17 +128,21 @@ def test_shards_replaced_mid_epoch_never_yield_a_mixed_sample(moto, tmp_path):
                     served[0] += len(indices)
 
         threads = [threading.Thread(target=read, args=(seed,)) for seed in range(3)]
+        def served_more(samples: int) -> None:  # the readers read on: batches of every version seen
+            mark = served[0]
+            wait_until(lambda: served[0] >= mark + samples or errors, 30, "the readers' batches")
+
         for thread in threads:
             thread.start()
-        time.sleep(1.0)
+        served_more(100)
         before = version(svc.url)
         for path, data in staged.items():  # the shards, then the index, as a writer would
             if path != "index.parquet":
                 s3.put_object(Bucket="midepoch", Key=f"train/{path}", Body=data)
-                time.sleep(0.3)
+                served_more(16)
         s3.put_object(Bucket="midepoch", Key="train/index.parquet", Body=staged["index.parquet"])
         reloaded = httpx.post(f"{svc.url}/v1/datasets/train/reload", timeout=30).json()["dataset"]
-        time.sleep(1.0)
+        served_more(100)
         stop.set()
         for thread in threads:
             thread.join(timeout=60)

@@ -20,7 +20,7 @@ from shardfeed.service.datasets.indexfile import INDEX_FILE, IndexFormatError
 from shardfeed.service.datasets.tarscan import index_shards
 from shardfeed.service.stores import ObjectNotFound
 
-from common.cli import fails, members_through_index, ok, run, with_store
+from common.cli import fails, members_through_index, ok, one_line_error, refusals, run, with_store
 from common.s3 import EVERY_SERVER, new_bucket, point_aws_at
 
 SEED_ARGS = ["--samples", "40", "--size", "1KiB-12KiB", "--shard-size", "160KiB", "--fields", "bin,cls,json",
@@ -215,7 +215,7 @@ def write_tar(members) -> bytes:
     return buf.getvalue()
 
 
-@pytest.mark.parametrize("shards, message", [
+BAD_SHARDS = [
     ({"a.tar": write_tar([("1.jpg", b"x")]), "b.tar": b"<html>not a tar</html>" * 40},
      "b.tar: not a tar file"),
     ({"a.tar": write_tar([("1.jpg", b"x" * 5000), ("1.cls", b"1")])[:3000]},
@@ -224,16 +224,19 @@ def write_tar(members) -> bytes:
      "a.tar: sample '1' has field 'cls' twice"),
     ({"notes.txt": b"no shards here"}, "no .tar shards found"),
     ({"a.tar": bytes(10240)}, "the shards hold no samples"),
-])
-def test_bad_shards_give_one_line_errors_and_no_index(root, shards, message):
-    url = root("bad")
+]
 
-    async def upload(store):
-        for path, data in shards.items():
-            await store.write(path, data)
-    run(with_store(url, upload))
-    assert message in fails("index", url)
-    assert INDEX_FILE not in list_paths(url)
+
+def test_bad_shards_give_one_line_errors_and_no_index(root):
+    urls = [root(f"bad{i}") for i in range(len(BAD_SHARDS))]
+    for url, (shards, _) in zip(urls, BAD_SHARDS):
+        async def upload(store, shards=shards):
+            for path, data in shards.items():
+                await store.write(path, data)
+        run(with_store(url, upload))
+    for url, (_, message), refused in zip(urls, BAD_SHARDS, refusals([["index", url] for url in urls])):
+        assert message in one_line_error(refused), url
+        assert INDEX_FILE not in list_paths(url)
 
 
 @settings(max_examples=60, deadline=None)
@@ -260,11 +263,13 @@ def test_bad_pack_sources_give_one_line_errors_and_write_nothing(tmp_path):
     (dup / "sub" / "0001.jpg").write_bytes(b"a")
     (dup / "sub" / "0001.JPG").write_bytes(b"b")
     (noext / "0001").write_bytes(b"a")
-    assert f"source directory '{empty}' has no files to pack" in fails("pack", str(empty), root("p1"))
-    assert f"source directory '{tmp_path / 'nope'}' does not exist" in fails("pack", str(tmp_path / "nope"),
-                                                                             root("p2"))
-    assert "0001.jpg: duplicate field 'jpg' (also 0001.JPG) in sample '0001'" in fails("pack", str(dup), root("p3"))
-    assert "0001: no extension" in fails("pack", str(noext), root("p4"))
+    errors = [one_line_error(refused) for refused in refusals([
+        ["pack", str(empty), root("p1")], ["pack", str(tmp_path / "nope"), root("p2")],
+        ["pack", str(dup), root("p3")], ["pack", str(noext), root("p4")]])]
+    assert f"source directory '{empty}' has no files to pack" in errors[0]
+    assert f"source directory '{tmp_path / 'nope'}' does not exist" in errors[1]
+    assert "0001.jpg: duplicate field 'jpg' (also 0001.JPG) in sample '0001'" in errors[2]
+    assert "0001: no extension" in errors[3]
     for name in ("p1", "p2", "p3", "p4"):
         assert list_paths(root(name)) == []
 
@@ -286,10 +291,12 @@ def test_store_problems_give_one_line_errors(s3_env, bucket):
 
 
 def test_bad_arguments_give_one_line_errors(tmp_path):
-    assert "invalid size '10XB'" in fails("seed", str(tmp_path / "d"), "--samples", "2", "--size", "10XB")
-    assert "unknown synthetic field 'png'" in fails("seed", str(tmp_path / "d"), "--samples", "2",
-                                                    "--fields", "bin,png")
-    assert "--samples is required" in fails("seed", str(tmp_path / "d"))
+    seed = ["seed", str(tmp_path / "d")]
+    errors = [one_line_error(refused) for refused in refusals([
+        [*seed, "--samples", "2", "--size", "10XB"], [*seed, "--samples", "2", "--fields", "bin,png"], seed])]
+    assert "invalid size '10XB'" in errors[0]
+    assert "unknown synthetic field 'png'" in errors[1]
+    assert "--samples is required" in errors[2]
     assert not (tmp_path / "d").exists()
 
 

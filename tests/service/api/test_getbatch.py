@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import random
 import tarfile
-import time
 from functools import partial
 
 import httpx
@@ -18,7 +17,7 @@ from aistore.sdk.errors import AISError, ErrObjNotFound
 from shardfeed.process import free_port, start_all, start_service, stop_all
 
 from common.datasets import make_dataset, s3_put
-from common.service import metrics
+from common.service import metrics, wait_peers_up
 
 BUCKET, OTHER, FORBIDDEN = "gb-main", "gb-other", "gb-forbidden"
 
@@ -201,9 +200,6 @@ def test_an_empty_batch_a_zip_and_malformed_bodies_are_4xx(client, service):
 
 @pytest.mark.slow
 def test_with_replicas_the_replica_asked_reads_the_entries_itself(objects, moto, tmp_path):
-
-    from common.service import metrics
-
     source = objects[0]
     ports = [free_port() for _ in range(2)]
     peers = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip("ab", ports))
@@ -211,10 +207,7 @@ def test_with_replicas_the_replica_asked_reads_the_entries_itself(objects, moto,
                                   port=ports[i], env=moto.env(),
                                   args=["--node-id", "ab"[i], "--peers", peers, "--bucket", BUCKET]) for i in range(2)])
     try:
-        deadline = time.monotonic() + 10  # until each replica sees the other up
-        while any(metrics(s.url)["shardfeed_peers_up"] < 2 for s in services):
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        wait_peers_up([s.url for s in services], 2, 10)
         client = Client(services[0].url)
         keys = [f"loose/{i:04d}.jpg" for i in range(20)]
         got = fetch(client.batch(keys, bucket=client.bucket(BUCKET, provider="s3")))

@@ -28,7 +28,8 @@ from shardfeed.service.stores import open_store
 
 from common.datasets import dir_put, make_dataset
 from common.reliability import expected_members
-from common.service import fetch_batch, metrics
+from common.service import fetch_batch, metrics, wait_for_reading_after, wait_peers_up
+from common.wait import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # several services, or a browser
 
@@ -51,14 +52,6 @@ def stats(url: str) -> dict:
     resp = httpx.get(f"{url}/v1/stats", timeout=10)
     assert resp.status_code == 200, resp.text
     return resp.json()
-
-
-def wait_for_reading_after(url: str, moment: float) -> dict:
-    deadline = time.monotonic() + 30
-    while (doc := stats(url))["time"] is None or doc["time"] <= moment:
-        assert time.monotonic() < deadline, "no new reading within 30 s"
-        time.sleep(0.2)
-    return doc
 
 
 def index_rows(root) -> list[dict]:
@@ -96,10 +89,7 @@ def test_blocks_read_through_the_owner_replica_are_hits_of_the_asking_node(datas
                                          port=ports[i], args=[*ARGS, "--node-id", "ab"[i], "--peers", peers])
                                  for i in range(2)])
     try:
-        deadline = time.monotonic() + 20
-        while any(metrics(s.url)["shardfeed_peers_up"] < 2 for s in services):
-            assert time.monotonic() < deadline, "the replicas do not see each other"
-            time.sleep(0.2)
+        wait_peers_up([s.url for s in services], 2)
         doc = wait_for_reading_after(a.url, time.time())
         assert doc["cache"]["hits"] == {**dict.fromkeys(TIERS, 0), "store": 0}
         url = doc["datasets"][0]["url"]
@@ -222,19 +212,17 @@ def test_a_registration_is_listed_while_under_way_and_on_the_page(browser, datas
             answer = httpx.post(f"{svc.url}/v1/datasets", json={"name": "raw", "url": str(raw)},
                                 params={"wait": 0}, timeout=30)
             assert answer.status_code == 202, answer.text
-            time.sleep(0.3)
+            listed = [{"name": "raw", "url": str(raw), "indexing": None}]
+            wait_until(lambda: stats(svc.url)["registering"] == listed, 10, "the registration listed")
             for _ in range(4):  # the answering worker, or its sibling
                 doc = stats(svc.url)
                 assert doc["workers_reporting"] == 2
-                assert doc["registering"] == [{"name": "raw", "url": str(raw), "indexing": None}]
+                assert doc["registering"] == listed
             page.wait_for_function("() => !document.getElementById('registering-section').hidden", timeout=30_000)
             row = page.locator("#registering tr[data-name='raw']")
             assert row.locator("td").all_text_contents() == ["raw", "opening", str(raw)]
             fcntl.flock(lock, fcntl.LOCK_UN)
-        deadline = time.monotonic() + 30
-        while (doc := stats(svc.url))["registering"] is not None:
-            assert time.monotonic() < deadline, doc["registering"]
-            time.sleep(0.1)
+        wait_until(lambda: stats(svc.url)["registering"] is None, 30, "the registration done")
         # The client asks again for the outcome (which relays it to the other worker).
         again = httpx.post(f"{svc.url}/v1/datasets", json={"name": "raw", "url": str(raw)}, timeout=60)
         assert again.status_code == 200, again.text

@@ -24,7 +24,8 @@ from shardfeed.service.observe.stats import COLUMNS, RATES, StatsRecorder, quant
 
 from common import REPO
 from common.datasets import dir_put, make_dataset
-from common.service import metrics
+from common.service import metrics, wait_for_reading_after, wait_peers_up
+from common.wait import wait_until
 
 pytestmark = pytest.mark.slow  # starts several services, S3 servers or a browser; not in `make check`
 
@@ -49,15 +50,6 @@ def stats(url: str, **kw) -> dict:
     assert resp.status_code == 200, resp.text
     assert resp.headers["content-type"] == "application/json"
     return resp.json()
-
-
-def wait_for_reading_after(url: str, moment: float, **kw) -> dict:
-    """The stats document once the recorder has read the metrics after ``moment`` (wall time)."""
-    deadline = time.monotonic() + 30
-    while (doc := stats(url, **kw))["time"] is None or doc["time"] <= moment:
-        assert time.monotonic() < deadline, "no new reading within 30 s"
-        time.sleep(0.2)
-    return doc
 
 
 def columns(series: dict) -> dict[str, list]:
@@ -232,20 +224,19 @@ def test_replicas_show_health_and_the_shards_each_owns(dataset, tmp_path):
     services = start_all([partial(start_service, {"train": dataset}, cache_dir=tmp_path / f"cache-{i}", port=ports[i],
                                   args=["--node-id", "ab"[i], "--peers", peers]) for i in range(2)])
     try:
-        deadline = time.monotonic() + 20  # until each replica sees the other up
-        while any(metrics(s.url)["shardfeed_peers_up"] < 2 for s in services):
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        wait_peers_up([s.url for s in services], 2)
         views = [wait_for_reading_after(s.url, time.time())["replicas"] for s in services]
         for view, me in zip(views, "ab"):
             assert [(r["id"], r["self"]) for r in view] == [("a", me == "a"), ("b", me == "b")]
             assert sum(r["shards"]["train"] for r in view) == 8
         assert [r["shards"] for r in views[0]] == [r["shards"] for r in views[1]]  # one map, seen alike
         services[1].stop()
-        deadline = time.monotonic() + 20
-        while (view := stats(services[0].url)["replicas"])[1]["up"]:
-            assert time.monotonic() < deadline, "the stopped replica still shows up"
-            time.sleep(0.2)
+
+        def shown_down() -> list | None:
+            view = stats(services[0].url)["replicas"]
+            return None if view[1]["up"] else view
+
+        view = wait_until(shown_down, 20, "the stopped replica shown down")
         assert view[0]["shards"] == {"train": 8} and view[1]["shards"] == {"train": 0}
     finally:
         stop_all(services)

@@ -9,17 +9,20 @@ import hashlib
 import os
 import signal
 import socket
+import subprocess
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import pytest
 
 from shardfeed.process import scrape_metrics, start_service
 
-from common.cli import fails
+from common.cli import one_line_error, refusals
 from common.datasets import dir_put, make_dataset, s3_put
 from common.service import tar_members
+from common.wait import wait_until
 
 DATA, OTHER = "tn-data", "tn-other"
 SECRETS = {"teamA": "alpha-secret-7f3e9c0d", "teamB": "bravo-secret-41aa96e0", "teamC": "charlie-secret-0c5d",
@@ -210,10 +213,7 @@ def test_a_tenant_at_its_bound_gets_429_and_the_others_are_served(service):
     assert batch("teamA", "train").status_code == 200  # warm: the instant answerer would serve it
     hogs = [hog(service.url, "teamA") for _ in range(2)]
     try:
-        deadline = time.monotonic() + 10
-        while inflight(service.url, "teamA") < 2:
-            assert time.monotonic() < deadline, "the held batches never counted"
-            time.sleep(0.05)
+        wait_until(lambda: inflight(service.url, "teamA") >= 2, 10, "the held batches counted")
         for _ in range(3):
             refused = batch("teamA", "train")
             assert refused.status_code == 429, refused.text
@@ -230,10 +230,8 @@ def test_a_tenant_at_its_bound_gets_429_and_the_others_are_served(service):
     finally:
         for sock in hogs:
             sock.close()
-    deadline = time.monotonic() + 10
-    while batch("teamA", "train").status_code == 429:
-        assert time.monotonic() < deadline, "the slots of batches whose clients went away were never freed"
-        time.sleep(0.1)
+    wait_until(lambda: batch("teamA", "train").status_code != 429, 10,
+               "the slots of batches whose clients went away freed")
 
 
 def test_no_secret_reaches_a_log_line_or_a_metric_label(service):
@@ -261,12 +259,13 @@ def write(path, text: str) -> None:
 
 
 def wait_for(url: str, who: str, secret: str, status: int, seconds: float = 6) -> None:
-    deadline = time.monotonic() + seconds
-    while (got := httpx.get(f"{url}/v1/datasets", headers={"Authorization": f"Bearer {secret}"}).status_code) != status:
-        assert time.monotonic() < deadline, f"{who} still answered {got}, not {status}"
-        time.sleep(0.1)
+    def answered() -> bool:
+        return httpx.get(f"{url}/v1/datasets", headers={"Authorization": f"Bearer {secret}"}).status_code == status
+
+    wait_until(answered, seconds, f"{who} answered {status}")
 
 
+@pytest.mark.slow  # five rounds of the service's 2 s poll of the file
 def test_the_token_file_is_read_again_and_a_broken_one_keeps_the_tokens_read_before(tmp_path):
     data = tmp_path / "data"
     make_dataset(dir_put(data), samples=10, per_shard=10)
@@ -280,10 +279,7 @@ def test_the_token_file_is_read_again_and_a_broken_one_keeps_the_tokens_read_bef
         wait_for(svc.url, "one", "first-secret-1", 401, 0)
 
         write(tokens, '[three]\nsecret = "third-secret-3"\nscopes = ["dataset:*", "read:everything"]\n')
-        deadline = time.monotonic() + 6
-        while "unknown scope 'read:everything'" not in svc.log():
-            assert time.monotonic() < deadline, "the broken file was never reported"
-            time.sleep(0.1)
+        wait_until(lambda: "unknown scope 'read:everything'" in svc.log(), 6, "the broken file reported")
         wait_for(svc.url, "two", "second-secret-2", 200, 0)
         wait_for(svc.url, "three", "third-secret-3", 401, 0)
         assert "the tokens read before stay (tenants: two)" in svc.log()
@@ -294,7 +290,7 @@ def test_the_token_file_is_read_again_and_a_broken_one_keeps_the_tokens_read_bef
         stamp = tokens.stat().st_mtime_ns
         tokens.write_text('[four]\nsecret = "fourth-secret-X"\nscopes = ["dataset:*"]\n')
         os.utime(tokens, ns=(stamp, stamp))
-        time.sleep(2.5)  # a poll or two
+        time.sleep(2.5)  # not a wait for an event: a poll or two that must not see the change
         wait_for(svc.url, "four, its first secret", "fourth-secret-4", 200, 0)
         svc.process.send_signal(signal.SIGHUP)
         wait_for(svc.url, "four, its new secret", "fourth-secret-X", 200, 2)
@@ -304,7 +300,7 @@ def test_the_token_file_is_read_again_and_a_broken_one_keeps_the_tokens_read_bef
         assert secret not in log
 
 
-@pytest.mark.parametrize("text, message", [
+BAD_TOKEN_FILES = [
     ('[a]\nsecret = "s3cret-value"\nscopes = ["datasets:train"]\n',
      "tenant 'a': unknown scope 'datasets:train' (scopes: admin, dataset:NAME, bucket:NAME"),
     ('[a]\nsecret = "s3cret-value"\nscope = ["dataset:train"]\n', "tenant 'a': unknown key 'scope'"),
@@ -314,23 +310,37 @@ def test_the_token_file_is_read_again_and_a_broken_one_keeps_the_tokens_read_bef
     ('[a]\nsecret = "s3cret-value"\nmax_inflight_batches = 0\n', "max_inflight_batches must be a whole number"),
     ('[full-access]\nsecret = "s3cret-value"\n', "the name is reserved"),
     ('secret = "s3cret-value"\n', "tenant 'secret' is not a table"),
-])
-def test_a_bad_token_file_stops_serve_at_start_with_the_reason(tmp_path, text, message):
-    tokens = tmp_path / "tokens.toml"
-    tokens.write_text(text)
-    error = fails("serve", "--tokens", str(tokens), "--port", "0", "--cache-dir", str(tmp_path / "cache"))
+]
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """``serve`` with each of ``BAD_TOKEN_FILES`` (by its text), and with a good one on replicas
+    (``"peers"``), all in one process."""
+    root = tmp_path_factory.mktemp("refused")
+    files = [root / f"tokens-{i}.toml" for i in range(len(BAD_TOKEN_FILES) + 1)]
+    for path, text in zip(files, [text for text, _ in BAD_TOKEN_FILES] + ['[a]\nsecret = "s3cret-value"\n']):
+        path.write_text(text)
+    serve = [["serve", "--tokens", str(path), "--port", "0", "--cache-dir", str(root / "cache")] for path in files]
+    serve[-1] += ["--node-id", "a", "--peers", "a=http://127.0.0.1:1,b=http://127.0.0.1:2"]
+    keys = [text for text, _ in BAD_TOKEN_FILES] + ["peers"]
+    return {key: (path, run) for key, path, run in zip(keys, files, refusals(serve))}
+
+
+@pytest.mark.parametrize("text, message", BAD_TOKEN_FILES)
+def test_a_bad_token_file_stops_serve_at_start_with_the_reason(refused, text, message):
+    tokens, run = refused[text]
+    error = one_line_error(run)
     assert error.startswith(f"shardfeed: error: --tokens {tokens}")
     assert message in error and "s3cret-value" not in error
 
 
-def test_replicas_with_tenants_need_a_shared_full_access_token(tmp_path):
-    tokens = tmp_path / "tokens.toml"
-    tokens.write_text('[a]\nsecret = "s3cret-value"\n')
-    error = fails("serve", "--tokens", str(tokens), "--node-id", "a", "--peers", "a=http://127.0.0.1:1,b=http://127.0.0.1:2",
-                  "--cache-dir", str(tmp_path / "cache"))
+def test_replicas_with_tenants_need_a_shared_full_access_token(refused):
+    error = one_line_error(refused["peers"][1])
     assert "--tokens with --peers needs a full-access token" in error
 
 
+@pytest.mark.slow  # two workers, as in the other tests of --workers N
 def test_workers_with_tenants_reach_each_other_and_serve_a_tenant_whole_batches(tmp_path):
     data = tmp_path / "data"
     source = make_dataset(dir_put(data), samples=40, per_shard=5)

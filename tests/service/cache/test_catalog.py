@@ -4,7 +4,6 @@ without ever serving an unverified byte, and eviction ranks a few blocks, not al
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest
@@ -13,6 +12,8 @@ from shardfeed.service.cache.catalog import CATALOG, MAGIC, RECORD, STREAMS, Cat
 from shardfeed.service.cache.disk import BlockCache
 from shardfeed.service.cache.names import BlockKey
 from shardfeed.service.observe.metrics import Metrics
+
+from common.wait import wait_until
 
 BLOCK = 4096
 
@@ -76,10 +77,7 @@ def test_a_crash_at_any_point_leaves_nothing_unverified_served_and_orphans_are_r
     again = cache_at(tmp_path)
     assert [again.read(k, None) for k in keys(6)] == [None, None, None] + [[payload(i)] for i in (3, 4, 5)]
     assert [k in again for k in keys(6)] == [False] * 3 + [True] * 3  # the bad ones dropped
-    deadline = time.monotonic() + 10
-    while orphan.exists() or temp.exists():
-        assert time.monotonic() < deadline, "the orphan scan did not remove what no record names"
-        time.sleep(0.02)
+    wait_until(lambda: not orphan.exists() and not temp.exists(), 10, "the orphan scan removing what no record names")
     assert again.read(BlockKey("d1", "s1", 99), None) is None
     # The torn tail was cut off: records appended from here on read back.
     again.write(BlockKey("d1", "s2", 0), payload(7))
@@ -192,9 +190,6 @@ def test_a_file_that_vanishes_during_the_orphan_scan_does_not_stop_it(tmp_path):
         path.write_bytes(payload(1))
     (directory / ".tmp-vanished").symlink_to(directory / "no-such-file")
     again = cache_at(tmp_path)
-    deadline = time.monotonic() + 10
-    while any(path.exists() for path in orphans):
-        assert time.monotonic() < deadline, "the orphan scan stopped at the vanished file"
-        time.sleep(0.02)
+    wait_until(lambda: not any(path.exists() for path in orphans), 10, "the orphan scan past the vanished file")
     assert [again.read(k, None) for k in keys(2)] == [[payload(0)], [payload(1)]]
     again.close()

@@ -16,7 +16,7 @@ from shardfeed.process import free_port, start_all, start_service, stop_all
 
 from common.datasets import bucket_dataset
 from common.reliability import expected_members
-from common.service import fetch_batch, hops, metrics
+from common.service import fetch_batch, hops, metrics, wait_peers_up
 
 pytestmark = pytest.mark.slow  # starts several services, S3 servers or a browser; not in `make check`
 
@@ -39,10 +39,7 @@ def cluster(dataset, s3_server, tmp_path):
                                                    "--block-size", "64KiB", "--peer-timeout", "2"])
 
     services = start_all([partial(start, i) for i in range(3)])
-    deadline = time.monotonic() + 10  # wait until every replica sees every peer up
-    while any(metrics(s.url)["shardfeed_peers_up"] < 3 for s in services):
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    wait_peers_up([s.url for s in services], 3, 10)
     yield services, start
     stop_all(services)
 
@@ -83,10 +80,7 @@ def test_killing_a_replica_loses_no_sample_and_a_restarted_one_rejoins(cluster, 
     assert metrics(services[0].url)["shardfeed_peers_up"] == 2
 
     services[2] = start(2)
-    deadline = time.monotonic() + 10
-    while metrics(services[0].url)["shardfeed_peers_up"] < 3:
-        assert time.monotonic() < deadline, "the restarted replica never rejoined"
-        time.sleep(0.2)
+    wait_peers_up([services[0].url], 3, 10)  # the restarted replica rejoined
     indices = list(range(SAMPLES))
     assert fetch_batch(services[0].url, indices) == expected(source, indices)
     # (During the outage c's shards were read by a fallback or, once the health checks had
@@ -154,9 +148,7 @@ def test_client_routing_survives_ownership_changes_mid_epoch(cluster, dataset):
             batch = rng.sample(range(SAMPLES), 48)
             assert keyed(client.get_batch("train", batch)) == samples(source, batch)
         deadline = time.monotonic() + 20
-        while any(metrics(s.url)["shardfeed_peers_up"] < 3 for s in services):
-            assert time.monotonic() < deadline, "the restarted replica never rejoined"
-            time.sleep(0.2)
+        wait_peers_up([s.url for s in services], 3, 20)  # the restarted replica rejoined
         versions = {httpx.get(f"{s.url}/v1/datasets/train/routing").json()["version"] for s in services}
         assert len(versions) == 1
         while client.router.version("train") not in versions:  # answers tell the client its table is stale

@@ -17,7 +17,7 @@ from shardfeed.process import free_port, healthy, start_service
 
 from common.datasets import bucket_dataset
 from common.reliability import expected_members
-from common.service import fetch_batch, hops, metrics
+from common.service import fetch_batch, hops, metrics, wait_peers_up
 from common.workers import cached_blocks, worker_pids, worker_urls
 
 pytestmark = pytest.mark.slow  # starts several services, S3 servers or a browser; not in `make check`
@@ -207,10 +207,7 @@ def test_replicas_compose_with_workers(dataset, moto, tmp_path):
                        args=["--node-id", "a", "--peers", peers, "--block-size", "64KiB"]) as a, \
             start_service({"train": dataset[0]}, cache_dir=tmp_path / "b", port=ports[1], env=moto.env(),
                           args=["--node-id", "b", "--peers", peers, "--block-size", "64KiB"]) as b:
-        deadline = time.monotonic() + 10  # until every process sees both replicas up
-        while any(metrics(url)["shardfeed_peers_up"] < 2 for url in [b.url, *worker_urls(a.url)]):
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        wait_peers_up([b.url, *worker_urls(a.url)], 2, 10)  # every process
         order = list(range(SAMPLES))
         random.Random(9).shuffle(order)
         for service in (a, b):  # plain HTTP: any replica, any worker

@@ -22,6 +22,7 @@ from shardfeed.process import child_pids, free_port, healthy, start_service, sto
 from common.reliability import expected_members
 from common.service import fetch_batch, metrics
 from common.workers import cached_blocks, directory_dataset, owned_shards, sibling_blocks, worker_pids, worker_urls
+from common.wait import wait_until
 
 pytestmark = pytest.mark.slow  # starts several services, S3 servers or a browser; not in `make check`
 
@@ -39,11 +40,10 @@ def expected(source, indices):
 
 
 def wait_for(condition, what: str, service, timeout: float = 60):
-    deadline = time.monotonic() + timeout
-    while not (result := condition()):
-        assert time.monotonic() < deadline, f"{what}:\n{service.log()[-3000:]}"
-        time.sleep(0.1)
-    return result
+    try:
+        return wait_until(condition, timeout, what)
+    except AssertionError as err:
+        raise AssertionError(f"{err}:\n{service.log()[-3000:]}") from None
 
 
 class CounterWatch:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 
 import httpx
 import pytest
@@ -19,6 +18,7 @@ from common.datasets import dir_put, make_dataset
 from common.reliability import expected_members
 from common.service import fetch_batch
 from common.workers import worker_pids, worker_urls
+from common.wait import wait_until
 
 ARGS = ["--block-size", "64KiB"]
 
@@ -33,6 +33,15 @@ def datasets(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def service(datasets, tmp_path_factory):
+    """One service of ``train`` for the tests that need no restart and no token: each registers
+    names of its own."""
+    with start_service({"train": datasets["train"][0]}, cache_dir=tmp_path_factory.mktemp("service") / "cache",
+                       args=ARGS) as svc:
+        yield svc
+
+
 def unindexed(root) -> dict:
     source = make_dataset(dir_put(root), samples=40, per_shard=10, seed=2, sizes=(100, 2000))
     (root / "index.parquet").unlink()
@@ -43,10 +52,28 @@ def register(url: str, name: str, dataset_url: str, **params) -> httpx.Response:
     return httpx.post(f"{url}/v1/datasets", json={"name": name, "url": dataset_url}, params=params, timeout=60)
 
 
+def answers(url: str) -> bool:
+    """Whether ``GET url`` answers 200 now (a worker that is down does not)."""
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def outcome(answer: httpx.Response) -> httpx.Response | None:
+    """``answer`` unless it is a 202 (still registering: ask again)."""
+    return None if answer.status_code == 202 else answer
+
+
+def names(url: str) -> list[str]:
+    return [d["name"] for d in httpx.get(f"{url}/v1/datasets", timeout=10).json()]
+
+
 def error_code(response: httpx.Response) -> str:
     return response.json()["error"]["code"]
 
 
+@pytest.mark.slow  # two workers, one killed and restarted, as in the other tests of --workers N
 def test_a_registered_dataset_is_served_by_every_worker_and_a_restarted_one_and_removed_from_all(
         datasets, tmp_path):
     train_url, _ = datasets["train"]
@@ -55,10 +82,8 @@ def test_a_registered_dataset_is_served_by_every_worker_and_a_restarted_one_and_
         # Answered at once (202); nobody asks again, and every worker gets it all the same.
         assert register(svc.url, "extra", extra_url, wait=0).status_code == 202
         workers = worker_urls(svc.url)
-        deadline = time.monotonic() + 30
-        while not all(httpx.get(f"{w}/v1/datasets/extra", timeout=5).status_code == 200 for w in workers):
-            assert time.monotonic() < deadline, "not every worker serves the registered dataset"
-            time.sleep(0.1)
+        wait_until(lambda: all(httpx.get(f"{w}/v1/datasets/extra", timeout=5).status_code == 200 for w in workers),
+                   30, "every worker serving the registered dataset")
         answer = register(svc.url, "extra", extra_url)  # the same again: idempotent
         assert answer.status_code == 200, answer.text
         assert answer.json()["dataset"]["samples"] == 60
@@ -66,14 +91,7 @@ def test_a_registered_dataset_is_served_by_every_worker_and_a_restarted_one_and_
             assert fetch_batch(worker, [5, 59, 0], "extra") == expected_members(extra, "extra", [5, 59, 0])
 
         os.kill(worker_pids(svc)[1], signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{workers[1]}/v1/datasets/extra", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        wait_until(lambda: answers(f"{workers[1]}/v1/datasets/extra"), 30, "the restarted worker serving it")
         assert fetch_batch(workers[1], [1, 2], "extra") == expected_members(extra, "extra", [1, 2])
 
         removed = httpx.delete(f"{svc.url}/v1/datasets/extra", timeout=30)
@@ -85,7 +103,7 @@ def test_a_registered_dataset_is_served_by_every_worker_and_a_restarted_one_and_
         assert fetch_batch(svc.url, [3], "train")  # the others are untouched
 
 
-def test_refusals_are_json_errors(datasets, tmp_path):
+def test_refusals_are_json_errors(service, datasets, tmp_path):
     train_url, _ = datasets["train"]
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -93,24 +111,24 @@ def test_refusals_are_json_errors(datasets, tmp_path):
     corrupt = tmp_path / "corrupt"
     corrupt.mkdir()
     (corrupt / "part-0.tar").write_bytes(b"not a tar file at all" * 100)
-    with start_service({"train": train_url}, cache_dir=tmp_path / "cache", args=ARGS) as svc:
-        taken = register(svc.url, "train", datasets["extra"][0])
-        assert taken.status_code == 409 and error_code(taken) == "dataset_exists"
-        assert train_url in taken.json()["error"]["message"]
-        assert register(svc.url, "train", train_url).status_code == 200
-        for name, url, status, code in [
-                ("x", "relative/path", 400, "invalid_request"),
-                ("x", "http://example.com/data", 400, "invalid_request"),
-                ("a/b", str(empty), 400, "invalid_request"),
-                ("x", str(tmp_path / "missing"), 422, "no_dataset"),
-                ("x", str(empty), 422, "no_dataset"),
-                ("x", str(corrupt), 422, "invalid_index")]:
-            answer = register(svc.url, name, url)
-            assert (answer.status_code, error_code(answer)) == (status, code), (url, answer.text)
-        assert "neither index.parquet nor .tar shards" in register(svc.url, "x", str(empty)).text
-        bad = httpx.post(f"{svc.url}/v1/datasets", content=b"{not json", timeout=10)
-        assert bad.status_code == 400 and error_code(bad) == "invalid_request"
-        assert [d["name"] for d in httpx.get(f"{svc.url}/v1/datasets", timeout=10).json()] == ["train"]
+    served = names(service.url)
+    taken = register(service.url, "train", datasets["extra"][0])
+    assert taken.status_code == 409 and error_code(taken) == "dataset_exists"
+    assert train_url in taken.json()["error"]["message"]
+    assert register(service.url, "train", train_url).status_code == 200
+    for name, url, status, code in [
+            ("x", "relative/path", 400, "invalid_request"),
+            ("x", "http://example.com/data", 400, "invalid_request"),
+            ("a/b", str(empty), 400, "invalid_request"),
+            ("x", str(tmp_path / "missing"), 422, "no_dataset"),
+            ("x", str(empty), 422, "no_dataset"),
+            ("x", str(corrupt), 422, "invalid_index")]:
+        answer = register(service.url, name, url)
+        assert (answer.status_code, error_code(answer)) == (status, code), (url, answer.text)
+    assert "neither index.parquet nor .tar shards" in register(service.url, "x", str(empty)).text
+    bad = httpx.post(f"{service.url}/v1/datasets", content=b"{not json", timeout=10)
+    assert bad.status_code == 400 and error_code(bad) == "invalid_request"
+    assert names(service.url) == served  # none of them added
 
 
 def test_registration_needs_the_token_when_tokens_are_on(datasets, tmp_path):
@@ -123,19 +141,16 @@ def test_registration_needs_the_token_when_tokens_are_on(datasets, tmp_path):
 
 
 def test_tar_shards_without_an_index_are_indexed_on_registration_and_the_index_written_beside_them(
-        datasets, tmp_path):
+        service, tmp_path):
     root = tmp_path / "raw"
     source = unindexed(root)
-    with start_service({"train": datasets["train"][0]}, cache_dir=tmp_path / "cache", args=ARGS) as svc:
-        first = register(svc.url, "raw", str(root), wait=0)  # answered before the dataset is open
-        assert first.status_code == 202 and first.headers["Retry-After"] == "1"
-        assert first.json()["registering"]["name"] == "raw"
-        deadline = time.monotonic() + 30
-        while (answer := register(svc.url, "raw", str(root))).status_code == 202 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert answer.status_code == 200 and answer.json()["dataset"]["samples"] == 40
-        assert (root / "index.parquet").exists()
-        assert fetch_batch(svc.url, [0, 39, 17], "raw") == expected_members(source, "raw", [0, 39, 17])
+    first = register(service.url, "raw", str(root), wait=0)  # answered before the dataset is open
+    assert first.status_code == 202 and first.headers["Retry-After"] == "1"
+    assert first.json()["registering"]["name"] == "raw"
+    answer = wait_until(lambda: outcome(register(service.url, "raw", str(root))), 30, "the registration's outcome")
+    assert answer.status_code == 200 and answer.json()["dataset"]["samples"] == 40
+    assert (root / "index.parquet").exists()
+    assert fetch_batch(service.url, [0, 39, 17], "raw") == expected_members(source, "raw", [0, 39, 17])
 
 
 def test_a_read_only_prefix_keeps_its_index_in_the_cache_directory_and_a_restart_reuses_it(datasets, tmp_path):

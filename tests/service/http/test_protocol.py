@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-import time
 from functools import partial
 
 import httpx
@@ -47,6 +46,14 @@ async def app(scope, receive, send):
 
 
 INSTANT_CALLS: list[bytes] = []
+READ = threading.Event()
+"""Set after the server's protocol has taken in a read: a test sends the next bytes after it."""
+
+
+class SignallingProtocol(BoundedHeadProtocol):
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        READ.set()
 
 
 def instant(scope, body: bytes):
@@ -65,7 +72,7 @@ def instant(scope, body: bytes):
 def server_url():
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    protocol = partial(BoundedHeadProtocol, instant={("POST", "/instant"): instant})
+    protocol = partial(SignallingProtocol, instant={("POST", "/instant"): instant})
     server = uvicorn.Server(uvicorn.Config(app, http=protocol, loop="uvloop", lifespan="off",
                                            log_level="warning"))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
@@ -167,8 +174,9 @@ def test_a_body_after_its_head_declined_or_failing_is_answered_by_the_app(connec
     sock, pending = connection
     INSTANT_CALLS.clear()
     request = post(b"late body")
+    READ.clear()
     sock.sendall(request[:-4])  # the head and part of the body, then the rest in a later read
-    time.sleep(0.2)
+    assert READ.wait(10), "the server never read the head"
     sock.sendall(request[-4:])
     assert read_answer(sock, pending)[2] == b"app:late body"
     assert INSTANT_CALLS == []  # offered only a whole body, in the head's read

@@ -22,6 +22,7 @@ from shardfeed.process import healthy, start_service
 from common.datasets import bucket_dataset
 from common.service import metrics, tar_members
 from common.workers import worker_pids, worker_urls
+from common.wait import wait_until
 
 pytestmark = pytest.mark.slow  # starts several services, S3 servers or a browser; not in `make check`
 
@@ -235,8 +236,7 @@ def test_an_expired_plan_is_registered_again_and_nothing_is_lost(dataset, moto, 
         plans = f"{svc.url}/v1/datasets/train/plans"
         plan = httpx.post(plans, json=_sampler_plan(sampler)).json()
         assert plan["ttl"] == 1
-        time.sleep(1.5)
-        assert httpx.get(f"{plans}/{plan['id']}").status_code == 404
+        wait_until(lambda: httpx.get(f"{plans}/{plan['id']}").status_code == 404, 10, "the plan expired")
         batches = list(sampler.batches())
         with httpx.Client(timeout=60) as http:
             for j, indices in enumerate(batches):

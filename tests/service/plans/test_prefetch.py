@@ -23,6 +23,7 @@ from shardfeed.service.plans.registry import Plans
 from shardfeed.service.read.coalescer import Coalescer
 
 from common.datasets import dir_put, make_dataset
+from common.wait import await_until
 
 SAMPLES, PER_SHARD, BLOCK = 600, 100, 16 * 1024
 
@@ -84,8 +85,7 @@ def test_read_ahead_stops_once_the_cache_holds_the_dataset_and_resumes_when_a_bl
 
         async def settle():
             await prefetcher.step()
-            while not coalescer.fetcher.idle():
-                await asyncio.sleep(0.01)
+            await await_until(coalescer.fetcher.idle, 30, "the read-ahead")
 
         assert not coalescer.holds_all(dataset)
         await settle()  # plan_ahead (64 MiB) covers the whole epoch: every block is read ahead

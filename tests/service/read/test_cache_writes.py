@@ -19,6 +19,7 @@ from shardfeed.service.read import fetcher as fetcher_module
 from shardfeed.service.read.coalescer import Coalescer
 
 from common.reliability import expected_members
+from common.wait import await_until
 
 BLOCK = 64 * 1024  # blocks of about 30 samples of the `written` dataset (conftest.py)
 
@@ -46,10 +47,7 @@ def test_a_full_write_queue_skips_caching_and_never_delays_a_read(written, tmp_p
         skipped = metrics.cache_writes_skipped._value.get()
         in_ram = len(coalescer.memory)
         disk_free.set()
-        for _ in range(200):
-            if coalescer.fetcher.idle():
-                break
-            await asyncio.sleep(0.01)
+        await await_until(coalescer.fetcher.idle, 10, "the first block's write")
         cached = cache.held(dataset.id).total
         await coalescer.close()
         return got, skipped, in_ram, cached

@@ -12,6 +12,7 @@ from shardfeed.service.datasets.dataset import open_dataset
 from shardfeed.service.read.ranges import RangeReader
 
 from common.datasets import dir_put, make_dataset
+from common.wait import await_until
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def test_a_range_a_reader_took_is_not_read_ahead_again(dataset):
         assert len(reads) == 2  # one read per shard: the members of shard 0 merged
         ranges.read_ahead(dataset, taken)  # a plan's read-ahead lagging behind its reader
         ranges.read_ahead(dataset, spans_of(dataset, [30]))
-        await asyncio.sleep(0.1)
+        await await_until(lambda: len(reads) >= 3, 10, "the read-ahead")
         await ranges.close()
         return got
 
@@ -75,14 +76,13 @@ def test_a_range_read_again_while_an_earlier_sharer_still_waits_is_answered(data
     async def main() -> None:
         ranges = RangeReader(store_read, gap=0, max_read=1 << 20, memory=1 << 20)
         a = asyncio.create_task(ranges.read(dataset, shared))
-        await asyncio.sleep(0.01)
+        await await_until(lambda: len(gates) == 1, 10, "A's read")
         b = asyncio.create_task(ranges.read(dataset, shared + other))  # shares A's read, starts its own
-        await asyncio.sleep(0.01)
+        await await_until(lambda: len(gates) == 2, 10, "B's own read")
         gates[0].set()
         assert await a == exact(shared)
         c = asyncio.create_task(ranges.read(dataset, shared))  # A let go: a read of its own
-        await asyncio.sleep(0.01)
-        assert len(gates) == 3
+        await await_until(lambda: len(gates) == 3, 10, "C's own read")
         gates[1].set()
         assert await b == exact(shared + other)
         gates[2].set()

@@ -17,6 +17,7 @@ from shardfeed.service.observe.metrics import Metrics
 from shardfeed.service.read.coalescer import Coalescer
 
 from common.reliability import expected_members
+from common.wait import await_until
 
 BLOCK = 64 * 1024  # blocks of about 30 samples of the `written` dataset (conftest.py)
 
@@ -45,10 +46,8 @@ def read_twice(written, tmp_path, indices: list[int], *, ranges_first: bool) -> 
         first = list(reads)
         touched = {BlockKey(dataset.id, dataset.shard_ids[s], o // BLOCK)
                    for s, o in zip(members.shard.tolist(), members.offset.tolist())}
-        for _ in range(200):  # the blocks behind: fetched and written after the read returned
-            if all(key in cache for key in touched):
-                break
-            await asyncio.sleep(0.01)
+        # The blocks behind: fetched and written after the read returned.
+        await await_until(lambda: all(key in cache for key in touched), 10, "the blocks behind")
         behind = reads[len(first):]
         again = await coalescer.read_members(dataset, members)
         await coalescer.close()

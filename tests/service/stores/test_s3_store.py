@@ -166,13 +166,14 @@ def test_unreachable_endpoint_is_store_unavailable_within_seconds(s3_env):
 
     async def go():
         async with s3("bucket", endpoint_url=endpoint) as store:
+            waits, count = [], store._count_retry
+            store._count_retry = lambda err, delay: (waits.append(delay), count(err, delay))
             with pytest.raises(StoreUnavailable, match=f"cannot connect to S3 endpoint {endpoint}.*4 att"):
                 await store.read_range("x", 0, 10)
             assert store.requests == 4
+            assert len(waits) == 3 and sum(waits) < 3  # refused at once; only the backoff's waits between
 
-    start = time.monotonic()
     run(go())
-    assert time.monotonic() - start < 3
 
 
 def test_injected_503s_are_retried_and_the_read_returns_the_right_bytes(via_proxy, proxy):
@@ -226,10 +227,8 @@ def test_persistent_503_is_store_unavailable_after_the_configured_attempts(via_p
 def test_a_stall_past_the_read_timeout_is_retried(via_proxy, proxy):
     async def body(store):
         proxy.inject("stall", count=1, ms=5000, match="^GET ")
-        start = time.monotonic()
         assert await store.read_range("shard.bin", 0, 1000) == DATA[:1000]
-        assert store.retries == 1
-        assert time.monotonic() - start < 3
+        assert store.retries == 1  # the stalled try timed out (waited out, it would have answered)
 
     via_proxy(body, read_timeout=0.5)
 
