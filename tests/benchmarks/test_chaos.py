@@ -24,7 +24,7 @@ SHORT = ("--duration", "24", "--samples", "1000", "--shard-size", "1MiB", "--wor
 
 
 @pytest.mark.timeout(420)
-def test_forty_seconds_of_every_fault_loses_no_sample_and_delivers_none_wrong_or_twice(tmp_path):
+def test_a_short_run_of_every_fault_loses_no_sample_and_delivers_none_wrong_or_twice(tmp_path):
     figures = tmp_path / "chaos.json"
     done = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.chaos", *SHORT, "--json", str(figures)],
                           check=False, capture_output=True, text=True, timeout=400)
