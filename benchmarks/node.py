@@ -113,7 +113,10 @@ def proxy_requests(proxy: str) -> int:
 
 
 def service_trees(env: dict) -> tuple[list[dict], set[int]]:
-    """The node's services (``shardfeed ps --json``) and the sessions of every ``shardfeed serve`` process."""
+    """The node's services (``shardfeed ps --json``) and the sessions of every ``shardfeed serve --node``
+    process of this run (its run directory in its environment: another job's node service, as a
+    parallel test suite starts, is not ours)."""
+    ours = f"SHARDFEED_RUN_DIR={env['SHARDFEED_RUN_DIR']}".encode()
     listed = subprocess.run([sys.executable, "-m", "shardfeed", "ps", "--json"], env=env, capture_output=True,
                             text=True, check=True).stdout
     sessions = set()
@@ -122,7 +125,8 @@ def service_trees(env: dict) -> tuple[list[dict], set[int]]:
             continue
         try:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
-            if b"shardfeed" in b" ".join(argv) and b"serve" in argv and b"--node" in argv:
+            if b"shardfeed" in b" ".join(argv) and b"serve" in argv and b"--node" in argv \
+                    and ours in (proc / "environ").read_bytes().split(b"\0"):
                 sessions.add(os.getsid(int(proc.name)))
         except (OSError, ProcessLookupError):
             continue

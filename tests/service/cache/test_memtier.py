@@ -150,6 +150,6 @@ def test_a_memory_cache_larger_than_the_ram_is_refused_with_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "shardfeed", "serve", "--cache-dir", str(tmp_path),
                            "--memory-cache", too_much], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
-    assert done.stderr.strip().startswith(f"shardfeed: error: --memory-cache {too_much} is more than this "
-                                          "machine's RAM (")
+    assert done.stderr.strip().startswith("shardfeed: error: --memory-cache must be between 0B and ")
+    assert done.stderr.strip().endswith(f"(the machine's RAM), not {too_much}")
     assert len(done.stderr.strip().splitlines()) == 1
