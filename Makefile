@@ -34,11 +34,15 @@ endif
 demo: $(BIN)/shardfeed
 	$(BIN)/shardfeed demo
 
+# Module-scoped fixtures (services, datasets) start once per worker that runs the module's tests.
+# make test: --dist loadgroup, each module marked xdist_group on one worker, the rest spread
+# test by test (the benchmarks' smoke runs share one module: one worker would run them all).
+# make check: --dist loadscope, every module on one worker (the quickest here by a third).
 test: $(BIN)/shardfeed
-	$(BIN)/pytest -q -n $(TEST_WORKERS)
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 check: $(BIN)/shardfeed
-	$(BIN)/pytest -q -n $(TEST_WORKERS) -m "not slow"
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not slow"
 
 stack: $(BIN)/shardfeed
 	$(BIN)/shardfeed stack

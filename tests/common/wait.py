@@ -10,8 +10,9 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-POLL = 0.02
-"""Seconds between two looks: short, as a look is cheap beside what a test waits for."""
+POLL = 0.05
+"""Seconds between two looks: a look may be a request that the service answers on the same
+two cores as the test, so not much more often than that."""
 
 
 def wait_until(condition: Callable[[], T], timeout: float = 30, what: str = "the condition") -> T:

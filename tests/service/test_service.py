@@ -21,6 +21,8 @@ from common.cli import refusals
 from common.datasets import bucket_dataset, make_dataset, s3_put
 from common.service import metrics, tar_members
 
+pytestmark = pytest.mark.xdist_group("service")  # one worker: its module services start once
+
 SAMPLES = 200
 
 

@@ -19,6 +19,8 @@ from shardfeed.process import free_port, start_all, start_service, stop_all
 from common.datasets import make_dataset, s3_put
 from common.service import metrics, wait_peers_up
 
+pytestmark = pytest.mark.xdist_group("getbatch")  # one worker: its module services start once
+
 BUCKET, OTHER, FORBIDDEN = "gb-main", "gb-other", "gb-forbidden"
 
 

@@ -24,6 +24,8 @@ from common.datasets import dir_put, make_dataset, s3_put
 from common.service import tar_members
 from common.wait import wait_until
 
+pytestmark = pytest.mark.xdist_group("tenants")  # one worker: its module services start once
+
 DATA, OTHER = "tn-data", "tn-other"
 SECRETS = {"teamA": "alpha-secret-7f3e9c0d", "teamB": "bravo-secret-41aa96e0", "teamC": "charlie-secret-0c5d",
            "ops": "ops-secret-9b2e77a1", "watcher": "watcher-secret-3d1f", "root": "root-secret-e5c0a2"}

@@ -20,6 +20,8 @@ from common.service import fetch_batch
 from common.workers import worker_pids, worker_urls
 from common.wait import wait_until
 
+pytestmark = pytest.mark.xdist_group("register")  # one worker: its module services start once
+
 ARGS = ["--block-size", "64KiB"]
 
 
