@@ -103,6 +103,10 @@ async def register_dataset(request: Request, state: AppState, wait: float = Quer
         task = state.datasets.register(spec.name, spec.url, then=spread)
     except NameTaken as err:
         raise ApiError(409, "dataset_exists", str(err)) from None
+    if copy is not None:
+        # A relayed copy needs the dataset served here, not this node's own relays: two nodes
+        # registering the same name at once (two ranks' clients) would each wait on the other's.
+        task = asyncio.ensure_future(state.datasets.opened(spec.name, task))
     done, _ = await asyncio.wait([task], timeout=None if copy else wait)
     if not done:
         registration = state.datasets.registering[spec.name]

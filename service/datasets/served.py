@@ -91,6 +91,8 @@ class Registration:
     url: str
     task: asyncio.Task
     progress: IndexProgress = field(default_factory=IndexProgress)
+    opened: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once the dataset is served here, before the registration's ``then`` (its relays)."""
 
     def info(self, name: str) -> dict:
         return {"name": name, "url": self.url, "indexing": self.progress.info() if self.progress.bytes else None}
@@ -154,9 +156,24 @@ class ServedDatasets(Mapping[str, Dataset]):
             await listener(None, dataset)
         log.info("dataset %s registered: %s (%d samples, %d shards, version %s)", name, url, len(dataset.index),
                  len(dataset.index.shards), dataset.version)
+        self.registering[name].opened.set()
         if then is not None:
             await then(dataset)
         return dataset
+
+    async def opened(self, name: str, task: asyncio.Future) -> Dataset:
+        """The dataset of registration ``task`` once it is served here, without waiting for what
+        the registration does after (its ``then``: relays to the other nodes, which may be
+        waiting on this one's); the error that stopped it, if it failed first."""
+        pending = self.registering.get(name)
+        if pending is None or pending.task is not task:
+            return await task
+        served = asyncio.ensure_future(pending.opened.wait())
+        try:
+            await asyncio.wait([task, served], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            served.cancel()
+        return task.result() if task.done() else self._datasets[name]
 
     async def remove(self, name: str) -> Dataset:
         """Stop serving ``name`` (``KeyError`` when it is not served). Requests under way finish;

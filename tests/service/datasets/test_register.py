@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -95,6 +96,16 @@ def test_a_registered_dataset_is_served_by_every_worker_and_a_restarted_one_and_
         os.kill(worker_pids(svc)[1], signal.SIGKILL)
         wait_until(lambda: answers(f"{workers[1]}/v1/datasets/extra"), 30, "the restarted worker serving it")
         assert fetch_batch(workers[1], [1, 2], "extra") == expected_members(extra, "extra", [1, 2])
+
+        # The same dataset registered on both workers at once (two ranks' clients, each at a worker):
+        # each worker relays it to the other, which must answer once the dataset is served there,
+        # not wait for its own relay to the first (that wait was mutual, until the relays timed out).
+        raw_url = (tmp_path / "raw").as_uri()
+        make_dataset(dir_put(tmp_path / "raw"), samples=600, per_shard=2, seed=3)  # 300 shards to index: a while
+        (tmp_path / "raw" / "index.parquet").unlink()
+        with ThreadPoolExecutor(2) as pool:
+            both = list(pool.map(lambda worker: register(worker, "raw", raw_url, wait=30), workers))
+        assert [answer.status_code for answer in both] == [200, 200], [answer.text for answer in both]
 
         removed = httpx.delete(f"{svc.url}/v1/datasets/extra", timeout=30)
         assert removed.status_code == 200 and removed.json()["removed"]["name"] == "extra"
