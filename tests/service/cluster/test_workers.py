@@ -137,7 +137,7 @@ def test_the_public_port_metrics_sum_every_worker_and_each_own_port_keeps_its_ow
     try:
         for _ in range(20):  # the kernel may hand a connection to the stopped worker: try another
             try:
-                resp = httpx.get(f"{service.url}/metrics", timeout=8)
+                resp = httpx.get(f"{service.url}/metrics", timeout=3)  # the live worker answers within SIBLING_TIMEOUT (1 s)
             except httpx.TimeoutException:
                 continue
             if 'shardfeed_workers_reporting 1.0' in resp.text:
