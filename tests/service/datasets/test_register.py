@@ -104,7 +104,7 @@ def test_a_registered_dataset_is_served_by_every_worker_and_a_restarted_one_and_
         make_dataset(dir_put(tmp_path / "raw"), samples=600, per_shard=2, seed=3)  # 300 shards to index: a while
         (tmp_path / "raw" / "index.parquet").unlink()
         with ThreadPoolExecutor(2) as pool:
-            both = list(pool.map(lambda worker: register(worker, "raw", raw_url, wait=30), workers))
+            both = list(pool.map(lambda worker: register(worker, "raw", raw_url, wait=50), workers))
         assert [answer.status_code for answer in both] == [200, 200], [answer.text for answer in both]
 
         removed = httpx.delete(f"{svc.url}/v1/datasets/extra", timeout=30)
