@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
@@ -117,6 +118,12 @@ class Decision:
     held: HeldGroup | None = None
     error: ApiError | None = None
 
+    @cached_property
+    def length(self) -> int:
+        """The answer's length: exact when every block is held, else as the index describes it
+        (once, whether the protocol's offer or the ASGI call asks first)."""
+        return stream_length(self.wanted.dataset, self.wanted.members, self.wanted.indices, self.held)
+
 
 DECIDED = "shardfeed.batch"
 """The scope key under which a ``Decision`` the protocol's offer did not answer reaches the ASGI call."""
@@ -149,7 +156,7 @@ class BatchEndpoint:
         if held is None or not wanted.members.found.all() or state.admission.full("batch"):
             return None
         dataset, members, indices = wanted.dataset, wanted.members, wanted.indices
-        length = stream_length(dataset, members, indices, held)
+        length = decision.length
         if length > INSTANT_BYTES:
             return None
         del scope[DECIDED]
@@ -173,8 +180,6 @@ class BatchEndpoint:
         decision = scope.pop(DECIDED, None)
         if decision is None:
             decision = self.decide(scope, await read_body(Request(scope, receive), self.state.config.max_body))
-        if decision.error is not None:
-            raise decision.error
         first = [decision]
 
         def answer():  # the first try from the decision; after a change in the store, from a new one
@@ -194,10 +199,9 @@ class BatchEndpoint:
                               prefetch=config.prefetch_groups, on_served=_served(state, dataset, indices), held=held,
                               looked=True)
         headers = _headers(state, dataset, indices)
-        if held is not None:  # every byte is in RAM: the length is known, no chunked framing
-            headers["Content-Length"] = str(stream_length(dataset, members, indices, held))
-        else:  # the length if every sample is served as the index says: a tensor client sizes its buffer by it
-            headers[LENGTH_HEADER] = str(stream_length(dataset, members, indices))
+        # Held: every byte is in RAM, the length is known, no chunked framing. Else the length if every
+        # sample is served as the index says: a tensor client sizes its buffer by it.
+        headers["Content-Length" if held is not None else LENGTH_HEADER] = str(decision.length)
         return await tar_stream_response(state, "batch", chunks, media_type=TAR, headers=headers,
                                          what=f"batch dataset={dataset.name} samples={len(indices)}",
                                          in_memory=held is not None)
