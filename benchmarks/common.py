@@ -93,6 +93,19 @@ def table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
                      for row in cells)
 
 
+def binary_values(column) -> Iterator[memoryview | None]:
+    """The values of an Arrow binary column (a ``ChunkedArray``), as views of its buffers."""
+    import pyarrow as pa
+
+    for chunk in column.chunks:
+        _, offsets, data = chunk.buffers()
+        width = 8 if pa.types.is_large_binary(chunk.type) else 4
+        at = memoryview(offsets).cast("q" if width == 8 else "i")[chunk.offset:chunk.offset + len(chunk) + 1]
+        view = memoryview(data if data is not None else b"")
+        for n, valid in enumerate(chunk.is_valid().to_pylist()):
+            yield view[at[n]:at[n + 1]] if valid else None
+
+
 class Digests:
     """An xxh3 of each member of the synthetic dataset ``seed``, made before the clock starts."""
 
@@ -103,6 +116,8 @@ class Digests:
 
     def check(self, i: int, field: str, data) -> None:
         """``data`` (bytes, a contiguous buffer or a CPU tensor's view) must be member ``field`` of sample ``i``."""
+        if data is None:
+            raise WrongBytes(f"sample {i} {field}: missing")
         if hasattr(data, "numpy"):
             data = data.numpy()  # a tensor's bytes, uncopied
         if xxh3_64_intdigest(data) != self._digests[field][i]:
@@ -134,6 +149,22 @@ class Digests:
         for i, sample in zip(asked, samples):
             self.check_sample(int(i), sample, fields)
         return len(samples)
+
+    def check_arrow(self, asked: Sequence[int], body: bytes) -> int:
+        """A ``POST /v1/batch`` answer in ``"format": "arrow"`` as it came: row ``n`` is sample
+        ``asked[n]``, with its key and each field's seeded bytes (read in place); how many samples."""
+        import pyarrow as pa
+
+        table = pa.ipc.open_stream(pa.py_buffer(body)).read_all()
+        if table.column("__index__").to_pylist() != [int(i) for i in asked]:
+            raise WrongBytes(f"asked for {len(asked)} samples, got {table.num_rows} rows, not in the order asked")
+        for i, key in zip(asked, table.column("__key__").to_pylist()):
+            if key != sample_key(int(i)):
+                raise WrongBytes(f"index {i}: key {key!r}, the dataset holds {sample_key(int(i))!r}")
+        for field in self.fields:
+            for i, data in zip(asked, binary_values(table.column(field))):
+                self.check(int(i), field, data)
+        return len(asked)
 
     def check_tar(self, asked: Sequence[int], body: bytes) -> int:
         """A ``POST /v1/batch`` answer as it came (a tar): members ``n * F`` to ``n * F + F - 1``

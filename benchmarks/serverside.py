@@ -6,7 +6,8 @@ For each sample size and each ``--workers`` count of ``shardfeed serve`` (the ax
 above 1 needs a service that has ``--workers``), one point measures:
 
 - ``batch``: ``POST /v1/batch`` of ``batch`` random samples (a fixed set of request bodies,
-  cycled), on a cache warmed by one epoch first;
+  cycled), on a cache warmed by one epoch first; ``arrow``: the same bodies with
+  ``"format": "arrow"`` (an Arrow IPC stream);
 - ``pusher``: the same request against the bare pusher, which answers a prebuilt tar of the
   same size;
 - ``sample`` and ``healthz``: per-sample GETs of random samples, and ``GET /healthz`` on
@@ -151,8 +152,13 @@ def check_bytes(got: dict, length: int, connections: int, what: str) -> None:
                            f"bytes (from {least} to {most} expected)")
 
 
-def batch_script(dataset: str, bodies: list[list[int]]) -> str:
-    texts = [json.dumps({"dataset": dataset, "indices": b}) for b in bodies]
+def batch_body(dataset: str, indices: list[int], fmt: str = "tar") -> str:
+    """A ``POST /v1/batch`` body (the tar's as it always was: no ``format``)."""
+    return json.dumps({"dataset": dataset, "indices": indices, **({"format": fmt} if fmt != "tar" else {})})
+
+
+def batch_script(dataset: str, bodies: list[list[int]], fmt: str = "tar") -> str:
+    texts = [batch_body(dataset, b, fmt) for b in bodies]
     return _LUA % {"bodies": _lua_strings(texts), "paths": ""}
 
 
@@ -231,26 +237,10 @@ def measure_point(service: ServiceProcess, pusher: tuple[str, subprocess.Popen],
             order = list(range(lo, min(samples, lo + batch)))
             digests.check_batch(order, client.get_batch(DATASET, order))
     bodies = [rng.integers(0, samples, batch).tolist() for _ in range(BODIES)]
-    script = batch_script(DATASET, bodies)
-    # Every body asks for `batch` samples of one size: their answers are of one length.
-    length = answer_length(service.url, "POST", "/v1/batch", json.dumps({"dataset": DATASET, "indices": bodies[0]}))
     point: dict = {"sample_size": size, "batch_size": batch, "serve_workers": workers, "seconds": seconds}
-
-    before = tree_cpu(service.process.pid)
-    load = _load()
-    with _profiled(profile, service, scratch / f"profile-{size}-batch") as spy:
-        got = wrk(service.url, script, connections=connections, threads=threads, seconds=seconds, scratch=scratch)
-    cpu = tree_cpu(service.process.pid) - before
-    check_bytes(got, length, connections, f"batch {format_size(size)}")
-    with Client(service.url) as client:  # and after the load, the service still serves the right bytes
-        digests.check_batch(bodies[-1], client.get_batch(DATASET, bodies[-1]))
-    served = got["requests"] * batch
-    spy.report(f"batch {format_size(size)}", served, say)
-    point["batch"] = {"samples_per_s": round(served / (got["duration_us"] / 1e6), 1),
-                      "mb_per_s": round(got["bytes"] / got["duration_us"], 1),
-                      "p50_ms": got["p50_us"] / 1e3, "p99_ms": got["p99_us"] / 1e3,
-                      "service_cpu_us_per_sample": round(cpu / served * 1e6, 2) if served else None,
-                      "connections": connections, "load": load}
+    for name, fmt in (("batch", "tar"), ("arrow", "arrow")):
+        point[name] = batch_load(service, digests, size, bodies, fmt, connections=connections, threads=threads,
+                                 seconds=seconds, scratch=scratch, say=say, profile=profile)
 
     synthetic = f"synthetic-{size}-{batch}"
     pusher_url, pusher_process = pusher
@@ -291,6 +281,34 @@ def measure_point(service: ServiceProcess, pusher: tuple[str, subprocess.Popen],
     return point
 
 
+def batch_load(service: ServiceProcess, digests: Digests, size: int, bodies: list[list[int]], fmt: str, *,
+               connections: int, threads: int, seconds: float, scratch: Path, say: Callable[[str], None],
+               profile: bool) -> dict:
+    """wrk's load of ``POST /v1/batch`` in format ``fmt`` (``tar``, ``arrow``) over ``bodies``, cycled;
+    its figures. Every answer has one length (every body asks for as many samples of one size);
+    after the load one answer is checked byte for byte."""
+    batch, what = len(bodies[0]), f"batch {format_size(size)} {fmt}"
+    length = answer_length(service.url, "POST", "/v1/batch", batch_body(DATASET, bodies[0], fmt))
+    before = tree_cpu(service.process.pid)
+    load = _load()
+    with _profiled(profile, service, scratch / f"profile-{size}-{fmt}") as spy:
+        got = wrk(service.url, batch_script(DATASET, bodies, fmt), connections=connections, threads=threads,
+                  seconds=seconds, scratch=scratch)
+    cpu = tree_cpu(service.process.pid) - before
+    check_bytes(got, length, connections, what)
+    answer = urllib.request.urlopen(urllib.request.Request(  # and after the load, still the right bytes
+        f"{service.url}/v1/batch", batch_body(DATASET, bodies[-1], fmt).encode(),
+        {"Content-Type": "application/json"}), timeout=60).read()
+    (digests.check_tar if fmt == "tar" else digests.check_arrow)(bodies[-1], answer)
+    served = got["requests"] * batch
+    spy.report(what, served, say)
+    return {"samples_per_s": round(served / (got["duration_us"] / 1e6), 1),
+            "mb_per_s": round(got["bytes"] / got["duration_us"], 1),
+            "p50_ms": got["p50_us"] / 1e3, "p99_ms": got["p99_us"] / 1e3,
+            "service_cpu_us_per_sample": round(cpu / served * 1e6, 2) if served else None,
+            "connections": connections, "load": load}
+
+
 class _Spy:
     """py-spy over the service's processes for one load (or nothing, when not profiling)."""
 
@@ -319,7 +337,9 @@ def render_point(p: dict) -> str:
             f"{p['serve_workers']}: {b['samples_per_s']:>9,.0f} samples/s ({b['mb_per_s']:.0f} MB/s, "
             f"{b['service_cpu_us_per_sample']} us service CPU/sample, load {b['load']}) = "
             f"{p['batch_vs_pusher']:.2f}x the bare pusher ({p['pusher']['samples_per_s']:,.0f}; per CPU-second "
-            f"{p['cpu_vs_pusher']}x, it spent {p['pusher']['cpu_us_per_sample']} us/sample); per-sample GETs "
+            f"{p['cpu_vs_pusher']}x, it spent {p['pusher']['cpu_us_per_sample']} us/sample); arrow "
+            f"{p['arrow']['samples_per_s']:,.0f} samples/s ({p['arrow']['service_cpu_us_per_sample']} us service "
+            f"CPU/sample); per-sample GETs "
             f"{s['requests_per_s']:,.0f}/s ({s['service_cpu_us_per_request']} us CPU each) = "
             f"{p['sample_vs_healthz']:.2f}x /healthz ({p['healthz']['requests_per_s']:,.0f}/s)")
 
@@ -327,14 +347,15 @@ def render_point(p: dict) -> str:
 def markdown(points: list[dict]) -> str:
     """The server-side section of ``results.md``."""
     lines = ["", "## Server side (wrk, warm cache)", "",
-             "| size | batch | serve --workers | batch samples/s | MB/s | service CPU us/sample | bare pusher "
-             "samples/s | ratio | pusher CPU us/sample | ratio per CPU-second | per-sample GET/s | /healthz/s | "
-             "ratio | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| size | batch | serve --workers | batch samples/s | MB/s | service CPU us/sample | arrow samples/s | "
+             "arrow CPU us/sample | bare pusher samples/s | ratio | pusher CPU us/sample | ratio per CPU-second | "
+             "per-sample GET/s | /healthz/s | ratio | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in points:
-        b = p["batch"]
+        b, a = p["batch"], p["arrow"]
         lines.append(f"| {format_size(p['sample_size'])} | {p['batch_size']} | {p['serve_workers']} | "
                      f"{b['samples_per_s']:,.0f} | {b['mb_per_s']:.0f} | {b['service_cpu_us_per_sample']} | "
+                     f"{a['samples_per_s']:,.0f} | {a['service_cpu_us_per_sample']} | "
                      f"{p['pusher']['samples_per_s']:,.0f} | {p['batch_vs_pusher']:.2f} | "
                      f"{p['pusher']['cpu_us_per_sample']} | {p['cpu_vs_pusher']} | "
                      f"{p['sample']['requests_per_s']:,.0f} | {p['healthz']['requests_per_s']:,.0f} | "

@@ -19,7 +19,7 @@ field (every field asked for implicitly) is a null in that column only.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 import pyarrow as pa
@@ -62,15 +62,17 @@ class _Group:
         self.member[local[kept], column[kept]] = np.flatnonzero(kept)
         self.size = np.zeros(self.member.shape, np.int64)
         self.size[local[kept], column[kept]] = members.size[kept]
-        keys = dataset.index.key_array(indices[self.first:self.first + n]).cast(pa.large_utf8())
-        offsets = np.frombuffer(keys.buffers()[1], np.int64, n + 1, keys.offset * 8) if n else np.zeros(1, np.int64)
-        self.key_offsets = offsets - offsets[0]
+        keys = dataset.index.key_array(indices[self.first:self.first + n])
+        width = 8 if pa.types.is_large_string(keys.type) else 4
+        offsets = np.frombuffer(keys.buffers()[1], f"<i{width}", n + 1, keys.offset * width).astype(np.int64)
+        self.key_offsets = offsets - offsets[0]  # large_utf8's: 64-bit, from 0
         self.key_data = memoryview(keys.buffers()[2] or b"")[int(offsets[0]):int(offsets[-1])]
         self.indices = indices[self.first:self.first + n]
 
+    @cached_property
     def buffers(self) -> tuple[np.ndarray, list]:
         """The record batch's nodes ((rows, nulls) per column) and buffers, each as its bytes or as
-        ``(column, member rows)`` for a field's values (sent from their blocks or payloads)."""
+        ``(bytes, member rows)`` for a field's values (sent from their blocks or payloads)."""
         n = self.rows
         served = self.served.all()
         nodes = [(n, n - int(self.served.sum())), (n, 0)]
@@ -102,6 +104,7 @@ class ArrowFraming:
         self.column_of = np.full(len(names), -1, np.int64)
         self.column_of[dataset.index.field_codes(self.fields)] = np.arange(len(self.fields))
         self.schema = schema_message(self.fields)
+        self._laid_out: dict[tuple[int, int], _Group] = {}  # by (first position, members): length's, for held
 
     def head(self) -> list:
         return [self.schema]
@@ -111,23 +114,30 @@ class ArrowFraming:
 
     def held(self, held: HeldGroup, base: int, dataset: Dataset, members: Members, indices: np.ndarray) -> list:
         """The record batch of a group of found members all held in RAM, whose rows start at ``base``."""
-        return self._record_batch(_Group(self, dataset, members, indices, {}), lambda row: held.data(base + row))
+        group = self._group(dataset, members, indices, {})
+        return self._record_batch(group, lambda rows: held.payloads(base + rows))
 
     def read(self, dataset: Dataset, members: Members, indices: np.ndarray, data: Callable[[int], list],
              failed: dict[int, BaseException | None]) -> tuple[list, int]:
         """The record batch of a group member by member (``data(row)``: a member's payload as parts;
         ``failed``: positions of samples not served), and how many samples it served."""
-        group = _Group(self, dataset, members, indices, failed)
-        return self._record_batch(group, data), int(group.served.sum())
+        group = self._group(dataset, members, indices, failed)
+        return self._record_batch(group, lambda rows: [p for row in rows.tolist() for p in data(row)]), \
+            int(group.served.sum())
 
-    def _record_batch(self, group: _Group, data: Callable[[int], list]) -> list:
-        nodes, buffers = group.buffers()
+    def _group(self, dataset: Dataset, members: Members, indices: np.ndarray, failed: dict) -> _Group:
+        """The group's layout; the one ``length`` found for it, if it found one (nothing failed)."""
+        first = int(members.position[0]) if len(members) else 0
+        made = self._laid_out.pop((first, len(members)), None)
+        return made if made is not None and not failed else _Group(self, dataset, members, indices, failed)
+
+    def _record_batch(self, group: _Group, payloads: Callable[[np.ndarray], list]) -> list:
+        nodes, buffers = group.buffers
         body = BodyLayout.of([_length(b) for b in buffers])
         out = [record_batch_message(group.rows, nodes, body)]
         for buffer, gap in zip(buffers, body.gaps()):
             if isinstance(buffer, tuple):
-                for row in buffer[1].tolist():
-                    out += data(row)
+                out += payloads(buffer[1])
             elif buffer:
                 out.append(buffer)
             if gap:
@@ -142,7 +152,10 @@ class ArrowFraming:
         total = len(self.schema) + len(END_OF_STREAM)
         for lo, hi in groups:
             group = members if hi - lo == len(members) else take(members, slice(lo, hi))
-            nodes, buffers = _Group(self, dataset, group, indices, unfound).buffers()
+            laid_out = _Group(self, dataset, group, indices, unfound)
+            if not unfound:
+                self._laid_out[(int(group.position[0]) if len(group) else 0, len(group))] = laid_out
+            nodes, buffers = laid_out.buffers
             total += record_batch_message_length(len(nodes), len(buffers))
             total += BodyLayout.of([_length(b) for b in buffers]).length
         return total

@@ -184,6 +184,19 @@ class HeldGroup:
         local = self.offset[row] % self.block_size
         return [self._views[int(self._block[row])][int(self._start[row]):local + len(data[0])], *data[1:]]
 
+    def payloads(self, rows: np.ndarray) -> list[memoryview]:
+        """The payloads of member ``rows`` one after another, as slices of their blocks: one per
+        member in one block (cut with numpy, not row by row), several for one over blocks, none for
+        an empty one."""
+        local = self._start[rows] + BLOCK
+        end = local + self._members.size[rows]
+        views = self._views
+        out = [views[b][a:z] for b, a, z in zip(self._block[rows].tolist(), local.tolist(), end.tolist())]
+        others = np.flatnonzero((end > self.block_size) | (end == local))  # over blocks, or empty
+        for k in others[::-1].tolist():  # from the last: the places before it stay put
+            out[k:k + 1] = self.data(int(rows[k]))
+        return out
+
     def data(self, row: int) -> list[memoryview]:
         """The payload of member ``row``, as slices of one or more blocks (none when empty)."""
         size, offset = self.size[row], self.offset[row]

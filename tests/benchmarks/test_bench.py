@@ -363,7 +363,7 @@ def test_the_serverside_benchmark_checks_the_bytes_wrk_received_and_a_batch_afte
                   "--out", str(tmp_path / "points.json"))
     [point] = json.loads((tmp_path / "points.json").read_text())
     assert point["sample_size"] == KIB10 and point["batch_size"] == 16, point
-    for load in ("batch", "pusher"):
+    for load in ("batch", "arrow", "pusher"):
         assert point[load]["samples_per_s"] > 0, point
     assert point["sample"]["requests_per_s"] > 0 and point["healthz"]["requests_per_s"] > 0, point
 

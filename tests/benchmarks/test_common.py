@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pyarrow as pa
 import pytest
 
 from shardfeed.benchmarks.common import Digests, WrongBytes, table
@@ -61,6 +62,27 @@ def test_a_tar_answer_is_checked_member_by_member_in_the_order_asked():
     cut[0] = (cut[0][0], cut[0][1][:-1])
     with pytest.raises(WrongBytes, match="sample 1 bin"):
         DIGESTS.check_tar([1], tar(cut))
+
+
+def test_an_arrow_answer_is_checked_row_by_row_in_the_order_asked():
+    def stream(rows: list[int], **columns) -> bytes:
+        table = pa.table({"__key__": pa.array([sample_key(i) for i in rows], pa.large_utf8()),
+                          "__index__": pa.array(rows, pa.int64()),
+                          **{f: pa.array(columns.get(f, [member_bytes(0, i, f, SIZES) for i in rows]),
+                                         pa.large_binary()) for f in ("bin", "cls")}})
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            for batch in table.to_batches(max_chunksize=2):  # several record batches
+                writer.write_batch(batch)
+        return sink.getvalue().to_pybytes()
+
+    assert DIGESTS.check_arrow([1, 1, 6], stream([1, 1, 6])) == 3
+    with pytest.raises(WrongBytes, match="not in the order asked"):
+        DIGESTS.check_arrow([1, 6], stream([6, 1]))
+    with pytest.raises(WrongBytes, match="sample 6 cls"):
+        DIGESTS.check_arrow([1, 6], stream([1, 6], cls=[member_bytes(0, 1, "cls", SIZES)] * 2))
+    with pytest.raises(WrongBytes, match="sample 6 bin"):
+        DIGESTS.check_arrow([1, 6], stream([1, 6], bin=[member_bytes(0, 1, "bin", SIZES), None]))
 
 
 def test_wrk_bytes_must_cover_every_answer_and_no_more_than_one_unfinished_per_connection():
