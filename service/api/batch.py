@@ -1,4 +1,5 @@
-"""``POST /v1/batch``: samples as one ordered tar stream, through one endpoint, ``BatchEndpoint``.
+"""``POST /v1/batch``: samples as one ordered stream (a tar, or an Arrow IPC stream with
+``"format": "arrow"``), through one endpoint, ``BatchEndpoint``.
 
 Its steps, in the order a request meets them:
 
@@ -10,8 +11,9 @@ Its steps, in the order a request meets them:
 3. **admit**: a batch slot (``Admission``, 429 beyond);
 4. **held or streamed**: a held batch is framed from RAM as it is sent; any other is read group by
    group through the coalescer (``read/stream.py``), its store reads planned at once;
-5. **framed**: the tar parts, written by the protocol itself (``instant``: a held batch small
-   enough to write at once, without the ASGI layers) or as a ``TarStreamResponse``.
+5. **framed**: by the format's framing (``FORMATS``: ``framing.TarFraming``, ``arrow.ArrowFraming``),
+   written by the protocol itself (``instant``: a held batch small enough to write at once, without
+   the ASGI layers) or as a ``TarStreamResponse``.
 
 The protocol offers the endpoint every request whose body came with its head (``instant``); when
 it cannot answer at once, its ``Decision`` (an error to answer included) travels in the request's
@@ -35,6 +37,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from shardfeed.service.api.auth import tenant_of
+from shardfeed.arrowipc import MEDIA_TYPE as ARROW
 from shardfeed.service.api.common import (
     ERRORS, TAR, State, answer_changed_once, count_batch, json_body, parse_json, read_body, served_metrics,
     tar_stream_response,
@@ -45,10 +48,10 @@ from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.datasets.index import Members, SampleOutOfRange, UnknownField
 from shardfeed.service.http.errors import ApiError
 from shardfeed.service.http.protocol import INSTANT_BYTES
-from shardfeed.service.read.framing import held_stream, stream_length
-from shardfeed.service.read.stream import stream_batch
+from shardfeed.service.read.arrow import ArrowFraming
+from shardfeed.service.read.framing import TarFraming
+from shardfeed.service.read.stream import batch_groups, stream_batch
 from shardfeed.service.read.warm import HeldGroup, held_group
-from shardfeed.tar import END_OF_ARCHIVE
 
 class BatchRequest(BaseModel):
     """Body of ``POST /v1/batch``."""
@@ -59,9 +62,16 @@ class BatchRequest(BaseModel):
     indices: list[StrictInt] = Field(description="Sample numbers, in the order they are wanted; repeats allowed.",
                                      json_schema_extra={"items": {"type": "integer", "minimum": 0}})
     fields: list[str] | None = Field(None, description="Fields per sample, in order; default: all fields.")
-    format: str = Field("tar", description="Only 'tar' for now.", json_schema_extra={"enum": ["tar"]})
+    format: str = Field("tar", description="'tar' (members <key>.<field>) or 'arrow' (an Arrow IPC stream, a row "
+                                           "per sample: __key__, __index__, a binary column per field).",
+                        json_schema_extra={"enum": ["tar", "arrow"]})
     continue_on_error: bool = Field(False, description="Serve a failed sample as a zero-length "
-                                                       "__404__/<dataset>/<i> member instead of failing.")
+                                                       "__404__/<dataset>/<i> member (a row of nulls in "
+                                                       "'arrow') instead of failing.")
+
+
+FORMATS = {"tar": TAR, "arrow": ARROW}
+"""The batch formats and their media types."""
 
 
 @dataclass
@@ -72,6 +82,8 @@ class WantedBatch:
     indices: np.ndarray
     members: Members
     continue_on_error: bool
+    format: str
+    framing: TarFraming | ArrowFraming
 
 
 def wanted_batch(state: State, body: bytes, tenant: Tenant) -> WantedBatch:
@@ -80,8 +92,9 @@ def wanted_batch(state: State, body: bytes, tenant: Tenant) -> WantedBatch:
     config = state.config
     req = parse_json(body, BatchRequest)
     tenant.check_dataset(req.dataset)
-    if req.format != "tar":
-        raise ApiError(400, "unsupported_format", f"format {req.format!r} is not supported (supported: tar)")
+    if req.format not in FORMATS:
+        raise ApiError(400, "unsupported_format",
+                       f"format {req.format!r} is not supported (supported: {', '.join(FORMATS)})")
     if len(req.indices) > config.max_batch:
         raise ApiError(413, "too_many_items", f"{len(req.indices)} samples requested; the limit is "
                                               f"{config.max_batch} per batch")
@@ -105,7 +118,8 @@ def wanted_batch(state: State, body: bytes, tenant: Tenant) -> WantedBatch:
         row = int(np.flatnonzero(~members.found)[0])
         raise ApiError(404, "unknown_field", f"sample {int(members.sample[row])} has no field "
                                              f"{dataset.index.fields[int(members.field[row])]!r}")
-    return WantedBatch(dataset, indices, members, req.continue_on_error)
+    framing = ArrowFraming(dataset, fields) if req.format == "arrow" else TarFraming()
+    return WantedBatch(dataset, indices, members, req.continue_on_error, req.format, framing)
 
 
 @dataclass
@@ -117,12 +131,15 @@ class Decision:
     wanted: WantedBatch | None = None
     held: HeldGroup | None = None
     error: ApiError | None = None
+    group_bytes: int = 0
 
     @cached_property
     def length(self) -> int:
         """The answer's length: exact when every block is held, else as the index describes it
         (once, whether the protocol's offer or the ASGI call asks first)."""
-        return stream_length(self.wanted.dataset, self.wanted.members, self.wanted.indices, self.held)
+        wanted = self.wanted
+        groups = batch_groups(wanted.members, len(wanted.indices), self.group_bytes, self.held is not None)
+        return wanted.framing.length(wanted.dataset, wanted.members, wanted.indices, self.held, groups)
 
 
 DECIDED = "shardfeed.batch"
@@ -142,7 +159,8 @@ class BatchEndpoint:
             wanted = wanted_batch(self.state, body, tenant_of(scope))
         except ApiError as err:
             return Decision(body, error=err)
-        return Decision(body, wanted, held_group(self.state.coalescer, wanted.dataset, wanted.members))
+        return Decision(body, wanted, held_group(self.state.coalescer, wanted.dataset, wanted.members),
+                        group_bytes=self.state.config.group_bytes)
 
     def instant(self, scope, body: bytes) -> tuple[list[tuple[bytes, bytes]], list] | None:
         """The protocol's offer (``protocol.InstantAnswerer``): the 200's headers and parts of a batch
@@ -160,10 +178,11 @@ class BatchEndpoint:
         if length > INSTANT_BYTES:
             return None
         del scope[DECIDED]
-        parts = held_stream(dataset, members, indices, held)
-        _served(state, dataset, indices)(len(indices), length - len(END_OF_ARCHIVE))
+        framing = wanted.framing
+        parts = [*framing.head(), *framing.held(held, 0, dataset, members, indices), framing.end()]
+        _served(state, dataset, indices)(len(indices), length - len(framing.end()))
         count_batch(state, "batch", "200", began)
-        headers = [(b"content-type", TAR.encode()), (b"content-length", b"%d" % length)]
+        headers = [(b"content-type", FORMATS[wanted.format].encode()), (b"content-length", b"%d" % length)]
         headers += [(name.lower().encode(), value.encode())
                     for name, value in _headers(state, dataset, indices).items()]
         return headers, parts
@@ -197,21 +216,23 @@ class BatchEndpoint:
         chunks = stream_batch(state.coalescer, dataset, members, indices,
                               continue_on_error=decision.wanted.continue_on_error, group_bytes=config.group_bytes,
                               prefetch=config.prefetch_groups, on_served=_served(state, dataset, indices), held=held,
-                              looked=True)
+                              looked=True, framing=decision.wanted.framing)
         headers = _headers(state, dataset, indices)
         # Held: every byte is in RAM, the length is known, no chunked framing. Else the length if every
         # sample is served as the index says: a tensor client sizes its buffer by it.
         headers["Content-Length" if held is not None else LENGTH_HEADER] = str(decision.length)
-        return await tar_stream_response(state, "batch", chunks, media_type=TAR, headers=headers,
+        return await tar_stream_response(state, "batch", chunks, media_type=FORMATS[decision.wanted.format],
+                                         headers=headers,
                                          what=f"batch dataset={dataset.name} samples={len(indices)}",
                                          in_memory=held is not None)
 
 
 OPENAPI = {"/v1/batch": {"post": {
     "tags": ["samples"], "summary": "Batch", "operationId": "batch_v1_batch_post",
-    "description": "Samples, in the order asked, as one tar stream.",
+    "description": "Samples, in the order asked, as one tar stream (or an Arrow IPC stream: `format`).",
     **json_body(BatchRequest),
-    "responses": {"200": {"description": "The samples, as an ordered tar stream.", "content": {TAR: {}}},
+    "responses": {"200": {"description": "The samples, as an ordered tar stream or Arrow IPC stream.",
+                          "content": {media_type: {} for media_type in FORMATS.values()}},
                   **{str(status): {"description": error["description"], "content": {"application/json": {
                       "schema": {"$ref": "#/components/schemas/ErrorBody"}}}} for status, error in ERRORS.items()}},
 }}}

@@ -41,6 +41,7 @@ from shardfeed.service.datasets.index import Members
 from shardfeed.service.datasets.moss import PROVIDERS, MossIn, MossOut, MossReq, MossResp
 from shardfeed.service.datasets.objects import EntryMissing, Span
 from shardfeed.service.http.errors import ApiError, InvalidRequest, StoreUnavailable
+from shardfeed.service.read.framing import TarFraming
 from shardfeed.service.read.stream import SampleFailed, stream_batch
 from shardfeed.service.stores import AccessDenied, ObjectNotFound, StoreError
 from shardfeed.service.stores.base import clean_path
@@ -300,7 +301,7 @@ async def _getbatch(request: Request, state: AppState, bucket: str, provider: st
         def chunks() -> AsyncIterator[list]:
             return stream_batch(state.coalescer, view, members, indices, continue_on_error=req.coer,
                                 group_bytes=config.group_bytes, prefetch=config.prefetch_groups,
-                                on_served=served_metrics(state), names=names)
+                                on_served=served_metrics(state), framing=TarFraming(names))
 
         if req.strm:
             return await tar_stream_response(state, "getbatch", fmt.encode(chunks()), media_type=fmt.media_type,

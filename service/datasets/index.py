@@ -154,7 +154,11 @@ class Index:
 
     def keys(self, indices: np.ndarray) -> list[str]:
         """The keys of many samples at once (indices already validated)."""
-        return self._keys.take(pa.array(indices, pa.int64())).to_pylist()
+        return self.key_array(indices).to_pylist()
+
+    def key_array(self, indices: np.ndarray) -> pa.Array:
+        """The keys of many samples as an Arrow string array (indices already validated)."""
+        return self._keys.take(pa.array(indices, pa.int64()))
 
     def sample_fields(self, i: int) -> list[str]:
         """The fields of sample ``i`` in stored member order."""

@@ -1,7 +1,8 @@
 """The read path: from the members a request wants to the bytes it sends, in order.
 
-    stream.py     a batch as a tar stream: groups read ahead while the oldest is sent
+    stream.py     a batch as one stream: groups read ahead while the oldest is sent
     framing.py    tar framing of a batch: names, headers, the shards' own ranges, padding
+    arrow.py      Arrow framing of a batch: a record batch per group, its metadata from the sizes
     warm.py       the warm path: a group's blocks all held in RAM, and where each member lies
     samples.py    per-sample GETs gathered into batches
     coalescer.py  every read of member bytes: RAM, disk, sibling files, owners, the store

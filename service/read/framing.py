@@ -1,6 +1,9 @@
 """Tar framing of a batch: member names, headers, the shards' own ranges, padding.
 
-Every batch stream is framed here, whichever way its bytes came:
+``TarFraming`` frames a batch stream as a tar (the default format, and GetBatch's), whichever
+way its bytes came; ``arrow.py``'s ``ArrowFraming`` is its sibling for ``"format": "arrow"``,
+with the same entry points (``head``, ``held``, ``read``, ``end``, ``length``), so ``stream.py``
+sends either. The tar's are:
 
     held_parts     a group whose blocks are all in RAM (``warm.HeldGroup`` says where each
                    member lies): a member whose shard header names it as the batch does goes
@@ -9,7 +12,6 @@ Every batch stream is framed here, whichever way its bytes came:
     read_parts     a group read through the coalescer, or held with members the index lacks:
                    a built header and padding per member, and a zero-length placeholder for
                    a sample that failed (``continue_on_error``)
-    held_stream    a whole batch held in RAM as one list of parts (the protocol's instant answer)
     stream_length  the stream's exact length, known before its first byte when RAM holds it
     chunks_of      parts joined into few chunks to send
 
@@ -121,10 +123,29 @@ def read_parts(dataset: Dataset, members: Members, indices: np.ndarray, data: Ca
     return out, served
 
 
-def held_stream(dataset: Dataset, members: Members, indices: np.ndarray, held: HeldGroup) -> list:
-    """The whole tar stream of a batch whose members were all found and are all held in RAM
-    (``held``, from ``warm.held_group``), as parts: what ``stream_batch`` yields for it, in one list."""
-    return [*held_parts(held, 0, dataset, members, indices, SampleNames), END_OF_ARCHIVE]
+class TarFraming:
+    """A batch as a tar stream, its members named by ``names`` (``SampleNames`` by default)."""
+
+    def __init__(self, names=SampleNames):
+        self.names = names
+
+    def head(self) -> list:
+        return []
+
+    def end(self) -> bytes:
+        return END_OF_ARCHIVE
+
+    def held(self, held: HeldGroup, base: int, dataset: Dataset, members: Members, indices: np.ndarray) -> list:
+        return held_parts(held, base, dataset, members, indices, self.names)
+
+    def read(self, dataset: Dataset, members: Members, indices: np.ndarray, data: Callable[[int], list],
+             failed: dict[int, BaseException | None]) -> tuple[list, int]:
+        return read_parts(dataset, members, indices, data, failed, self.names)
+
+    def length(self, dataset: Dataset, members: Members, indices: np.ndarray, held: HeldGroup | None,
+               groups: list[tuple[int, int]]) -> int:
+        """``stream_length`` (a tar's length does not depend on how the batch is cut into groups)."""
+        return stream_length(dataset, members, indices, held)
 
 
 def chunks_of(parts: list, large: int = LARGE_PART) -> list:

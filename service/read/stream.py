@@ -1,4 +1,6 @@
-"""Batch responses: the requested members, as a tar stream in request order.
+"""Batch responses: the requested members, as one stream in request order (a tar, or an Arrow
+IPC stream: the framing, ``framing.TarFraming`` or ``arrow.ArrowFraming``, says how each group
+goes out).
 
 The batch is cut into groups of about ``group_bytes`` of payload along sample
 boundaries. A few groups are read ahead concurrently (``prefetch_groups``) while the
@@ -18,11 +20,10 @@ import numpy as np
 from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.datasets.index import Members
 from shardfeed.service.read.coalescer import Coalescer
-from shardfeed.service.read.framing import SampleNames, held_parts, read_parts
+from shardfeed.service.read.framing import TarFraming
 from shardfeed.service.read.planner import take
 from shardfeed.service.read.warm import HeldGroup, held_group
 from shardfeed.service.stores import StoreError
-from shardfeed.tar import END_OF_ARCHIVE
 
 HELD_GROUP_BYTES = 16 * 1024 * 1024
 """Group size of a batch held in RAM: its parts are views of held blocks, so a group costs no
@@ -38,8 +39,12 @@ class SampleFailed(Exception):
         self.cause = cause
 
 
-def _groups(members: Members, n_positions: int, group_bytes: int) -> list[tuple[int, int]]:
-    """Member row ranges ``[lo, hi)`` of consecutive samples with about ``group_bytes`` of payload."""
+def batch_groups(members: Members, n_positions: int, group_bytes: int, held: bool) -> list[tuple[int, int]]:
+    """Member row ranges ``[lo, hi)`` of consecutive samples with about ``group_bytes`` of payload
+    (at least ``HELD_GROUP_BYTES`` when the batch is ``held`` in RAM): how ``stream_batch`` cuts
+    the batch into groups."""
+    if held:
+        group_bytes = max(group_bytes, HELD_GROUP_BYTES)
     if int(members.size.sum()) < group_bytes:  # the usual warm batch: one group, nothing to cut
         return [(0, len(members.position))]
     per_position = np.bincount(members.position, weights=members.size, minlength=n_positions)
@@ -52,18 +57,19 @@ def _groups(members: Members, n_positions: int, group_bytes: int) -> list[tuple[
 
 
 async def render_group(coalescer: Coalescer, dataset: Dataset, members: Members, indices: np.ndarray,
-                       continue_on_error: bool, names=SampleNames, held: HeldGroup | None = None,
+                       continue_on_error: bool, framing=TarFraming(), held: HeldGroup | None = None,
                        base: int = 0, looked: bool = False) -> tuple[list, int]:
-    """The tar parts (bytes and views) of one group of member rows, and how many samples it served.
+    """The parts (bytes and views) of one group of member rows, as ``framing`` frames them, and
+    how many samples it served.
 
     A group whose blocks are all in RAM is framed from them at once (``warm.py``): from
     ``held``, the whole batch's, where its rows start at ``base``; any other group is looked
-    for in RAM (unless ``looked``: just done) and read through the coalescer. ``framing.py``
-    frames either."""
+    for in RAM (unless ``looked``: just done) and read through the coalescer. ``framing`` frames
+    either."""
     if held is None and not looked:
         held, base = held_group(coalescer, dataset, members), 0
     if held is not None and members.found.all():
-        return held_parts(held, base, dataset, members, indices, names), _count_positions(members)
+        return framing.held(held, base, dataset, members, indices), _count_positions(members)
     if held is None:
         payloads = await coalescer.read_members(dataset, members)
         failed_rows = [i for i, p in enumerate(payloads) if p is None or isinstance(p, StoreError)]
@@ -83,7 +89,7 @@ async def render_group(coalescer: Coalescer, dataset: Dataset, members: Members,
     if failed and not continue_on_error:
         position = min(failed)
         raise SampleFailed(dataset.name, int(indices[position]), failed[position])
-    return read_parts(dataset, members, indices, data, failed, names)
+    return framing.read(dataset, members, indices, data, failed)
 
 
 def _count_positions(members: Members) -> int:
@@ -93,29 +99,33 @@ def _count_positions(members: Members) -> int:
 
 async def stream_batch(coalescer: Coalescer, dataset: Dataset, members: Members, indices: np.ndarray, *,
                        continue_on_error: bool, group_bytes: int, prefetch: int,
-                       on_served=None, names=SampleNames, held: HeldGroup | None = None,
+                       on_served=None, framing=TarFraming(), held: HeldGroup | None = None,
                        looked: bool = False) -> AsyncIterator[list[bytes | memoryview]]:
-    """Yield the batch's tar stream as the parts of one group at a time (bytes and views of
-    blocks, unjoined: ``chunks_of`` or a gathered write sends them), ending with the
-    end-of-archive marker.
+    """Yield the batch's stream as the parts of one group at a time (bytes and views of blocks,
+    unjoined: ``chunks_of`` or a gathered write sends them), from ``framing``'s head to its end
+    marker.
 
-    ``names`` names the members (``SampleNames`` by default). ``held``: the batch's blocks,
+    ``framing``: a tar of ``SampleNames`` by default (``TarFraming``). ``held``: the batch's blocks,
     all held in RAM (``held_group``); then nothing is read. ``looked``: the whole batch was
     just looked for in RAM and ``held`` is what was found, so a batch of one group is not
     looked for again."""
-    groups = _groups(members, len(indices), group_bytes if held is None else max(group_bytes, HELD_GROUP_BYTES))
+    groups = batch_groups(members, len(indices), group_bytes, held is not None)
+    head = framing.head()
 
     def sent(parts: list, served: int, last: bool) -> list:
         if on_served is not None:
             on_served(served, sum(map(len, parts)))
+        if head:
+            parts[:0] = head
+            head.clear()
         if last:
-            parts.append(END_OF_ARCHIVE)
+            parts.append(framing.end())
         return parts
 
     if held is not None:  # all in RAM: each group is framed as it is sent, nothing to read ahead
         for number, (lo, hi) in enumerate(groups, 1):
             group = members if hi - lo == len(members) else take(members, slice(lo, hi))  # one group: no copy
-            parts, served = await render_group(coalescer, dataset, group, indices, continue_on_error, names, held, lo)
+            parts, served = await render_group(coalescer, dataset, group, indices, continue_on_error, framing, held, lo)
             yield sent(parts, served, number == len(groups))
         return
     if len(groups) > 1:
@@ -126,7 +136,7 @@ async def stream_batch(coalescer: Coalescer, dataset: Dataset, members: Members,
     def start_next() -> None:
         for lo, hi in upcoming:
             pending.append(asyncio.create_task(
-                render_group(coalescer, dataset, take(members, slice(lo, hi)), indices, continue_on_error, names,
+                render_group(coalescer, dataset, take(members, slice(lo, hi)), indices, continue_on_error, framing,
                              looked=looked and len(groups) == 1)))
             return
 
