@@ -119,15 +119,14 @@ class AsyncClient(BaseClient):
                                  retryable=self._verdict)
 
     async def get_batch_arrow(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None = None,
-                              *, continue_on_error: bool = False) -> pa.Table:
+                              *, continue_on_error: bool = False, shared: bool = False) -> pa.Table:
         """The samples at ``indices`` as a ``pyarrow.Table`` over the buffer read (see
         ``Client.get_batch_arrow``)."""
-        from .answers import plain
-        from .arrow import pyarrow, table_of
+        from .arrow import reading
 
-        pyarrow()
+        allocate, build = reading(shared)
         requests = await self._batch(dataset, indices, fields, continue_on_error, whole=True)
-        return await retry_async(lambda: self._whole(requests, plain, table_of), backoff=self.backoff,
+        return await retry_async(lambda: self._whole(requests, allocate, build), backoff=self.backoff,
                                  retryable=self._verdict)
 
     async def load_routing(self, dataset: str) -> None:

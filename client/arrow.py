@@ -22,12 +22,12 @@ sample bytes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .answers import Regions
+from .answers import Allocate, Regions, plain
 from .base import ARROW
 from .layout import ABSENT, INDEX, KEY, Columns
 
@@ -48,21 +48,53 @@ def pyarrow() -> Any:
     return pyarrow
 
 
+def reading(shared: bool) -> tuple[Allocate, Callable[[Sequence[PartRequest], Regions], pa.Table]]:
+    """Where a table's answers are read and what makes the table of them: plain memory, or with
+    ``shared`` a pooled shared-memory segment (:mod:`.arrowshared`, which needs torch). Raises the
+    ImportError of :func:`pyarrow` before anything is asked."""
+    pyarrow()
+    if not shared:
+        return plain, table_of
+    from .arrowshared import allocate, shared_table_of
+    return allocate, shared_table_of
+
+
 def table_of(requests: Sequence[PartRequest], regions: Regions) -> pa.Table:
     """The batch of the parts' answers read into ``regions``, as one table in the order asked."""
-    pa = pyarrow()
     buffer, _, starts = regions.joined()
+    return laid_out(buffer, requests, regions, starts)[0]
+
+
+def laid_out(buffer: np.ndarray, requests: Sequence[PartRequest], regions: Regions,
+             starts: np.ndarray) -> tuple[pa.Table, list[tuple[int, int]] | None]:
+    """The table of the parts' answers, part ``p``'s at ``starts[p]`` in ``buffer``; and where each
+    answer lies there (start, length) when the table lies wholly in ``buffer`` (every answer was
+    Arrow: :func:`over` makes it again from these), else ``None``."""
+    pa = pyarrow()
+    if not requests:
+        return _schema(pa, []).empty_table(), None
     whole = pa.py_buffer(buffer)  # holds the array: the table keeps its memory alive
-    tables = []
+    tables, spans = [], []
     for request, region, start in zip(requests, regions.regions, starts.tolist()):
         columns = request.columns(region.data())  # checks the answer: whole, the samples asked for
-        if request.answer_format == ARROW:
-            tables.append(pa.ipc.open_stream(whole.slice(start, region.filled)).read_all())
-        else:
-            tables.append(_copied(pa, columns, region.data()))
-    if not tables:
-        return _schema(pa, []).empty_table()
-    return in_order(tables, [r.part.positions for r in requests])
+        spans.append((start, region.filled))
+        tables.append(_read(pa, whole, spans[-1]) if request.answer_format == ARROW
+                      else _copied(pa, columns, region.data()))
+    in_place = all(request.answer_format == ARROW for request in requests)
+    return in_order(tables, [r.part.positions for r in requests]), spans if in_place else None
+
+
+def over(buffer: np.ndarray, spans: Sequence[tuple[int, int]], positions: Sequence[Sequence[int]]) -> pa.Table:
+    """The table of Arrow answers lying at ``spans`` of ``buffer`` (which it keeps alive), in the
+    order ``positions`` say: no byte of them copied."""
+    pa = pyarrow()
+    whole = pa.py_buffer(buffer)
+    return in_order([_read(pa, whole, span) for span in spans], positions)
+
+
+def _read(pa: Any, whole: pa.Buffer, span: tuple[int, int]) -> pa.Table:
+    """The table of the Arrow answer at ``span`` (start, length) of ``whole``, in place."""
+    return pa.ipc.open_stream(whole.slice(*span)).read_all()
 
 
 def in_order(tables: list[pa.Table], positions: Sequence[Sequence[int]]) -> pa.Table:

@@ -140,18 +140,19 @@ class Client(BaseClient):
                           retryable=self._verdict)
 
     def get_batch_arrow(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None = None,
-                        *, continue_on_error: bool = False) -> pa.Table:
+                        *, continue_on_error: bool = False, shared: bool = False) -> pa.Table:
         """The samples at ``indices`` as a ``pyarrow.Table``, a row per sample in order: ``__key__``,
         ``__index__``, then a large_binary column per field; its columns are views of the one buffer
         the answer was read into (:mod:`.arrow`: a routed batch's are chunked, a zero-copy slice per
         run of rows from one part). Needs pyarrow. The arguments and errors are :meth:`get_batch`'s;
-        a broken answer is asked for again whole, as :meth:`get_batch_tensors` does."""
-        from .answers import plain
-        from .arrow import pyarrow, table_of
+        a broken answer is asked for again whole, as :meth:`get_batch_tensors` does. ``shared``: read
+        into a pooled shared-memory segment (needs torch), which a DataLoader worker then sends to
+        the training process by name (:mod:`.arrowshared`)."""
+        from .arrow import reading
 
-        pyarrow()
+        allocate, build = reading(shared)
         requests = self._batch(dataset, indices, fields, continue_on_error, whole=True)
-        return retry_sync(lambda: self._whole(requests, plain, table_of), backoff=self.backoff,
+        return retry_sync(lambda: self._whole(requests, allocate, build), backoff=self.backoff,
                           retryable=self._verdict)
 
     def load_routing(self, dataset: str) -> None:

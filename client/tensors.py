@@ -220,12 +220,12 @@ def _attached_batch(path: str, size: int, *arrays: Any) -> Batch:
     return Batch(shm.attach(path, size), *arrays, pooled=True)
 
 
-def _collate_batches(batches: Sequence[Batch], *, collate_fn_map: Any = None) -> Batch:
+def one_batch(batches: Sequence[Any], *, collate_fn_map: Any = None) -> Any:
     """``default_collate`` of what a map-style dataset's ``__getitems__`` returns with
-    ``output="tensors"``: the list holding its one ``Batch``, handed on as it is."""
+    ``output="tensors"`` (or ``"arrow"``): the list holding its one batch, handed on as it is."""
     if len(batches) != 1:
-        raise TypeError(f"default_collate got {len(batches)} tensor Batches: a DataLoader batch is one")
+        raise TypeError(f"default_collate got {len(batches)} {type(batches[0]).__name__}s: a DataLoader batch is one")
     return batches[0]
 
 
-default_collate_fn_map[Batch] = _collate_batches
+default_collate_fn_map[Batch] = one_batch

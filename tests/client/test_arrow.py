@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pickle
 import shutil
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from multiprocessing.reduction import ForkingPickler
 
 import httpx
 import numpy as np
@@ -19,11 +21,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
-from shardfeed.client import AsyncClient, Client
+from shardfeed.client import AsyncClient, Client, shm
 from shardfeed.client.arrow import as_binary_views
 from shardfeed.client.layout import Columns
 from shardfeed.client.tensors import Batch
+from shardfeed.client.torch import ShardfeedDataset, ShardfeedIterableDataset, ShardfeedLoader
 from shardfeed.process import start_service
 from shardfeed.retry import Backoff
 
@@ -122,6 +126,17 @@ def test_a_tensor_batch_from_arrow_lies_one_sample_after_another(odd):
         assert [bytes(r.numpy()) for r in column.stacked()] == [source[(i, "seg.png")][1] for i in indices]
         words = column.view(torch.int32)
         assert [bytes(w.numpy()) for w in words] == [source[(i, "seg.png")][1] for i in indices]
+
+
+def mapped_file(address: int) -> str:
+    """The file mapped at ``address`` in this process ("" for anonymous memory)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, *rest = line.split(maxsplit=5)
+            start, end = (int(a, 16) for a in span.split("-"))
+            if start <= address < end:
+                return rest[4].strip() if len(rest) > 4 else ""
+    return ""
 
 
 class Relay(ThreadingHTTPServer):
@@ -273,3 +288,37 @@ def test_a_routed_batch_comes_back_in_order_as_tensors_and_as_a_table_of_slices(
         batch, table = asyncio.run(main())
         assert of_batch(batch) == want and of_table(table) == want
         assert client.arrow
+
+
+def test_a_pooled_table_is_sent_to_another_process_as_its_segments_name(odd):
+    svc, source = odd
+    indices = [3, 1, 3, 40]
+    with Client(svc.url, backoff=ONE_TRY) as client:
+        table = client.get_batch_arrow("train", indices, shared=True)
+        sent = ForkingPickler.dumps(table)  # as a DataLoader worker sends it
+        assert len(sent) < 2000
+        again = ForkingPickler.dumps(table)  # sent before: the receiver's flag has one writer
+        assert len(again) > sum(len(source[(i, "bin")][1]) for i in indices)
+        received = pickle.loads(sent)
+        assert of_table(received) == of_table(table) == written(source, indices, None)
+
+
+@pytest.mark.parametrize("style", ["map", "iterable"])
+def test_tables_come_through_dataloader_workers_in_shared_memory(odd, style):
+    svc, source = odd
+    client = Client(svc.url, backoff=ONE_TRY)
+    if style == "map":
+        ds = ShardfeedDataset(client, "train", output="arrow", fields=["bin", "cls"])
+        loader = DataLoader(ds, batch_size=8, num_workers=2, shuffle=True, generator=torch.Generator().manual_seed(0))
+    else:
+        ds = ShardfeedIterableDataset(client, "train", batch_size=8, output="arrow", fields=["bin", "cls"], seed=1)
+        loader = ShardfeedLoader(ds, num_workers=2)
+    tables = list(loader)
+    assert all(isinstance(t, pa.Table) for t in tables)
+    order = [i for t in tables for i in t["__index__"].to_pylist()]
+    assert sorted(order) == list(range(SAMPLES)) if style == "map" else len(order) >= SAMPLES
+    for table in tables:
+        assert of_table(table) == written(source, table["__index__"].to_pylist(), ["bin", "cls"])
+        assert shm.PREFIX in mapped_file(table["bin"].chunk(0).buffers()[2].address)  # sent by name, mapped here
+    if style == "map":
+        assert of_table(ds[7]) == written(source, [7], ["bin", "cls"])
