@@ -30,6 +30,9 @@ T = TypeVar("T")
 P = TypeVar("P")
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from .answers import Allocate, Regions
     from .tensors import Batch
 
 
@@ -109,8 +112,21 @@ class AsyncClient(BaseClient):
         """The samples at ``indices`` as one :class:`~.tensors.Batch` (see
         ``Client.get_batch_tensors``). Asyncio's streams read into a buffer of their own, so
         each piece of the answer is copied into the batch's buffer once as it arrives."""
+        from .tensors import allocator, batch_of
+
         requests = await self._batch(dataset, indices, fields, continue_on_error, whole=True)
-        return await retry_async(lambda: self._tensors(requests, shared), backoff=self.backoff,
+        return await retry_async(lambda: self._whole(requests, allocator(shared), batch_of), backoff=self.backoff,
+                                 retryable=self._verdict)
+
+    async def get_batch_arrow(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None = None,
+                              *, continue_on_error: bool = False, shared: bool = False) -> pa.Table:
+        """The samples at ``indices`` as a ``pyarrow.Table`` over the buffer read (see
+        ``Client.get_batch_arrow``)."""
+        from .arrow import reading
+
+        allocate, build = reading(shared)
+        requests = await self._batch(dataset, indices, fields, continue_on_error, whole=True)
+        return await retry_async(lambda: self._whole(requests, allocate, build), backoff=self.backoff,
                                  retryable=self._verdict)
 
     async def load_routing(self, dataset: str) -> None:
@@ -155,7 +171,10 @@ class AsyncClient(BaseClient):
         response = await pool.post(base, BATCH_PATH, body, self.headers)
         if response.status >= 400:
             with closing(response):
-                raise request.error(response, await response.read(ERROR_BODY_LIMIT))
+                error = request.error(response, await response.read(ERROR_BODY_LIMIT))
+            if request.refused(error):  # a service without the Arrow format: ask it for tar
+                return await self._open(request)
+            raise error
         request.answered(response.headers)
         return response
 
@@ -176,18 +195,19 @@ class AsyncClient(BaseClient):
     async def _collect(self, request: PartRequest) -> list[dict]:
         return [s async for s in self._stream(request)]
 
-    async def _tensors(self, requests: list[PartRequest], shared: bool) -> Batch:
-        """One try of :meth:`get_batch_tensors` (see ``Client._tensors``)."""
-        from .tensors import batch_of, regions_for
+    async def _whole(self, requests: list[PartRequest], allocate: Allocate,
+                     build: Callable[[list[PartRequest], Regions], T]) -> T:
+        """One try of a batch read whole (see ``Client._whole``)."""
+        from .answers import regions_for
 
         responses = await self._each_part(requests, self._open, AsyncResponse.close)
         try:
-            regions = regions_for(responses, shared)
+            regions = regions_for(responses, allocate)
             await self._each_part(list(zip(responses, regions.regions)), lambda pair: pair[0].read_into(pair[1]))
         finally:
             for response in responses:
                 response.close()
-        return batch_of(requests, regions)
+        return build(requests, regions)
 
     async def _each_part(self, parts: Sequence[P], work: Callable[[P], Awaitable[T]],
                          undo: Callable[[T], object] = lambda _: None) -> list[T]:

@@ -3,7 +3,8 @@
 The two clients (:mod:`.sync`, :mod:`.aio`) differ only in how they wait for the network;
 what to send, what an answer means and whether to try again is decided here, and where
 to send it in :mod:`.routing`. A batch request (:class:`PartRequest`) is the same for both
-clients and for both outputs, sample dicts and tensors.
+clients and for every output: sample dicts stream a tar; tensors and Arrow tables read a whole
+answer, asked for as Arrow where the service offers it (:mod:`.layout`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ import httpx
 
 from shardfeed.retry import Backoff, next_wait
 
+from shardfeed.arrowipc import MEDIA_TYPE
+
 from .errors import ShardfeedConnectionError, ShardfeedError, ShardfeedHTTPError
+from .layout import Columns
 from .routing import Endpoints, Part, Router, Via, parse_urls
 from .samples import BatchReader
 
@@ -38,6 +42,8 @@ ROUTING_HEADER = "x-shardfeed-routing"
 ERROR_BODY_LIMIT = 64 * 1024
 """Bytes of an error response read at most: it is a short JSON document, never a stream."""
 BATCH_PATH = "/v1/batch"
+TAR, ARROW = "tar", "arrow"
+"""The batch answer's formats: a tar streams (sample dicts), Arrow states its layout first (whole answers)."""
 REGISTER_POLL = 1.0
 """Seconds between asking again whether a dataset being indexed is served yet."""
 
@@ -112,6 +118,9 @@ class BaseClient:
         self.verify = verify
         self.endpoints = Endpoints(self.urls, down_for)
         self.router = Router(enabled=route)
+        self.arrow = True
+        """Whether whole answers are asked for as Arrow: False once a service refused the format
+        (one predating it), so this client asks it, and the others, for tar from then on."""
         self._session_lock = threading.Lock()
 
     def __getstate__(self) -> dict:
@@ -184,7 +193,8 @@ class BaseClient:
     def _requests(self, dataset: str, indices: list[int], fields: Sequence[str] | None,
                   continue_on_error: bool, whole: bool) -> list[PartRequest]:
         """A batch as its requests, one per owner of its samples (one, without routing; none
-        for no indices). The routing table is loaded first, if due (the twins' ``load_routing``)."""
+        for no indices). The routing table is loaded first, if due (the twins' ``load_routing``).
+        ``whole``: each answer is read whole (and asked for as Arrow, see ``arrow``)."""
         return [PartRequest(self, dataset, part, fields, continue_on_error, whole)
                 for part in (self.router.split(dataset, indices) if indices else [])]
 
@@ -203,7 +213,9 @@ class PartRequest:
     What each try sends (the samples not yet delivered, :attr:`reader` counting them; all of
     them when ``whole``, as the tensor output's buffer is one answer), what its answer's head
     means and how long to wait after a failed try are decided here, for both clients; they
-    only send it and read the body, as samples or into a tensor buffer.
+    only send it and read the body, as samples or into one buffer. A whole answer is asked for
+    in ``format`` Arrow while the client's ``arrow`` holds; it is read as the format its head
+    names (:meth:`columns`), so a node that answers tar regardless is read right too.
     """
 
     def __init__(self, client: BaseClient, dataset: str, part: Part, fields: Sequence[str] | None,
@@ -212,7 +224,11 @@ class PartRequest:
         self.fields = fields
         self.continue_on_error = continue_on_error
         self.whole = whole
+        self.format = ARROW if whole and client.arrow else TAR
+        self.answer_format = TAR
+        """The format of the last answer, as its head names it."""
         self.reader = BatchReader(dataset, part.indices, fields)
+        self._client = client
         self.via = Via(client.endpoints, client.router, dataset, part.owner)
         self.router = client.router
         self.base = ""
@@ -226,15 +242,36 @@ class PartRequest:
         self.base = self.via.pick()
         self.reader.restart(self.base + BATCH_PATH, self.whole)
         reader = self.reader
-        return self.base, batch_body(reader.dataset, list(reader.remaining()), self.fields, self.continue_on_error)
+        return self.base, batch_body(reader.dataset, list(reader.remaining()), self.fields, self.continue_on_error,
+                                     self.format)
 
     def error(self, response: Any, body: bytes) -> ShardfeedHTTPError:
         """Our error for an answer with an error status (either transport's), ``body`` its start."""
         return status_error(response.status, response.headers, body, self.reader.url)
 
+    def refused(self, error: ShardfeedHTTPError) -> bool:
+        """Whether ``error`` is the node refusing the Arrow format this request asked for (a
+        service predating it): then this request, and the client's from now on, ask for tar,
+        this one of the same node at once."""
+        if self.format != ARROW or error.status != 400 or error.code != "unsupported_format":
+            return False
+        self.format = TAR
+        self._client.arrow = False
+        self.via.again(self.base)
+        return True
+
     def answered(self, headers: Mapping[str, str]) -> None:
-        """An answer's head arrived: note the routing version the node named."""
+        """An answer's head arrived: note the routing version the node named, and its format."""
         self.router.saw(self.reader.dataset, headers.get(ROUTING_HEADER), self.base)
+        media = headers.get("content-type", "").split(";")[0].strip().lower()
+        self.answer_format = ARROW if media == MEDIA_TYPE else TAR
+
+    def columns(self, body: memoryview) -> Columns:
+        """The layout of the whole answer held in ``body``, read as the format its head named;
+        raises as a cut or malformed answer does (:class:`ShardfeedConnectionError`: ask again)."""
+        if self.answer_format == ARROW:
+            return Columns.of_arrow(body, self.part.indices, self.reader.url)
+        return Columns.of_samples(self.reader.spans(body))
 
     def wait(self, exc: Exception) -> float:
         """Seconds to wait before the next try after ``exc`` failed one; ``exc`` is raised when
@@ -327,9 +364,9 @@ def plan_path(dataset: str, plan_id: str | None = None) -> str:
 
 
 def batch_body(dataset: str, indices: list[int], fields: Sequence[str] | None,
-               continue_on_error: bool) -> bytes:
+               continue_on_error: bool, format: str = TAR) -> bytes:
     """JSON body of ``POST /v1/batch``, encoded."""
-    body: dict[str, Any] = {"dataset": dataset, "indices": indices, "format": "tar",
+    body: dict[str, Any] = {"dataset": dataset, "indices": indices, "format": format,
                             "continue_on_error": continue_on_error}
     if fields is not None:
         body["fields"] = list(fields)

@@ -230,3 +230,7 @@ class Via:
         if self.routed:
             self.router.expire(self.dataset)
         return self.endpoints.pick()
+
+    def again(self, base: str) -> None:
+        """The next try goes to ``base`` again (the same node, asked another way)."""
+        self.owner = base

@@ -22,6 +22,9 @@ from .routing import Via, merged
 from .transport.sync import Pool, Response
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from .answers import Allocate, Regions
     from .tensors import Batch
 
 T = TypeVar("T")
@@ -130,8 +133,27 @@ class Client(BaseClient):
         torch. The arguments and errors are :meth:`get_batch`'s; a broken answer is asked for
         again whole (the buffer is the answer), routed parts at once, as :meth:`iter_batch` does.
         """
+        from .tensors import allocator, batch_of
+
         requests = self._batch(dataset, indices, fields, continue_on_error, whole=True)
-        return retry_sync(lambda: self._tensors(requests, shared), backoff=self.backoff, retryable=self._verdict)
+        return retry_sync(lambda: self._whole(requests, allocator(shared), batch_of), backoff=self.backoff,
+                          retryable=self._verdict)
+
+    def get_batch_arrow(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None = None,
+                        *, continue_on_error: bool = False, shared: bool = False) -> pa.Table:
+        """The samples at ``indices`` as a ``pyarrow.Table``, a row per sample in order: ``__key__``,
+        ``__index__``, then a large_binary column per field; its columns are views of the one buffer
+        the answer was read into (:mod:`.arrow`: a routed batch's are chunked, a zero-copy slice per
+        run of rows from one part). Needs pyarrow. The arguments and errors are :meth:`get_batch`'s;
+        a broken answer is asked for again whole, as :meth:`get_batch_tensors` does. ``shared``: read
+        into a pooled shared-memory segment (needs torch), which a DataLoader worker then sends to
+        the training process by name (:mod:`.arrowshared`)."""
+        from .arrow import reading
+
+        allocate, build = reading(shared)
+        requests = self._batch(dataset, indices, fields, continue_on_error, whole=True)
+        return retry_sync(lambda: self._whole(requests, allocate, build), backoff=self.backoff,
+                          retryable=self._verdict)
 
     def load_routing(self, dataset: str) -> None:
         """Fetch ``dataset``'s routing table if one is due (the next batch would fetch it).
@@ -181,7 +203,10 @@ class Client(BaseClient):
         response = pool.post(base, BATCH_PATH, body, self.headers, exact_head=exact_head)
         if response.status >= 400:
             with closing(response):
-                raise request.error(response, response.read(ERROR_BODY_LIMIT))
+                error = request.error(response, response.read(ERROR_BODY_LIMIT))
+            if request.refused(error):  # a service without the Arrow format: ask it for tar
+                return self._open(request, exact_head)
+            raise error
         request.answered(response.headers)
         return response
 
@@ -197,19 +222,21 @@ class Client(BaseClient):
             except Exception as exc:
                 time.sleep(request.wait(exc))
 
-    def _tensors(self, requests: list[PartRequest], shared: bool) -> Batch:
-        """One try of :meth:`get_batch_tensors`: every part's answer opened, then read into its
-        stretch of one buffer (sized from their heads), all parts at once."""
-        from .tensors import batch_of, regions_for
+    def _whole(self, requests: list[PartRequest], allocate: Allocate,
+               build: Callable[[list[PartRequest], Regions], T]) -> T:
+        """One try of a batch read whole (tensors, Arrow): every part's answer opened, then read into
+        its stretch of one buffer (``allocate``'s, sized from their heads), all parts at once; the
+        batch is what ``build`` makes of them."""
+        from .answers import regions_for
 
         responses = self._each_part(requests, lambda r: self._open(r, exact_head=True), Response.close)
         try:
-            regions = regions_for(responses, shared)
+            regions = regions_for(responses, allocate)
             self._each_part(list(zip(responses, regions.regions)), lambda pair: pair[0].read_into(pair[1]))
         finally:
             for response in responses:
                 response.close()
-        return batch_of(requests, regions)
+        return build(requests, regions)
 
     def _each_part(self, parts: Sequence[P], work: Callable[[P], T],
                    undo: Callable[[T], object] = lambda _: None) -> list[T]:

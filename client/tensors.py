@@ -5,10 +5,14 @@ worker then pickles each one through a pipe to the training process. This output
 neither: the service says how long its answer is (``Content-Length``, or its
 ``X-Shardfeed-Length`` estimate on a streamed answer), so the client allocates one buffer, in
 shared memory inside a DataLoader worker, and ``recv_into`` puts the body there (the head is
-peeked at, so not even its first bytes are read elsewhere). :meth:`BatchReader.spans
-<.samples.BatchReader.spans>`, the same parser as the bytes output's, then finds each member
-in place. The DataLoader hands the shared buffer to the training process as a file
-descriptor, and ``pin_memory``/``.to(device)`` move it as one copy.
+peeked at, so not even its first bytes are read elsewhere; :mod:`.answers`). The answer is
+asked for as an Arrow IPC stream (``"format": "arrow"``), whose metadata states where every
+sample's bytes lie, so nothing is parsed per member (:meth:`Columns.of_arrow
+<.layout.Columns.of_arrow>`); from a service without that format, as a tar that the bytes
+output's own parser walks in place (:meth:`BatchReader.spans <.samples.BatchReader.spans>`).
+Both give the same :class:`~.layout.Columns`, so a batch is the same either way: a second
+output of the client's parser, not a fork of it. The DataLoader hands the shared buffer to the
+training process as a file descriptor, and ``pin_memory``/``.to(device)`` move it as one copy.
 
     batch = client.get_batch_tensors("train", [17, 4, 9])
     batch["jpg"][0]           # a zero-copy uint8 view of sample 17's jpg
@@ -18,12 +22,14 @@ descriptor, and ``pin_memory``/``.to(device)`` move it as one copy.
 Views share the buffer's memory and keep it alive (as any tensor view does): a view stays
 valid as long as it is held, and writing through it changes the batch. A batch read in parts
 (routing: one request per owning worker or replica) lies in one buffer too, each part's
-answer in its own stretch of it.
+answer in its own stretch of it. In an Arrow answer a field's samples lie one after the other
+(a fixed-size field evenly spaced, so ``stacked()`` is a view within a record batch); in a tar
+answer each member starts 512-byte aligned, after its header.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,106 +37,28 @@ import torch
 from torch.utils.data._utils.collate import default_collate_fn_map
 
 from . import shm
-from .routing import merge_order
+from .answers import Allocate, Regions
+from .layout import ABSENT, Columns
 
 if TYPE_CHECKING:
     from .base import PartRequest
-    from .transport.sync import Response
-
-ABSENT = -1
-"""The length of a field a sample lacks (or of every field of a missing sample)."""
-GUESS = 1 << 20
-"""Bytes allocated for an answer that states no length; the buffer grows if it is longer."""
-LENGTH_HEADER = "x-shardfeed-length"
-"""A streamed batch answer's expected length (a tensor batch's buffer is sized by it)."""
 
 
-def allocate(size: int, shared: bool) -> tuple[torch.Tensor, shm.Lease | None]:
-    """An uninitialised uint8 tensor, in shared memory when ``shared`` (moving one there later
-    would copy it): then from this process's pool of segments where one is free (its lease)."""
-    if not shared:
-        return torch.empty(size, dtype=torch.uint8), None
-    return shm.lease(size)
-
-
-class Region:
-    """Where one answer is read: a stretch of the batch's buffer (a :class:`~.transport.base.Sink`). An
-    answer longer than the stretch moves to a tensor of its own, grown by doubling."""
-
-    def __init__(self, tensor: torch.Tensor, shared: bool):
-        self.tensor = tensor
-        self.shared = shared
-        self.filled = 0
-        self.moved = False
-        self._memory = memoryview(tensor.numpy())
-
-    def space(self, wanted: int) -> memoryview:
-        if self.filled == len(self.tensor):
-            self._grow(self.filled + wanted)
-        return self._memory[self.filled:self.filled + wanted]
-
-    def wrote(self, n: int) -> None:
-        self.filled += n
-
-    def write(self, data: bytes) -> None:
-        at = 0
-        while at < len(data):
-            view = self.space(len(data) - at)
-            view[:] = data[at:at + len(view)]
-            self.wrote(len(view))
-            at += len(view)
-
-    def data(self) -> memoryview:
-        return self._memory[:self.filled]
-
-    def _grow(self, at_least: int) -> None:
-        bigger = allocate(max(at_least, 2 * len(self.tensor), GUESS), self.shared)[0]
-        bigger[:self.filled] = self.tensor[:self.filled]
-        self.tensor, self.moved = bigger, True
-        self._memory = memoryview(bigger.numpy())
-
-
-class Regions:
-    """One buffer for the answers of a batch's parts, a stretch each, sized as announced."""
-
-    def __init__(self, sizes: Sequence[int], shared: bool):
-        self.shared = shared
-        self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        self.buffer, self.lease = allocate(int(self.starts[-1]), shared)
-        self.regions = [Region(self.buffer[int(a):int(b)], shared) for a, b in zip(self.starts, self.starts[1:])]
-
-    def joined(self) -> tuple[torch.Tensor, shm.Lease | None, np.ndarray]:
-        """The buffer holding every answer (and its lease), and where each answer starts in it.
-        The usual case is the buffer read into; an answer longer than announced costs one copy."""
-        if not any(r.moved for r in self.regions):
-            return self.buffer, self.lease, self.starts[:-1]
-        starts = np.concatenate([[0], np.cumsum([r.filled for r in self.regions])]).astype(np.int64)
-        buffer, lease = allocate(int(starts[-1]), self.shared)
-        for region, start in zip(self.regions, starts.tolist()):
-            buffer[start:start + region.filled] = region.tensor[:region.filled]
-        return buffer, lease, starts[:-1]
-
-
-def announced_length(headers: Mapping[str, str], default: int) -> int:
-    """A batch answer's length as its head states it (``Content-Length``, else the service's
-    estimate, ``LENGTH_HEADER``); ``default`` when it states none a number."""
-    for name in ("content-length", LENGTH_HEADER):
-        value = headers.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return default
-
-
-def regions_for(responses: Sequence[Response], shared: bool) -> Regions:
-    """Where the answers of a batch's parts are read: one buffer, sized as their heads say."""
-    return Regions([announced_length(r.headers, GUESS) for r in responses], shared)
+def allocator(shared: bool) -> Allocate:
+    """Where a tensor batch's answers are read (:mod:`.answers`): an uninitialised uint8 tensor, in
+    shared memory when ``shared`` (moving one there later would copy it), then from this process's
+    pool of segments where one is free. What holds the array is the tensor and its lease."""
+    def allocate(size: int) -> tuple[np.ndarray, tuple[torch.Tensor, shm.Lease | None]]:
+        tensor, lease = shm.lease(size) if shared else (torch.empty(size, dtype=torch.uint8), None)
+        return tensor.numpy(), (tensor, lease)
+    return allocate
 
 
 def batch_of(requests: Sequence[PartRequest], regions: Regions) -> Batch:
-    """The batch of the parts' answers read into ``regions``, parsed in place."""
-    samples = [request.reader.spans(region.data()) for request, region in zip(requests, regions.regions)]
-    buffer, lease, starts = regions.joined()
-    return Batch.of(buffer, samples, starts.tolist(), merge_order([r.part for r in requests]), lease)
+    """The batch of the parts' answers read into ``regions``, laid out in place (either format)."""
+    parts = [request.columns(region.data()) for request, region in zip(requests, regions.regions)]
+    _, (buffer, lease), starts = regions.joined()
+    return Batch.of(buffer, Columns.merged(parts, starts.tolist(), [r.part.positions for r in requests]), lease)
 
 
 def _as_tensor(attr: str, doc: str) -> property:
@@ -167,9 +95,14 @@ class Field:
             yield None if length == ABSENT else buffer[start:start + length]
 
     def view(self, dtype: torch.dtype) -> list[torch.Tensor | None]:
-        """Each sample's bytes read as ``dtype`` (token ids, float records), without a copy:
-        members start 512-byte aligned in the buffer."""
-        return [None if v is None else v.view(dtype) for v in self]
+        """Each sample's bytes read as ``dtype`` (token ids, float records), without a copy where
+        they start at a multiple of its size in the buffer: always in a tar answer (members
+        start 512-byte aligned), in an Arrow answer when the samples before it in its record
+        batch are whole multiples of it (a column's values start 64-byte aligned, then each
+        sample's bytes follow the last's); else that sample's bytes are copied first."""
+        size = torch.empty(0, dtype=dtype).element_size()
+        return [None if v is None else (v if v.storage_offset() % size == 0 else v.clone()).view(dtype)
+                for v in self]
 
     def stacked(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """Every sample's bytes as one ``(len, size)`` tensor of ``dtype`` (fixed-size fields:
@@ -216,37 +149,10 @@ class Batch:
         self._lengths = lengths
 
     @classmethod
-    def of(cls, buffer: torch.Tensor, samples: list[list[dict]], starts: Sequence[int],
-           order: list[tuple[int, int]] | None = None, lease: shm.Lease | None = None) -> Batch:
-        """A batch from the parsed answers of its parts (:meth:`BatchReader.spans`: payloads
-        as ``(offset, size)`` in each answer), the answer of part ``p`` at ``starts[p]`` in
-        ``buffer`` (``lease``: a pooled shared buffer's); ``order``: each position's
-        ``(part, row)`` (:func:`~.routing.merge_order`)."""
-        if order is None:
-            order = [(0, row) for row in range(len(samples[0]))]
-        n = len(order)
-        keys: list[str | None] = [None] * n
-        indices = np.empty(n, np.int64)
-        missing = np.zeros(n, bool)
-        offsets: dict[str, np.ndarray] = {}
-        lengths: dict[str, np.ndarray] = {}
-        for position, (part, row) in enumerate(order):
-            sample = samples[part][row]
-            keys[position] = sample["__key__"]
-            indices[position] = sample["__index__"]
-            if sample.get("__missing__"):
-                missing[position] = True
-                continue
-            base = starts[part]
-            for name, value in sample.items():
-                if name.startswith("__"):
-                    continue
-                if name not in offsets:
-                    offsets[name] = np.zeros(n, np.int64)
-                    lengths[name] = np.full(n, ABSENT, np.int64)
-                offsets[name][position] = base + value[0]
-                lengths[name][position] = value[1]
-        return cls(buffer, keys, indices, missing, offsets, lengths, lease)
+    def of(cls, buffer: torch.Tensor, columns: Columns, lease: shm.Lease | None = None) -> Batch:
+        """A batch over ``buffer`` laid out as ``columns`` (offsets in ``buffer``; ``lease``: a
+        pooled shared buffer's)."""
+        return cls(buffer, columns.keys, columns.indices, columns.missing, columns.offsets, columns.lengths, lease)
 
     def __reduce__(self) -> tuple:
         # A pooled buffer travels as its segment's name (the receiver maps it: :mod:`.shm`);
@@ -314,12 +220,12 @@ def _attached_batch(path: str, size: int, *arrays: Any) -> Batch:
     return Batch(shm.attach(path, size), *arrays, pooled=True)
 
 
-def _collate_batches(batches: Sequence[Batch], *, collate_fn_map: Any = None) -> Batch:
+def one_batch(batches: Sequence[Any], *, collate_fn_map: Any = None) -> Any:
     """``default_collate`` of what a map-style dataset's ``__getitems__`` returns with
-    ``output="tensors"``: the list holding its one ``Batch``, handed on as it is."""
+    ``output="tensors"`` (or ``"arrow"``): the list holding its one batch, handed on as it is."""
     if len(batches) != 1:
-        raise TypeError(f"default_collate got {len(batches)} tensor Batches: a DataLoader batch is one")
+        raise TypeError(f"default_collate got {len(batches)} {type(batches[0]).__name__}s: a DataLoader batch is one")
     return batches[0]
 
 
-default_collate_fn_map[Batch] = _collate_batches
+default_collate_fn_map[Batch] = one_batch

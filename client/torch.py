@@ -20,7 +20,8 @@ Samples are dicts ``{"__key__", "__index__", "<field>": bytes}``; ``decode=True`
 (decoded) sample dict to whatever the model wants. With ``output="tensors"`` a batch is
 one :class:`~.tensors.Batch` instead: every byte in one uint8 tensor, in shared memory in a
 DataLoader worker, which the DataLoader passes to the training process without pickling a
-byte of it (``batch["jpg"][i]`` is a view; :mod:`.tensors`).
+byte of it (``batch["jpg"][i]`` is a view; :mod:`.tensors`). With ``output="arrow"`` a batch is a
+``pyarrow.Table`` over such a buffer, sent the same way (:mod:`.arrow`, :mod:`.arrowshared`).
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ class _Source:
                  continue_on_error: bool, output: str, client_options: dict):
         if output not in OUTPUTS:
             raise ValueError(f"output must be one of {', '.join(map(repr, OUTPUTS))}, not {output!r}")
-        if output == "tensors" and (decode or transform is not None):
-            raise TypeError("decode and transform apply to sample dicts, not to output='tensors': "
+        if output != "samples" and (decode or transform is not None):
+            raise TypeError(f"decode and transform apply to sample dicts, not to output={output!r}: "
                             "decode the batch's views (shardfeed.client.tensors, docs/tensors.md)")
         if isinstance(url, Client):
             if client_options:
@@ -77,10 +78,12 @@ class _Source:
         self.transform = transform
         self.continue_on_error = continue_on_error
         self.output = output
+        if output == "arrow":
+            from . import arrowshared  # noqa: F401  (tables through DataLoader workers, as names of segments)
         self.info = self.client.info(dataset)
         self.client.load_routing(dataset)
 
-    def fetch(self, indices: Sequence[int]) -> list | Batch:
+    def fetch(self, indices: Sequence[int]) -> Any:
         """The samples at ``indices`` in one request, in the dataset's ``output``."""
         return OUTPUTS[self.output](self, indices)
 
@@ -98,15 +101,21 @@ class _Source:
                                              continue_on_error=self.continue_on_error,
                                              shared=get_worker_info() is not None)
 
+    def arrow(self, indices: Sequence[int]) -> Any:
+        """``output="arrow"``: one ``pyarrow.Table``, over a pooled shared-memory segment inside a
+        DataLoader worker, which sends it to the training process by the segment's name."""
+        return self.client.get_batch_arrow(self.dataset, indices, self.fields, continue_on_error=self.continue_on_error,
+                                           shared=get_worker_info() is not None)
+
     def finish(self, sample: dict) -> Any:
         if self.decoder is not None:
             sample = self.decoder(sample)
         return sample if self.transform is None else self.transform(sample)
 
 
-OUTPUTS = {"samples": _Source.samples, "tensors": _Source.tensors}
-"""What a batch is, by the datasets' ``output``: a list of sample dicts of ``bytes``, or one
-:class:`~.tensors.Batch`."""
+OUTPUTS = {"samples": _Source.samples, "tensors": _Source.tensors, "arrow": _Source.arrow}
+"""What a batch is, by the datasets' ``output``: a list of sample dicts of ``bytes``, one
+:class:`~.tensors.Batch`, or one ``pyarrow.Table`` (:mod:`.arrow`)."""
 
 
 class ShardfeedDataset(Dataset):
@@ -127,10 +136,11 @@ class ShardfeedDataset(Dataset):
         continue_on_error: return ``{"__key__": None, "__index__": i, "__missing__": True}``
             (passed through ``transform``) for a sample the service cannot serve, instead of
             failing the batch.
-        output: ``"samples"`` (sample dicts of ``bytes``) or ``"tensors"``: a DataLoader batch
-            is one :class:`~.tensors.Batch` (the default ``collate_fn`` hands it on as it is;
-            a ``collate_fn`` of your own gets a list holding it), ``ds[i]`` a sample dict of
-            uint8 views. No ``decode`` or ``transform`` with it.
+        output: ``"samples"`` (sample dicts of ``bytes``), ``"tensors"`` or ``"arrow"``: a
+            DataLoader batch is one :class:`~.tensors.Batch` or one ``pyarrow.Table``
+            (:mod:`.arrow`; the default ``collate_fn`` hands it on as it is; a ``collate_fn`` of
+            your own gets a list holding it), ``ds[i]`` a sample dict of uint8 views or a table
+            of one row. No ``decode`` or ``transform`` with them.
         **client_options: passed to ``Client`` (token, timeout, backoff, ...).
     """
 
@@ -154,13 +164,15 @@ class ShardfeedDataset(Dataset):
         n = len(self)
         if not -n <= index < n:
             raise IndexError(f"sample {index} is out of range: {self.source.dataset!r} has {n} samples")
-        return self.source.fetch([index % n])[0]
+        batch = self.source.fetch([index % n])
+        return batch if self.source.output == "arrow" else batch[0]
 
     def __getitems__(self, indices: list[int]) -> list:
         """The whole DataLoader batch in one request (PyTorch calls this when it exists); with
-        ``output="tensors"`` a list holding its ``Batch``, which ``default_collate`` unwraps."""
+        ``output="tensors"`` or ``"arrow"`` a list holding its one batch, which ``default_collate``
+        unwraps."""
         batch = self.source.fetch(indices)
-        return [batch] if isinstance(batch, Batch) else batch
+        return batch if isinstance(batch, list) else [batch]
 
 
 class ShardfeedSampler(Sampler[int]):
@@ -221,7 +233,7 @@ class ShardfeedIterableDataset(IterableDataset):
     Args:
         url, dataset, fields, decode, transform, continue_on_error, output, **client_options:
             as for :class:`ShardfeedDataset` (with ``output="tensors"`` each item is a
-            :class:`~.tensors.Batch`; ``collate_fn`` does not apply).
+            :class:`~.tensors.Batch`, with ``"arrow"`` a ``pyarrow.Table``; ``collate_fn`` does not apply).
         batch_size: samples per batch.
         seed: with the epoch, selects the order; the same seed gives the same order.
         shuffle: ``False`` walks the samples in index order, ``True`` draws a uniform
@@ -268,8 +280,8 @@ class ShardfeedIterableDataset(IterableDataset):
                  continue_on_error: bool = False, output: str = "samples", **client_options: Any):
         if prefetch is not None and prefetch < 0:
             raise ValueError(f"prefetch must not be negative, not {prefetch}")
-        if output == "tensors" and collate_fn not in (default_collate, None):
-            raise TypeError("collate_fn applies to lists of sample dicts, not to output='tensors'")
+        if output != "samples" and collate_fn not in (default_collate, None):
+            raise TypeError(f"collate_fn applies to lists of sample dicts, not to output={output!r}")
         self.source = _Source(url, dataset, fields, decode, transform, continue_on_error, output, client_options)
         rank, world_size = _rank_and_world_size(rank, world_size)
         samples = int(self.source.info["samples"])

@@ -23,7 +23,9 @@ from torch.utils.data import DataLoader
 
 from shardfeed.client import AsyncClient, Client, ShardfeedError
 from shardfeed.client import shm
-from shardfeed.client.tensors import Batch, Regions
+from shardfeed.client.answers import Regions
+from shardfeed.client.layout import Columns
+from shardfeed.client.tensors import Batch, allocator
 from shardfeed.client.torch import ShardfeedDataset, ShardfeedIterableDataset, ShardfeedLoader
 from shardfeed.process import start_service
 from shardfeed.retry import Backoff
@@ -152,16 +154,17 @@ def test_a_full_dev_shm_falls_back_to_a_plain_shared_tensor(monkeypatch):
 
 
 def test_an_answer_longer_than_announced_moves_to_a_grown_buffer_once():
-    regions = Regions([4, 6], shared=False)
+    regions = Regions([4, 6], allocator(shared=False))
     regions.regions[0].write(b"0123456789")  # longer than its stretch
     regions.regions[1].write(b"abc")
     buffer, _, starts = regions.joined()
-    assert starts.tolist() == [0, 10] and bytes(buffer.numpy()) == b"0123456789abc"
-    regions = Regions([4, 6], shared=True)
+    assert starts.tolist() == [0, 64]  # each answer's stretch starts 64-byte aligned
+    assert bytes(buffer[:10]) == b"0123456789" and bytes(buffer[64:67]) == b"abc"
+    regions = Regions([4, 6], allocator(shared=True))
     regions.regions[1].write(b"abc")
-    buffer, lease, starts = regions.joined()
-    assert buffer is regions.buffer and lease is regions.lease and starts.tolist() == [0, 4]
-    assert Batch.of(buffer, [[]], [0], lease=lease).shared
+    buffer, (tensor, lease), starts = regions.joined()
+    assert buffer is regions.buffer and starts.tolist() == [0, 64]
+    assert Batch.of(tensor, Columns.of_samples([]), lease).shared
 
 
 def test_no_copy_of_the_samples_is_made_after_the_socket(tmp_path):
