@@ -1,7 +1,8 @@
 # One word each: `make demo` (set up + run the main job on the embedded default),
 # `make test` (set up + run every test, in parallel), `make check` (the tests not marked
 # slow: the edit-test loop), `make stack` (set up + the compose stack as local processes:
-# SeaweedFS, seeder, three replicas; Ctrl-C stops it).
+# SeaweedFS, seeder, three replicas; Ctrl-C stops it), `make gpu-check` (on a CUDA machine only: the
+# GPU checks and the copy timing; nothing else needs a GPU).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -12,7 +13,7 @@ TEST_WORKERS ?= $(shell n=$$(( $$(nproc) * 3 / 2 )); echo $$(( n < 1 ? 1 : n > 8
 # Where pip finds wheels besides its indexes (a local CPU build of torch, on this machine).
 FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 
-.PHONY: demo test check stack serve bench bench-quick clean
+.PHONY: demo test check gpu-check stack serve bench bench-quick clean
 
 $(BIN)/shardfeed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +44,16 @@ test: $(BIN)/shardfeed
 
 check: $(BIN)/shardfeed
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not slow"
+
+# The checks that need a CUDA device and a CUDA build of torch in $(VENV) (PyPI's Linux wheel is
+# one; this machine's find-links give the CPU build): tests/gpu (one host-to-device copy a pinned
+# batch, one batched nvJPEG call, pinned DataLoader batches; skipped, with the reason shown by -ra,
+# without CUDA or torchvision), then the stall benchmark's copy to the GPU at two small sizes
+# (--cuda: it refuses to run, exit 2, without CUDA). A few minutes; no other target needs it.
+gpu-check: $(BIN)/shardfeed
+	$(BIN)/pytest -q -ra tests/gpu
+	$(BIN)/python -m shardfeed.benchmarks.stall --cuda --sizes 10KiB,1MiB --samples 256 \
+		--loaders ram,shardfeed-tensors --steps-ms 5 --step-batches 2 --service-workers 4
 
 stack: $(BIN)/shardfeed
 	$(BIN)/shardfeed stack

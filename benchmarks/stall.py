@@ -1,4 +1,4 @@
-"""Data stalls: a training loop with a simulated step, fed by each loader, warm.
+"""Data stalls: a training loop with a simulated step, fed by each loader, cold then warm.
 
 A GPU step leaves the training process's CPU idle while it waits; what matters is whether
 the next batch is there when the step ends. Each loader feeds the same loop,
@@ -11,9 +11,11 @@ bytes and a ``cls`` label; SeaweedFS, or moto with ``--s3 moto``):
     shardfeed-bytes    ShardfeedDataset, sample dicts of ``bytes``
     shardfeed-tensors  ShardfeedDataset(output="tensors"): one shared-memory buffer a batch
 
-For each sample size, each loader runs in a fresh process: a first epoch (it warms the
-service's cache and Streaming's local directory), then one epoch per step time, the loop sleeping ``step`` after each batch (a
-GPU step: no CPU spent). Per epoch: samples/s, the stall (the fraction of the wall time,
+For each sample size, each loader runs in a fresh process: a cold epoch flat out (a service
+started on an empty cache, Streaming with an empty local directory: the reads reach S3), then
+warm, one epoch per step time, the loop sleeping ``step`` after each batch (a GPU step: no CPU
+spent). Every epoch is reported, the cold one on a row of its own beside the warm ones, and
+in the summary too. Per epoch: samples/s, the stall (the fraction of the wall time,
 after the first batch, spent waiting for the next batch), the seconds to the first batch,
 and CPU per sample, in microseconds, of the training process and of the DataLoader workers
 (with the service's beside them; with a step it also counts what the processes spend per
@@ -24,9 +26,11 @@ flat out (``--step-batches`` batches each); ``--steps-ms`` fixes them instead. W
 the medians are compared: the machine's load drifts. With CUDA present
 the training loop also moves each tensor batch to the GPU (pinned, ``non_blocking``) and
 reports the copy's time per batch (the GPU decode is not timed: the samples are random
-bytes, not images).
+bytes, not images); ``--cuda`` insists on it, refusing to run without CUDA (``make
+gpu-check`` runs it so, at small sizes).
 
     python -m shardfeed.benchmarks.stall --sizes 10KiB,100KiB,1MiB --plot stall.png
+    python -m shardfeed.benchmarks.stall --cuda --sizes 10KiB,1MiB --samples 256 --loaders ram,shardfeed-tensors
 
 The plot (matplotlib, from the ``demo`` extra) shows the stall of each loader at each size
 and step time. Every sample of every epoch is checked against the seeded bytes (an xxh3 per
@@ -37,9 +41,10 @@ every sample once.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
 
@@ -92,9 +97,20 @@ class Epoch:
 
 @dataclass
 class Result:
+    """One loader at one size: its cold epoch and its warm ones (flat out, then one per step)."""
+
     kind: str
     size: str
-    epochs: list[Epoch] = field(default_factory=list)
+    cold: Epoch
+    warm: list[Epoch]
+
+    @classmethod
+    def of(cls, kind: str, size: str, epochs: list[Epoch]) -> Result:
+        """From the epochs as a round runs them, the cold one first."""
+        return cls(kind, size, epochs[0], epochs[1:])
+
+    def rows(self) -> list[tuple[str, Epoch]]:
+        return [("cold", self.cold)] + [("warm", e) for e in self.warm]
 
 
 def _indices(batch) -> list[int]:
@@ -109,11 +125,10 @@ def _bins(batch) -> list:
     return [s["bin"] for s in batch]
 
 
-def _epoch(loader, step: float, digests: Digests, service_pid: int | None, to_gpu: bool = True,
-           limit: int | None = None) -> Epoch:
+def _epoch(loader, step: float, digests: Digests, service_pid: int | None, limit: int | None = None) -> Epoch:
     """One epoch of the training loop, or its first ``limit`` batches, every sample checked;
-    ``to_gpu``: each tensor batch moved to the GPU too, where there is one."""
-    gpu = torch.cuda.is_available() and to_gpu
+    each tensor batch moved to the GPU too, where there is one."""
+    gpu = torch.cuda.is_available()
     cpu = _cpu(service_pid)
     began = time.perf_counter()
     waited, first, seen, copy = 0.0, 0.0, [], 0.0
@@ -134,9 +149,10 @@ def _epoch(loader, step: float, digests: Digests, service_pid: int | None, to_gp
         for i, data in zip(indices, _bins(batch), strict=True):
             digests.check(i, "bin", data)
         if gpu and isinstance(batch, Batch):
-            batch.pin_memory().to("cuda", non_blocking=True)
+            copying = time.perf_counter()  # the checks above are not the copy's
+            batch.pin_memory().to("cuda", non_blocking=True)  # pinned already by the DataLoader: no copy
             torch.cuda.synchronize()
-            copy += time.perf_counter() - got
+            copy += time.perf_counter() - copying
         if step:
             time.sleep(step)
         if limit is not None and len(seen) >= limit * BATCH:
@@ -153,8 +169,8 @@ def _epoch(loader, step: float, digests: Digests, service_pid: int | None, to_gp
 
 def stall_round(kind: str, source: str, local: str, samples: int, sizes, steps: list[float],
                 service_pid: int | None, limit: int | None = None) -> list[Epoch]:
-    """A fresh process's epochs for one loader: the first (warming), then one per step
-    (flat out the whole epoch; with a step, its first ``limit`` batches)."""
+    """A fresh process's epochs for one loader: the cold one (flat out, warming the cache),
+    then one per step (flat out the whole epoch; with a step, its first ``limit`` batches)."""
     _quiet()
     digests = Digests(samples, sizes)
     options = {"collate_fn": _collate}  # batches as lists of sample dicts
@@ -171,7 +187,7 @@ def stall_round(kind: str, source: str, local: str, samples: int, sizes, steps: 
     loader = DataLoader(dataset, batch_size=BATCH, shuffle=kind != "streaming",  # Streaming shuffles itself
                         num_workers=LOADER_WORKERS,
                         pin_memory=torch.cuda.is_available(), **options)
-    out = [_epoch(loader, 0.0, digests, service_pid, to_gpu=False)]
+    out = [_epoch(loader, 0.0, digests, service_pid)]
     for step in steps:
         out.append(_epoch(loader, step, digests, service_pid, limit=limit if step else None))
     return out
@@ -201,16 +217,18 @@ def run_size(size: str, samples: int, kinds: list[str], steps_ms: list[float] | 
                                        env=server.env(), workers=service_workers) as svc:
                         epochs = in_fresh_process(stall_round, kind, svc.url, "", samples, sizes, steps,
                                                   svc.process.pid, limit)
-                else:
-                    epochs = in_fresh_process(stall_round, kind, remote, str(tmp / f"local-{size}"), samples, sizes,
-                                              steps, None, limit)
-                runs[kind].append(epochs[1:])
-                _report(Result(kind, size, epochs[1:]), f"round {r + 1}")
-    return [Result(kind, size, _medians(done)) for kind, done in runs.items()]
+                else:  # its own local directory each round: its first epoch is cold too
+                    local = tmp / f"local-{size}-{r}"
+                    epochs = in_fresh_process(stall_round, kind, remote, str(local), samples, sizes, steps, None,
+                                              limit)
+                    shutil.rmtree(local, ignore_errors=True)
+                runs[kind].append(epochs)
+                _report(Result.of(kind, size, epochs), f"round {r + 1}")
+    return [Result.of(kind, size, _medians(done)) for kind, done in runs.items()]
 
 
 def _medians(rounds: list[list[Epoch]]) -> list[Epoch]:
-    """Each step's epoch, its figures the medians of the rounds'."""
+    """Each epoch (the cold one, then each step's), its figures the medians of the rounds'."""
     out = []
     for epochs in zip(*rounds):
         gpu = [e.to_gpu_ms for e in epochs if e.to_gpu_ms is not None]
@@ -220,29 +238,38 @@ def _medians(rounds: list[list[Epoch]]) -> list[Epoch]:
     return out
 
 
+def _to_gpu(e: Epoch) -> str:
+    return f"   to GPU {e.to_gpu_ms:.2f} ms/batch" if e.to_gpu_ms is not None else ""
+
+
 def _report(result: Result, label: str) -> None:
-    for e in result.epochs:
-        gpu = f"   to GPU {e.to_gpu_ms:.2f} ms/batch" if e.to_gpu_ms is not None else ""
+    for when, e in result.rows():
         cpu = " + ".join(f"{e.cpu[p]:.0f}" for p in PARTIES)
-        print(f"{label:8s} {result.size:>7} {result.kind:18s} step {e.step * 1e3:6.1f} ms  {e.rate:8.0f} samples/s  "
-              f"stall {e.stall:6.1%}  first batch {e.first:5.2f} s  CPU us/sample {cpu} ({' + '.join(PARTIES)})"
-              f"{gpu}", flush=True)
+        print(f"{label:8s} {result.size:>7} {result.kind:18s} {when} step {e.step * 1e3:6.1f} ms  {e.rate:8.0f} "
+              f"samples/s  stall {e.stall:6.1%}  first batch {e.first:5.2f} s  CPU us/sample {cpu} "
+              f"({' + '.join(PARTIES)}){_to_gpu(e)}", flush=True)
+
+
+def _loader_cpu(e: Epoch) -> float:
+    """CPU per sample of the training process and its DataLoader workers (the service's apart)."""
+    return e.cpu["main"] + e.cpu["workers"]
 
 
 def summary(results: list[Result]) -> None:
-    """Side by side: each loader against the ram ceiling, flat out and at the steps (medians)."""
-    print("\nagainst the ram loader (the DataLoader's ceiling for bytes), same size, same step, medians:")
+    """Side by side: each loader against the ram ceiling, cold and warm flat out, and warm
+    at the steps (medians)."""
+    print("\nagainst the ram loader (the DataLoader's ceiling for bytes), same size, same epoch, medians:")
     ceiling = {r.size: r for r in results if r.kind == "ram"}
     for r in results:
         base = ceiling.get(r.size)
         if base is None or r.kind == "ram":
             continue
-        flat, ram = r.epochs[0], base.epochs[0]
-        loader_cpu = lambda e: e.cpu["main"] + e.cpu["workers"]  # noqa: E731
-        stalls = ", ".join(f"{e.step * 1e3:.1f} ms: {e.stall:.1%} (ram {b.stall:.1%})"
-                           for e, b in zip(r.epochs[1:], base.epochs[1:]))
-        print(f"{r.size:>7} {r.kind:18s} {flat.rate / ram.rate:5.2f}x the samples/s, loader CPU per sample "
-              f"{loader_cpu(flat) / loader_cpu(ram):5.2f}x; stall at {stalls}")
+        for when, e, ram in (("cold", r.cold, base.cold), ("warm", r.warm[0], base.warm[0])):
+            stalls = "" if when == "cold" else "; stall at " + ", ".join(
+                f"{s.step * 1e3:.1f} ms: {s.stall:.1%} (ram {b.stall:.1%})" for s, b in zip(r.warm[1:], base.warm[1:]))
+            print(f"{r.size:>7} {r.kind:18s} {when} {e.rate / ram.rate:5.2f}x the samples/s ({e.rate:.0f}), "
+                  f"loader CPU per sample {_loader_cpu(e) / _loader_cpu(ram):5.2f}x ({_loader_cpu(e):.0f} us)"
+                  f"{stalls}{_to_gpu(e)}")
 
 
 def plot(results: list[Result], path: Path) -> None:
@@ -253,16 +280,16 @@ def plot(results: list[Result], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = sorted({(r.size, k) for r in results for k in range(1, len(r.epochs))},
+    groups = sorted({(r.size, k) for r in results for k in range(1, len(r.warm))},
                     key=lambda g: (parse_size(g[0]), g[1]))
     kinds = [k for k in LOADERS if any(r.kind == k for r in results)]
     width = 0.8 / len(kinds)
     fig, ax = plt.subplots(figsize=(1.4 * len(groups) + 2, 4))
     for b, kind in enumerate(kinds):
-        stalls = [next((r.epochs[k].stall for r in results if r.size == size and r.kind == kind), 0.0)
+        stalls = [next((r.warm[k].stall for r in results if r.size == size and r.kind == kind), 0.0)
                   for size, k in groups]
         ax.bar([g + b * width for g in range(len(groups))], stalls, width, label=kind)
-    steps = [next(r.epochs[k].step for r in results if r.size == size) * 1e3 for size, k in groups]
+    steps = [next(r.warm[k].step for r in results if r.size == size) * 1e3 for size, k in groups]
     ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))],
                   [f"{size}\n{step:.0f} ms step" for (size, _), step in zip(groups, steps)])
     ax.axhline(0.05, color="grey", linewidth=1, linestyle=":", label="5%")
@@ -291,10 +318,18 @@ def main(argv=None) -> int:
     parser.add_argument("--service-workers", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--rounds", type=int, default=1, help="runs of every loader, in turn (medians)")
     parser.add_argument("--plot", type=Path, help="write a chart of the stalls here (.png, .svg)")
+    parser.add_argument("--cuda", action="store_true",
+                        help="time the tensor batches' copy to the GPU; refuse to run without CUDA")
     args = parser.parse_args(argv)
+    if args.cuda and not torch.cuda.is_available():
+        why = "sees no device" if torch.version.cuda else "is a build without CUDA"
+        parser.exit(2, f"{parser.prog}: --cuda needs a CUDA device, and torch {torch.__version__} here {why}: "
+                       "run it on a CUDA machine\n")
     kinds = [k.strip() for k in args.loaders.split(",") if k.strip()]
     if not kinds or set(kinds) - set(LOADERS):
         parser.error(f"--loaders takes some of {', '.join(LOADERS)}, not {args.loaders!r}")
+    if args.cuda and "shardfeed-tensors" not in kinds:
+        parser.error("--cuda times the copy of tensor batches: --loaders must include shardfeed-tensors")
     if "streaming" in kinds and import_streaming() is None:
         print("MosaicML Streaming is not installed (pip install mosaicml-streaming): left out")
         kinds.remove("streaming")
@@ -304,8 +339,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for size in [s.strip() for s in args.sizes.split(",") if s.strip()]:
             samples = args.samples or DEFAULT_SAMPLES.get(size, max(200, (200 << 20) // parse_size(size)))
-            print(f"\n{samples} x {size}, DataLoader(batch_size={BATCH}, num_workers={LOADER_WORKERS}), warm; "
-                  f"{args.s3} S3; shardfeed serve --workers {args.service_workers}", flush=True)
+            print(f"\n{samples} x {size}, DataLoader(batch_size={BATCH}, num_workers={LOADER_WORKERS}), cold then "
+                  f"warm; {args.s3} S3; shardfeed serve --workers {args.service_workers}", flush=True)
             results += run_size(size, samples, kinds, steps_ms, args.s3, args.service_workers, args.step_batches,
                                 args.rounds, Path(tmp))
             for result in results[-len(kinds):]:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from shardfeed.benchmarks.capacity import Calibration
 from shardfeed.benchmarks.loaders import Epoch, paired_ratios, sample_counts
@@ -276,16 +277,29 @@ def test_the_stall_benchmark_compares_every_loader_with_the_ceiling_and_plots_it
                         "--plot", str(tmp_path / "stall.png"), timeout=190)
     for kind in ("ram", "shardfeed-tensors"):
         for label in ("round 1", "median"):
-            rows = re.findall(rf"{label} +10KiB {kind} +step +(\d+\.\d) ms +(\d+) samples/s +stall +(\d+\.\d)%",
-                              out.stdout)
-            assert [step for step, _, _ in rows] == ["0.0", "2.0"] and all(int(r) > 0 for _, r, _ in rows), out.stdout
+            rows = re.findall(rf"{label} +10KiB {kind} +(cold|warm) step +(\d+\.\d) ms +(\d+) samples/s +stall "
+                              r"+(\d+\.\d)%", out.stdout)
+            assert [(when, step) for when, step, _, _ in rows] == [("cold", "0.0"), ("warm", "0.0"), ("warm", "2.0")]
+            assert all(int(rate) > 0 for _, _, rate, _ in rows), out.stdout
     summary = out.stdout.split("against the ram loader", 1)[1]
-    assert re.search(r"10KiB shardfeed-tensors +\d+\.\d\dx the samples/s, loader CPU per sample +\d+\.\d\dx; stall "
-                     r"at 2\.0 ms: \d+\.\d% \(ram \d+\.\d%\)", summary), summary
+    figures = r" +\d+\.\d\dx the samples/s \(\d+\), loader CPU per sample +\d+\.\d\dx \(\d+ us\)"
+    assert re.search(rf"10KiB shardfeed-tensors +cold{figures}\n", summary), summary
+    assert re.search(rf"10KiB shardfeed-tensors +warm{figures}; stall at 2\.0 ms: \d+\.\d% \(ram \d+\.\d%\)",
+                     summary), summary
     assert (tmp_path / "stall.png").stat().st_size > 10_000
     refused = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.stall", "--loaders", "petastorm"],
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "--loaders takes some of" in refused.stderr
+
+
+def test_the_stall_benchmark_with_cuda_refuses_in_one_line_where_there_is_none():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: make gpu-check runs the benchmark with --cuda")
+    refused = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.stall", "--cuda", "--samples", "64"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and refused.stdout == "", refused
+    assert re.fullmatch(r"python -m shardfeed\.benchmarks\.stall: --cuda needs a CUDA device, and torch \S+ here "
+                        r"(sees no device|is a build without CUDA): run it on a CUDA machine\n", refused.stderr)
 
 
 @pytest.mark.timeout(150)

@@ -234,16 +234,6 @@ def test_iterable_batches_come_through_the_loader_in_the_order_of_the_bytes_outp
         assert as_bytes(b) == odd.get_batch("train", b.indices.tolist())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs an accelerator")
-def test_a_batch_moves_to_the_gpu_as_one_pinned_copy(odd):
-    batch = odd.get_batch_tensors("train", list(range(20)))
-    pinned = batch.pin_memory()
-    assert pinned.buffer.is_pinned()
-    on_gpu = pinned.to("cuda", non_blocking=True)
-    torch.cuda.synchronize()
-    assert as_bytes(on_gpu.to("cpu")) == as_bytes(batch)
-
-
 def test_tensor_output_refuses_what_applies_to_sample_dicts(odd):
     with pytest.raises(ValueError, match="output must be one of 'samples', 'tensors'"):
         ShardfeedDataset(odd, "train", output="arrays")
