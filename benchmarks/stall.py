@@ -9,7 +9,10 @@ bytes and a ``cls`` label; SeaweedFS, or moto with ``--s3 moto``):
                        a map-style dataset: the DataLoader's own ceiling for ``bytes``
     streaming          MosaicML Streaming (when installed), from its local directory
     shardfeed-bytes    ShardfeedDataset, sample dicts of ``bytes``
-    shardfeed-tensors  ShardfeedDataset(output="tensors"): one shared-memory buffer a batch
+    shardfeed-tensors  ShardfeedDataset(output="tensors"): one shared-memory buffer a batch,
+                       read from an Arrow answer (its layout sent first, nothing parsed per member)
+    shardfeed-tensors-tar  the same from a tar answer, parsed member by member (``batch_format="tar"``):
+                       the tensor output as it was before the Arrow format
 
 For each sample size, each loader runs in a fresh process: a cold epoch flat out (a service
 started on an empty cache, Streaming with an empty local directory: the reads reach S3), then
@@ -71,9 +74,10 @@ from shardfeed.s3server import S3_SERVERS, default_server
 from shardfeed.seeds.synthetic import parse_sizes
 from shardfeed.sizes import parse_size
 
-LOADERS = ("ram", "streaming", "shardfeed-bytes", "shardfeed-tensors")
-OUTPUTS = {"shardfeed-bytes": "samples", "shardfeed-tensors": "tensors"}
-"""The ``output`` of each shardfeed loader's ``ShardfeedDataset``."""
+LOADERS = ("ram", "streaming", "shardfeed-bytes", "shardfeed-tensors", "shardfeed-tensors-tar")
+OUTPUTS = {"shardfeed-bytes": ("samples", {}), "shardfeed-tensors": ("tensors", {}),
+           "shardfeed-tensors-tar": ("tensors", {"batch_format": "tar"})}
+"""The ``output`` and client options of each shardfeed loader's ``ShardfeedDataset``."""
 STEP_MULTIPLES = (2, 30)
 """Default step times, as multiples of the ram loader's time per batch flat out. Its own
 stall stays well above 5% at 2x: each batch is unpickled in the training process, inside
@@ -181,8 +185,9 @@ def stall_round(kind: str, source: str, local: str, samples: int, sizes, steps: 
         streaming.base.util.clean_stale_shared_memory()
         dataset = streaming.StreamingDataset(remote=source, local=local, shuffle=True, batch_size=BATCH)
     else:
-        dataset = ShardfeedDataset(source, "bench", output=OUTPUTS[kind])
-        if kind == "shardfeed-tensors":
+        output, client_options = OUTPUTS[kind]
+        dataset = ShardfeedDataset(source, "bench", output=output, **client_options)
+        if output == "tensors":
             options = {}  # the default collate_fn hands the Batch on
     loader = DataLoader(dataset, batch_size=BATCH, shuffle=kind != "streaming",  # Streaming shuffles itself
                         num_workers=LOADER_WORKERS,

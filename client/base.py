@@ -81,6 +81,7 @@ class BaseClient:
         max_connections: int = 16,
         verify: bool | str = True,
         route: bool = True,
+        batch_format: str = "arrow",
     ):
         """
         Args:
@@ -101,6 +102,11 @@ class BaseClient:
             route: send each part of a batch straight to the replica or worker that owns
                 its shards, from the service's routing table (see :class:`Router`);
                 False sends every batch whole to the next URL of the rotation.
+            batch_format: the format the tensor and Arrow outputs ask a batch in: ``"arrow"``
+                (its layout sent before its bytes: nothing parsed per member; a service that
+                refuses it is asked for ``"tar"`` from then on) or ``"tar"`` (parsed member by
+                member, as before the Arrow format; an Arrow table is then a copy). The
+                bytes output always reads tar.
         """
         self.urls = parse_urls(url)
         if timeout <= 0 or connect_timeout <= 0:
@@ -118,7 +124,9 @@ class BaseClient:
         self.verify = verify
         self.endpoints = Endpoints(self.urls, down_for)
         self.router = Router(enabled=route)
-        self.arrow = True
+        if batch_format not in (ARROW, TAR):
+            raise ValueError(f"batch_format must be {ARROW!r} or {TAR!r}, not {batch_format!r}")
+        self.arrow = batch_format == ARROW
         """Whether whole answers are asked for as Arrow: False once a service refused the format
         (one predating it), so this client asks it, and the others, for tar from then on."""
         self._session_lock = threading.Lock()

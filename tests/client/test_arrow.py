@@ -230,6 +230,21 @@ def test_a_service_that_refuses_the_format_is_asked_for_tar_from_then_on(odd):
         relay.shutdown()
 
 
+def test_a_client_told_batch_format_tar_asks_for_tar_and_a_wrong_format_is_refused(odd):
+    svc, source = odd
+    indices = [2, 9, 2]
+    relay = Relay(svc.url)
+    try:
+        with Client(relay.url, backoff=ONE_TRY, route=False, batch_format="tar") as client:
+            assert of_batch(client.get_batch_tensors("train", indices)) == written(source, indices, None)
+            assert of_table(client.get_batch_arrow("train", indices)) == written(source, indices, None)
+        assert relay.formats == ["tar", "tar"]
+    finally:
+        relay.shutdown()
+    with pytest.raises(ValueError, match="batch_format must be 'arrow' or 'tar', not 'parquet'"):
+        Client(svc.url, batch_format="parquet")
+
+
 def test_the_async_client_reads_the_same_batches(odd):
     svc, source = odd
     indices = [9, 8, 9, 0, 59]
