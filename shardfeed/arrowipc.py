@@ -67,9 +67,9 @@ _HEAD = struct.Struct("<I 6H iIqhBx4x 5H6x iIqI4x")
 _MESSAGE_AT, _BATCH_AT, _NODES_AT = 16, 56, 84
 
 
-def _metadata(rows: int, nodes: np.ndarray, buffers: np.ndarray, body_length: int) -> bytes:
-    """The flatbuffer of a record batch message: ``nodes`` (length, null count) per column and
-    ``buffers`` (offset, length) per buffer, as int64 arrays of shape ``(n, 2)``."""
+def _metadata(rows: int, nodes: np.ndarray, buffers: list[int], body_length: int) -> bytes:
+    """The flatbuffer of a record batch message: ``nodes`` (length, null count) per column, an int64
+    array of shape ``(n, 2)``, and ``buffers``, each buffer's offset and length one after another."""
     buffers_at = _NODES_AT + 8 + 16 * len(nodes)  # the buffers vector's count (after 4 bytes of padding)
     head = _HEAD.pack(
         _MESSAGE_AT,
@@ -79,7 +79,7 @@ def _metadata(rows: int, nodes: np.ndarray, buffers: np.ndarray, body_length: in
         _BATCH_AT - 40, _NODES_AT - (_BATCH_AT + 4), rows, buffers_at - (_BATCH_AT + 16),
     )
     return b"".join((head, struct.pack("<4xI", len(nodes)), nodes.astype("<i8").tobytes(),
-                     struct.pack("<4xI", len(buffers)), buffers.astype("<i8").tobytes()))
+                     struct.pack(f"<4xI{len(buffers)}q", len(buffers) // 2, *buffers)))
 
 
 def encapsulated(metadata: bytes, at: int = 0) -> bytes:
@@ -98,25 +98,26 @@ def schema_message(serialized: bytes) -> bytes:
     return encapsulated(bytes(serialized[8:8 + size]))
 
 
-@dataclass(frozen=True)
 class BodyLayout:
-    """Where the buffers of a record batch's body lie: ``buffers`` (offset, length) per buffer, each
-    start aligned, and the body's length."""
+    """Where the buffers of a record batch's body lie: ``buffers``, (offset, length) of each, every
+    start aligned; ``gaps``, the padding after each; the body's ``length``. (A batch has a dozen
+    buffers: plain Python lays them out quicker than numpy calls would.)"""
 
-    buffers: np.ndarray
-    length: int
+    __slots__ = ("buffers", "gaps", "length")
+
+    def __init__(self, buffers: list[int], gaps: list[int], length: int):
+        self.buffers, self.gaps, self.length = buffers, gaps, length
 
     @classmethod
-    def of(cls, lengths: np.ndarray) -> BodyLayout:
+    def of(cls, lengths: list[int]) -> BodyLayout:
         """The layout of buffers of ``lengths`` bytes, in order, each padded to ``ALIGNMENT``."""
-        lengths = np.asarray(lengths, np.int64)
-        padded = -(-lengths // ALIGNMENT) * ALIGNMENT
-        starts = np.cumsum(padded) - padded
-        return cls(np.stack([starts, lengths], axis=1), int(padded.sum()))
-
-    def gaps(self) -> list[int]:
-        """The padding after each buffer."""
-        return (-self.buffers[:, 1] % ALIGNMENT).tolist()
+        flat, gaps, at = [], [], 0
+        for length in lengths:
+            gap = -length % ALIGNMENT
+            flat += (at, length)
+            gaps.append(gap)
+            at += length + gap
+        return cls(flat, gaps, at)
 
 
 def record_batch_message(rows: int, nodes: np.ndarray, body: BodyLayout, at: int = 0) -> bytes:

@@ -15,6 +15,8 @@ its workers hold together (``python -m shardfeed.benchmarks.scale``).
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import asyncio
 from bisect import bisect_left
 from collections.abc import Awaitable, Callable, Sequence
@@ -159,6 +161,26 @@ class Index:
     def key_array(self, indices: np.ndarray) -> pa.Array:
         """The keys of many samples as an Arrow string array (indices already validated)."""
         return self._keys.take(pa.array(indices, pa.int64()))
+
+    def key_bytes(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The keys of many samples as one UTF-8 text and the 64-bit offsets of each in it (from 0,
+        ``len(indices) + 1`` of them): gathered with numpy from the key column's own buffers, for
+        a batch's few dozen keys several times quicker than ``take``."""
+        starts, text = self._key_buffers
+        first, last = starts[indices], starts[indices + 1]
+        lengths = last - first
+        offsets = np.zeros(len(indices) + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return offsets, text[np.repeat(first - offsets[:-1], lengths) + np.arange(int(offsets[-1]))]
+
+    @cached_property
+    def _key_buffers(self) -> tuple[np.ndarray, np.ndarray]:
+        """The key column's offsets (int64, one per sample and one past the last) and text (uint8)."""
+        keys = self._keys
+        width = 8 if pa.types.is_large_string(keys.type) else 4
+        _, offsets, text = keys.buffers()
+        starts = np.frombuffer(offsets, f"<i{width}", len(keys) + 1, keys.offset * width).astype(np.int64)
+        return starts, np.frombuffer(text, np.uint8) if text is not None else np.zeros(0, np.uint8)
 
     def sample_fields(self, i: int) -> list[str]:
         """The fields of sample ``i`` in stored member order."""

@@ -45,49 +45,89 @@ def schema_message(fields: tuple[str, ...]) -> bytes:
     return encapsulated_schema(schema.serialize().to_pybytes())
 
 
+@lru_cache(maxsize=1024)
+def _column_order(dataset_fields: tuple[str, ...], fields: tuple[str, ...], stored: bytes) -> np.ndarray | slice | None:
+    """``ArrowFraming.order``, remembered: a dataset's samples have one or a few member orders."""
+    codes = np.frombuffer(stored, np.int32)
+    columns = np.array([fields.index(dataset_fields[c]) if dataset_fields[c] in fields else -1 for c in codes])
+    order = np.argsort(columns)
+    if (columns[order] != np.arange(len(fields))).any():
+        return None
+    return slice(None) if (order == np.arange(len(order))).all() else order
+
+
 class _Group:
     """Where a group's values lie, sample by field: each cell's member row (-1: null) and size."""
 
     def __init__(self, framing: ArrowFraming, dataset: Dataset, members: Members, indices: np.ndarray,
                  failed: dict[int, object]):
         positions = members.position
-        self.first = int(positions[0]) if len(positions) else 0
-        self.rows = n = int(positions[-1]) - self.first + 1 if len(positions) else 0
-        self.served = np.ones(n, bool)
-        self.served[[p - self.first for p in failed if 0 <= p - self.first < n]] = False
-        local = positions - self.first
+        self.first = first = int(positions[0]) if len(positions) else 0
+        self.rows = n = int(positions[-1]) - first + 1 if len(positions) else 0
+        self.indices = indices[first:first + n]
+        self.key_offsets, self.key_text = dataset.index.key_bytes(self.indices)
+        self.served = None  # every sample served; else a bool per row
+        columns = len(framing.fields)
+        if not failed and len(members) == n * columns and self._uniform(framing, members, n, columns):
+            return
+        if failed:
+            self.served = np.ones(n, bool)
+            self.served[[p - first for p in failed if 0 <= p - first < n]] = False
+        local = positions - first
         column = framing.column_of[members.field]
-        kept = members.found & self.served[local] & (column >= 0)
-        self.member = np.full((n, len(framing.fields)), -1, np.int64)
+        kept = members.found & (column >= 0)
+        if self.served is not None:
+            kept &= self.served[local]
+        self.member = np.full((n, columns), -1, np.int64)
         self.member[local[kept], column[kept]] = np.flatnonzero(kept)
         self.size = np.zeros(self.member.shape, np.int64)
         self.size[local[kept], column[kept]] = members.size[kept]
-        keys = dataset.index.key_array(indices[self.first:self.first + n])
-        width = 8 if pa.types.is_large_string(keys.type) else 4
-        offsets = np.frombuffer(keys.buffers()[1], f"<i{width}", n + 1, keys.offset * width).astype(np.int64)
-        self.key_offsets = offsets - offsets[0]  # large_utf8's: 64-bit, from 0
-        self.key_data = memoryview(keys.buffers()[2] or b"")[int(offsets[0]):int(offsets[-1])]
-        self.indices = indices[self.first:self.first + n]
+
+    @property
+    def samples_served(self) -> int:
+        return self.rows if self.served is None else int(self.served.sum())
+
+    def _uniform(self, framing: ArrowFraming, members: Members, n: int, columns: int) -> bool:
+        """The usual group: every sample has each column's member, in the same order; its cells are
+        then a reshape of the rows (no scatter). Whether it is one."""
+        if not n or not members.found.all():
+            return False
+        field = members.field.reshape(n, columns)
+        if not (field == field[0]).all():
+            return False
+        order = framing.order(field[0])
+        if order is None:
+            return False
+        self.member = np.arange(n * columns, dtype=np.int64).reshape(n, columns)
+        self.size = members.size.reshape(n, columns)
+        if not isinstance(order, slice):
+            self.member, self.size = self.member[:, order], self.size[:, order]
+        return True
 
     @cached_property
     def buffers(self) -> tuple[np.ndarray, list]:
         """The record batch's nodes ((rows, nulls) per column) and buffers, each as its bytes or as
         ``(bytes, member rows)`` for a field's values (sent from their blocks or payloads)."""
-        n = self.rows
-        served = self.served.all()
-        nodes = [(n, n - int(self.served.sum())), (n, 0)]
-        out: list = [b"" if served else validity_bitmap(self.served), self.key_offsets.tobytes(),
-                     self.key_data, b"", self.indices.astype("<i8").tobytes()]
+        n, served = self.rows, self.served
+        keys = [memoryview(self.key_offsets.astype("<i8", copy=False)).cast("B"), memoryview(self.key_text)]
+        index = self.indices.astype("<i8", copy=False)
+        nodes = np.zeros((2 + self.member.shape[1], 2), np.int64)
+        nodes[:, 0] = n
+        out: list = [b"" if served is None else validity_bitmap(served), *keys, b"", memoryview(index).cast("B")]
+        if served is not None:
+            nodes[0, 1] = n - int(served.sum())
+        ends = np.zeros((self.member.shape[1], n + 1), "<i8")  # each column's offsets, one row each
+        np.cumsum(self.size.T, axis=1, out=ends[:, 1:])
         present = self.member >= 0
-        for c in range(self.member.shape[1]):
+        everywhere = present.all(axis=0)
+        for c, whole in enumerate(everywhere.tolist()):
+            if whole:
+                out += [b"", memoryview(ends[c]).cast("B"), (int(ends[c, -1]), self.member[:, c])]
+                continue
             valid = present[:, c]
-            everywhere = valid.all()
-            nodes.append((n, 0 if everywhere else n - int(valid.sum())))
-            offsets = np.zeros(n + 1, "<i8")
-            np.cumsum(self.size[:, c], out=offsets[1:])
-            out += [b"" if everywhere else validity_bitmap(valid), offsets.tobytes(),
-                    (int(offsets[-1]), self.member[valid, c])]
-        return np.array(nodes, np.int64), out
+            nodes[2 + c, 1] = n - int(valid.sum())
+            out += [validity_bitmap(valid), memoryview(ends[c]).cast("B"), (int(ends[c, -1]), self.member[valid, c])]
+        return nodes, out
 
 
 def _length(buffer) -> int:
@@ -105,9 +145,16 @@ class ArrowFraming:
         self.column_of[dataset.index.field_codes(self.fields)] = np.arange(len(self.fields))
         self.schema = schema_message(self.fields)
         self._laid_out: dict[tuple[int, int], _Group] = {}  # by (first position, members): length's, for held
+        self.dataset_fields = tuple(names)
 
     def head(self) -> list:
         return [self.schema]
+
+    def order(self, stored: np.ndarray) -> np.ndarray | slice | None:
+        """How a sample whose members come in the field order ``stored`` (codes) reads in column
+        order: a slice when it already does, the permutation, or ``None`` when its members are not
+        one per column."""
+        return _column_order(self.dataset_fields, self.fields, stored.astype(np.int32, copy=False).tobytes())
 
     def end(self) -> bytes:
         return END_OF_STREAM
@@ -123,7 +170,7 @@ class ArrowFraming:
         ``failed``: positions of samples not served), and how many samples it served."""
         group = self._group(dataset, members, indices, failed)
         return self._record_batch(group, lambda rows: [p for row in rows.tolist() for p in data(row)]), \
-            int(group.served.sum())
+            group.samples_served
 
     def _group(self, dataset: Dataset, members: Members, indices: np.ndarray, failed: dict) -> _Group:
         """The group's layout; the one ``length`` found for it, if it found one (nothing failed)."""
@@ -135,7 +182,7 @@ class ArrowFraming:
         nodes, buffers = group.buffers
         body = BodyLayout.of([_length(b) for b in buffers])
         out = [record_batch_message(group.rows, nodes, body)]
-        for buffer, gap in zip(buffers, body.gaps()):
+        for buffer, gap in zip(buffers, body.gaps):
             if isinstance(buffer, tuple):
                 out += payloads(buffer[1])
             elif buffer:
@@ -148,7 +195,8 @@ class ArrowFraming:
                groups: list[tuple[int, int]]) -> int:
         """The stream's length if every sample is served as the index describes it (exact when
         ``held``: nothing can fail), the groups cut as ``groups`` (member row ranges)."""
-        unfound = {int(p): None for p in np.unique(members.position[~members.found]).tolist()}
+        unfound = {} if members.found.all() else \
+            {int(p): None for p in np.unique(members.position[~members.found]).tolist()}
         total = len(self.schema) + len(END_OF_STREAM)
         for lo, hi in groups:
             group = members if hi - lo == len(members) else take(members, slice(lo, hi))

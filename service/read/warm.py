@@ -126,19 +126,27 @@ class HeldGroup:
         self.block_size = layout.block_size
         self._codes = codes
         self._views = views
+        self._held, self._dataset = held, dataset
         # Each row's first block, and its verbatim range from there (header, data, padding).
         block = np.searchsorted(codes, layout.first)
-        start = layout.local - BLOCK
-        stop = layout.end + (-members.size % BLOCK)
         if views:
             np.minimum(block, len(views) - 1, out=block)  # rows not held point past the end: any block will do
-            lengths = np.fromiter(map(len, views), np.int64, len(views))
-            self.kind = np.where(stop <= lengths[block], VERBATIM, VERBATIM_SPILLED)
-            self.kind[~HeaderMemo.named(dataset, members, held, views, block, start)] = BUILT
-        else:
-            self.kind = np.full(len(members), BUILT)
-        self._block, self._start, self._stop = block, start, stop
-        self._range_bytes = stop - start
+        self._block = block
+        self._start = layout.local - BLOCK
+        self._stop = layout.end + (-members.size % BLOCK)
+        self._range_bytes = self._stop - self._start
+
+    @cached_property
+    def kind(self) -> np.ndarray:
+        """Per row, how it goes out in a tar (``BUILT``, ``VERBATIM``, ``VERBATIM_SPILLED``): asked
+        only by the tar framing (the Arrow one sends payloads alone)."""
+        views = self._views
+        if not views:
+            return np.full(len(self._members), BUILT)
+        lengths = np.fromiter(map(len, views), np.int64, len(views))
+        kind = np.where(self._stop <= lengths[self._block], VERBATIM, VERBATIM_SPILLED)
+        kind[~HeaderMemo.named(self._dataset, self._members, self._held, views, self._block, self._start)] = BUILT
+        return kind
 
     @cached_property
     def shard(self) -> list[int]:

@@ -33,7 +33,7 @@ def written(batches: list[dict]) -> bytes:
         message = arrowipc.record_batch_message(rows, np.array(nodes), body, sum(map(len, out)))
         assert len(message) == arrowipc.record_batch_message_length(len(nodes), len(buffers))
         out.append(message)
-        for buffer, gap in zip(buffers, body.gaps()):
+        for buffer, gap in zip(buffers, body.gaps):
             out += [buffer, bytes(gap)]
     out.append(arrowipc.END_OF_STREAM)
     return b"".join(out)
