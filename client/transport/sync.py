@@ -101,6 +101,51 @@ class Response:
             self._pool.release(self._endpoint, sock, self._body.done and self._body.reusable)
 
 
+class Sent:
+    """A request sent, its answer not read yet; it holds its slot until :meth:`answer` returns (the
+    answer holds it then) or :meth:`close`. A kept connection that fails before the answer's first
+    byte gets the request again on a new one, as :meth:`Pool.post` does."""
+
+    def __init__(self, pool: Pool, endpoint: Endpoint, base: str, request: bytes):
+        self._pool, self._endpoint, self._base, self._request = pool, endpoint, base, request
+        self._tries = pool.tries(endpoint)
+        self._sock: socket.socket | None = None
+        self._reused = False
+        self._send()
+
+    def _send(self) -> None:
+        pool = self._pool
+        for kept in self._tries:
+            sock = kept or pool._connect(self._endpoint, self._base)
+            try:
+                sock.sendall(self._request)
+            except BaseException as exc:
+                pool.failed(sock, exc, kept is not None, self._base)
+                continue
+            self._sock, self._reused = sock, kept is not None
+            return
+
+    def answer(self, exact_head: bool = False) -> Response:
+        """The answer once its head arrived (``exact_head``: as :meth:`Pool.post` says)."""
+        pool = self._pool
+        sock, self._sock = self._sock, None  # from here the answer holds the slot, or a failure frees it
+        with pool.slot_held():
+            while True:
+                try:
+                    return pool._answer(self._endpoint, sock, self._base, exact_head and not self._endpoint.tls)
+                except BaseException as exc:
+                    pool.failed(sock, exc, self._reused, self._base)
+                    self._send()
+                    sock, self._sock = self._sock, None
+
+    def close(self) -> None:
+        """Give up on the answer: the connection is closed and the slot freed."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+            self._pool._slots.release()
+
+
 class Pool(PoolBase):
     """Kept-alive connections of one process, per base URL; see the module's docstring and
     :class:`~.base.PoolBase` for the arguments."""
@@ -112,18 +157,17 @@ class Pool(PoolBase):
         """Send ``POST base+path`` with a JSON ``body``; the answer once its head arrived.
         ``exact_head``: read no byte of the body with the head (over plain HTTP: the head is
         peeked at first), so :meth:`Response.read_into` can put every one where it belongs."""
+        return self.send(base, path, body, headers).answer(exact_head)
+
+    def send(self, base: str, path: str, body: bytes, headers: Mapping[str, str]) -> Sent:
+        """Send ``POST base+path`` and return without waiting for its answer (:meth:`Sent.answer`):
+        a batch's parts go out to their owners one after another on one thread, then are read."""
         endpoint = self.endpoint(base)
         request = post_request(endpoint, path, body, headers)
         if not self._slots.acquire(timeout=self.timeout):
             raise self.no_free_connection(base)
         with self.slot_held():
-            for kept in self.tries(endpoint):
-                sock = kept or self._connect(endpoint, base)
-                try:
-                    sock.sendall(request)
-                    return self._answer(endpoint, sock, base, exact_head and not endpoint.tls)
-                except BaseException as exc:
-                    self.failed(sock, exc, kept is not None, base)
+            return Sent(self, endpoint, base, request)
 
     def usable(self, sock: socket.socket) -> bool:
         # An idle connection has nothing to read; if it does, the server closed it (or
