@@ -22,9 +22,8 @@ from urllib.parse import quote
 
 import httpx
 
-from shardfeed.retry import Backoff, next_wait
-
 from shardfeed.arrowipc import MEDIA_TYPE
+from shardfeed.retry import Backoff, next_wait
 
 from .errors import ShardfeedConnectionError, ShardfeedError, ShardfeedHTTPError
 from .layout import Columns
@@ -127,8 +126,9 @@ class BaseClient:
         if batch_format not in (ARROW, TAR):
             raise ValueError(f"batch_format must be {ARROW!r} or {TAR!r}, not {batch_format!r}")
         self.arrow = batch_format == ARROW
-        """Whether whole answers are asked for as Arrow: False once a service refused the format
-        (one predating it), so this client asks it, and the others, for tar from then on."""
+        """Whether whole answers are asked for as Arrow (``batch_format``): False too once a service
+        refused the format (one predating it), so this client asks it, and the others, for tar
+        from then on."""
         self._session_lock = threading.Lock()
 
     def __getstate__(self) -> dict:
