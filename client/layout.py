@@ -79,27 +79,30 @@ class Columns:
             stream = arrowipc.read_stream(body)
         except arrowipc.ArrowFormatError as exc:
             raise ShardfeedError(f"malformed batch response from {url}: {exc}") from None
-        if not stream.ended or stream.rows < len(indices):
-            raise ShardfeedConnectionError(url, f"response ended after {stream.rows} of {len(indices)} samples"
+        if not stream.ended or stream.total < len(indices):
+            raise ShardfeedConnectionError(url, f"response ended after {stream.total} of {len(indices)} samples"
                                                 f"{'' if stream.ended else ', without its end-of-stream marker'}")
         names = [c.name for c in stream.columns]
         if names[:2] != [KEY, INDEX] or [c.type for c in stream.columns[:2]] != [arrowipc.LARGE_UTF8, arrowipc.INT]:
             raise ShardfeedError(f"malformed batch response from {url}: its columns are {names[:8]}, "
                                  f"not {KEY} (large_utf8), {INDEX} (int64), then the fields")
-        batches = stream.batches
-        index = np.concatenate([np.frombuffer(body, "<i8", b[1].rows, b[1].data) for b in batches]) \
-            if batches else np.empty(0, np.int64)
-        if not np.array_equal(index, indices):
-            raise ShardfeedError(f"malformed batch response from {url}: its samples are not those asked for "
-                                 f"({index[:5].tolist()}... for {list(indices[:5])}...)")
-        present = _concat([b[0].valid(body) for b in batches], bool)
-        offsets, lengths = {}, {}
-        for number, column in enumerate(stream.columns[2:], 2):
-            if column.type not in (arrowipc.BINARY, arrowipc.LARGE_BINARY):
-                raise ShardfeedError(f"malformed batch response from {url}: field {column.name!r} is not binary")
-            offsets[column.name], lengths[column.name] = _spans([b[number] for b in batches], body, url)
-        return cls(_keys([b[0] for b in batches], present, body), index.astype(np.int64), ~present,
-                   offsets, lengths)
+        try:
+            index = stream.integers(body, 1)
+            if not np.array_equal(index, indices):
+                raise ShardfeedError(f"malformed batch response from {url}: its samples are not those asked for "
+                                     f"({index[:5].tolist()}... for {list(indices[:5])}...)")
+            present = stream.valid(body, 0)
+            offsets, lengths = {}, {}
+            for number, column in enumerate(stream.columns[2:], 2):
+                if column.type not in (arrowipc.BINARY, arrowipc.LARGE_BINARY):
+                    raise ShardfeedError(f"malformed batch response from {url}: field {column.name!r} is not binary")
+                offsets[column.name], sizes = stream.spans(body, number)
+                valid = stream.valid(body, number)
+                lengths[column.name] = sizes if valid.all() else np.where(valid, sizes, ABSENT)
+            keys = _keys(*stream.spans(body, 0), present, body)
+        except arrowipc.ArrowFormatError as exc:
+            raise ShardfeedError(f"malformed batch response from {url}: {exc}") from None
+        return cls(keys, index, ~present, offsets, lengths)
 
     @classmethod
     def merged(cls, parts: Sequence[Columns], starts: Sequence[int], positions: Sequence[Sequence[int]]) -> Columns:
@@ -126,35 +129,16 @@ class Columns:
         return cls(keys.tolist(), indices, missing, offsets, lengths)
 
 
-def _concat(arrays: list[np.ndarray], dtype) -> np.ndarray:
-    return np.concatenate(arrays) if arrays else np.empty(0, dtype)
-
-
-def _spans(values: list[arrowipc.Values], body: memoryview, url: str) -> tuple[np.ndarray, np.ndarray]:
-    """Where each row of a binary column lies in ``body`` (over its record batches) and how long it
-    is, ``ABSENT`` for a null: array operations on each record batch's offsets and validity."""
-    offsets, lengths = [], []
-    for v in values:
-        ends = v.offsets.astype(np.int64)
-        sizes = np.diff(ends)
-        if v.rows and (ends[0] < 0 or ends[-1] > v.data_length or sizes.min() < 0):
-            raise ShardfeedError(f"malformed batch response from {url}: a column's offsets lie outside its data")
-        offsets.append(ends[:-1] + v.data)
-        lengths.append(np.where(v.valid(body), sizes, ABSENT) if v.nulls else sizes)
-    return _concat(offsets, np.int64), _concat(lengths, np.int64)
-
-
-def _keys(values: list[arrowipc.Values], present: np.ndarray, body: memoryview) -> list[str | None]:
-    """The key column's strings, ``None`` for a null: each record batch's text decoded at once,
-    then a slice of it per row (of its bytes, each decoded, where a key is not ASCII)."""
-    keys: list[str | None] = []
-    for v in values:
-        ends = (v.offsets.astype(np.int64) - int(v.offsets[0])).tolist() if v.rows else [0]
-        raw = bytes(body[v.data + int(v.offsets[0]):v.data + int(v.offsets[-1])]) if v.rows else b""
-        text = raw.decode("utf-8", "replace")
-        source = text if text.isascii() else raw
-        batch = [source[a:b] for a, b in zip(ends, ends[1:])]
-        keys += batch if source is text else [k.decode("utf-8", "replace") for k in batch]
+def _keys(starts: np.ndarray, lengths: np.ndarray, present: np.ndarray, body: memoryview) -> list[str | None]:
+    """The key column's strings, ``None`` for a null: their text gathered and decoded at once, then
+    a slice of it per row (of its bytes, each decoded, where a key is not ASCII)."""
+    raw = arrowipc.gather(body, "u1", starts, lengths).tobytes()
+    ends = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    text = raw.decode("utf-8", "replace")
+    source = text if text.isascii() else raw
+    keys = [source[a:b] for a, b in zip(ends, ends[1:])]
+    if source is not text:
+        keys = [k.decode("utf-8", "replace") for k in keys]
     if not present.all():
         keys = [k if p else None for k, p in zip(keys, present.tolist())]
     return keys

@@ -83,6 +83,27 @@ def _metadata(rows: int, nodes: np.ndarray, buffers: list[int], body_length: int
                      struct.pack(f"<4xI{len(buffers)}q", len(buffers) // 2, *buffers)))
 
 
+_OURS = ((_MESSAGE_AT, 12, 20, 16, 18, 4, 8, _MESSAGE_AT - 4, _BATCH_AT - (_MESSAGE_AT + 4)),
+         (V5, RECORD_BATCH, 10, 24, 8, 4, 16, _BATCH_AT - 40, _NODES_AT - (_BATCH_AT + 4)))
+"""The fields of ``_HEAD`` that every record batch message written here has alike (all but the
+body's length, the rows and where the buffers vector lies)."""
+
+
+def _ours(buf: memoryview, at: int) -> tuple[int, int, tuple[int, int], tuple[int, int]] | None:
+    """A record batch message written by :func:`record_batch_message`, its metadata at ``at``, read at
+    its fixed places (three unpacks, not a walk through its tables: a cold batch of 1 MiB samples
+    has a record batch per sample): its rows, body length, and nodes' and buffers' places and
+    counts. ``None`` for any other metadata (pyarrow's), which the tables' walk reads."""
+    if at + _HEAD.size + 4 > len(buf):
+        return None
+    head = _HEAD.unpack_from(buf, at)
+    if head[:9] != _OURS[0] or head[10:19] != _OURS[1]:
+        return None
+    buffers = at + _BATCH_AT + 16 + head[20]
+    return (head[19], head[9], (at + _NODES_AT + 4, _U32.unpack_from(buf, at + _NODES_AT)[0]),
+            (buffers + 4, _U32.unpack_from(buf, buffers)[0]))
+
+
 def encapsulated(metadata: bytes, at: int = 0) -> bytes:
     """A message's prefix and ``metadata``, padded so that its body (what follows) starts at a
     multiple of ``ALIGNMENT`` in a stream where the message starts at ``at``."""
@@ -187,13 +208,10 @@ class _Table:
         size = _U32.unpack_from(self.buf, at)[0]
         return bytes(self.buf[at + 4:at + 4 + size]).decode()
 
-    def structs(self, slot: int, width: int) -> np.ndarray:
-        """A vector of structs of ``width`` int64 each, as an ``(n, width)`` array (a view)."""
+    def vector(self, slot: int) -> tuple[int, int]:
+        """Where a vector's elements start, and how many there are (0, 0 when absent)."""
         at = self._target(slot)
-        if at is None:
-            return np.empty((0, width), np.int64)
-        count = _U32.unpack_from(self.buf, at)[0]
-        return np.frombuffer(self.buf, "<i8", count * width, at + 4).reshape(count, width)
+        return (0, 0) if at is None else (at + 4, _U32.unpack_from(self.buf, at)[0])
 
 
 @dataclass(frozen=True)
@@ -212,38 +230,82 @@ class Column:
 
 
 @dataclass(frozen=True)
-class Values:
-    """One column of one record batch, as places in the stream: ``validity`` (offset, length; length 0
-    when it holds no nulls), ``offsets`` (``rows + 1`` ints, a view: variable-size columns only, else
-    ``None``) and where its values (``data``) start."""
-
-    rows: int
-    nulls: int
-    validity: tuple[int, int]
-    offsets: np.ndarray | None
-    data: int
-    data_length: int
-
-    def valid(self, buf) -> np.ndarray:
-        """bool per row: not null."""
-        if self.nulls == 0 or self.validity[1] == 0:
-            return np.ones(self.rows, bool)
-        bits = np.frombuffer(buf, np.uint8, self.validity[1], self.validity[0])
-        return np.unpackbits(bits, count=self.rows, bitorder="little").astype(bool)
-
-
-@dataclass(frozen=True)
 class Stream:
-    """An Arrow IPC stream read in place: its ``columns`` and each record batch's ``Values`` per
-    column; ``ended``: the end-of-stream marker was read."""
+    """An Arrow IPC stream read in place, column by column across its record batches: its
+    ``columns``; per record batch its ``rows``, each column's null count (``nulls``) and each
+    buffer's place in the stream (``buffers``: absolute offset and length); ``ended``: the
+    end-of-stream marker was read. Its columns' values come out as arrays over all record batches
+    at once (a few numpy calls per column, not per record batch: a cold batch of 1 MiB samples
+    has a record batch per sample)."""
 
     columns: list[Column]
-    batches: list[list[Values]]
+    rows: np.ndarray
+    nulls: np.ndarray
+    buffers: np.ndarray
     ended: bool
 
     @property
-    def rows(self) -> int:
-        return sum(batch[0].rows for batch in self.batches) if self.columns else 0
+    def total(self) -> int:
+        """Rows in all record batches."""
+        return int(self.rows.sum())
+
+    def _first(self, column: int) -> int:
+        """The index of ``column``'s first buffer (its validity) in a record batch's."""
+        return sum(c.buffers for c in self.columns[:column])
+
+    def valid(self, buf, column: int) -> np.ndarray:
+        """bool per row: not null."""
+        out = np.ones(self.total, bool)
+        if not self.nulls[:, column].any():
+            return out
+        validity = self.buffers[:, self._first(column)]
+        starts = np.cumsum(self.rows) - self.rows
+        for k in np.flatnonzero((self.nulls[:, column] > 0) & (validity[:, 1] > 0)).tolist():
+            rows = int(self.rows[k])
+            bits = np.frombuffer(buf, np.uint8, int(validity[k, 1]), int(validity[k, 0]))
+            out[starts[k]:starts[k] + rows] = np.unpackbits(bits, count=rows, bitorder="little").astype(bool)
+        return out
+
+    def integers(self, buf, column: int) -> np.ndarray:
+        """An int64 column's values."""
+        return gather(buf, "<i8", self.buffers[:, self._first(column) + 1, 0], self.rows)
+
+    def spans(self, buf, column: int) -> tuple[np.ndarray, np.ndarray]:
+        """A binary or string column's values as places in the stream: each row's absolute offset and
+        length (a null's too: it may have one; see :meth:`valid`)."""
+        first = self._first(column)
+        offsets, data = self.buffers[:, first + 1], self.buffers[:, first + 2]
+        width = _OFFSET_WIDTH[self.columns[column].type]
+        ends = gather(buf, f"<i{width}", offsets[:, 0], self.rows + 1)
+        if width == 4:
+            ends = ends.astype(np.int64)
+        if len(self.rows) == 1:  # the usual answer held in RAM: one record batch
+            lo, hi, limit, at = ends[:-1], ends[1:], data[0, 1], data[0, 0]
+        else:  # each record batch's offsets, its last one left out (lo) or its first (hi)
+            kept = np.ones(len(ends), bool)
+            kept[np.cumsum(self.rows + 1) - 1] = False
+            lo, hi = ends[:-1][kept[:-1]], ends[1:][kept[:-1]]
+            limit, at = np.repeat(data[:, 1], self.rows), np.repeat(data[:, 0], self.rows)
+        lengths = hi - lo
+        if len(lo) and (lo.min() < 0 or lengths.min() < 0 or (hi > limit).any()):
+            raise ArrowFormatError(f"column {self.columns[column].name!r}: offsets outside its values")
+        return at + lo, lengths
+
+
+def gather(buf, dtype: str, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``counts[k]`` values of ``dtype`` from byte ``starts[k]`` of ``buf``, for every ``k``, one after
+    another: one fancy index over ``buf`` seen as ``dtype`` when every start is aligned to it (Arrow
+    aligns buffers to 8 bytes), else a view per run, joined."""
+    size = np.dtype(dtype).itemsize
+    counts = np.asarray(counts, np.int64)
+    if len(counts) == 1:
+        return np.frombuffer(buf, dtype, int(counts[0]), int(starts[0]))
+    if not len(counts):
+        return np.empty(0, dtype)
+    if (starts % size).any():
+        return np.concatenate([np.frombuffer(buf, dtype, int(n), int(at)) for at, n in zip(starts, counts)])
+    whole = np.frombuffer(buf, dtype, len(memoryview(buf).cast("B")) // size)
+    return whole[np.repeat(starts // size - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))]
 
 
 def _schema(message: _Table) -> list[Column]:
@@ -270,33 +332,19 @@ def _schema_of(metadata: bytes) -> list[Column]:
     return _schema(_Table(memoryview(metadata), _U32.unpack_from(metadata, 0)[0]))
 
 
-def _record_batch(message: _Table, columns: list[Column], body: int, body_length: int) -> list[Values]:
+def _record_batch(message: _Table, columns: int, buffers: int) -> tuple[int, int, int]:
+    """A record batch message's rows and where its nodes and buffers vectors' elements lie (their
+    counts checked against the schema's ``columns`` and ``buffers``); read, with every other
+    record batch's, by :func:`_stream`."""
     batch = message.table(2)
     if batch is None:
         raise ArrowFormatError("a record batch message without a record batch")
-    if batch.table(3) is not None:
+    if batch._place(3) is not None:
         raise ArrowFormatError("compressed record batches are not handled")
-    nodes = batch.structs(1, 2)
-    buffers = batch.structs(2, 2)
-    if len(nodes) != len(columns) or len(buffers) != sum(c.buffers for c in columns):
+    nodes, buffers_at = batch.vector(1), batch.vector(2)
+    if nodes[1] != columns or buffers_at[1] != buffers:
         raise ArrowFormatError("a record batch does not match its schema")
-    if len(buffers) and int((buffers[:, 0] + buffers[:, 1]).max()) > body_length:
-        raise ArrowFormatError("a record batch's buffer lies past its body")
-    out, b = [], 0
-    for column, (rows, nulls) in zip(columns, nodes.tolist()):
-        validity = (body + int(buffers[b, 0]), int(buffers[b, 1]))
-        if column.type in _OFFSET_WIDTH:
-            width = _OFFSET_WIDTH[column.type]
-            at, length = int(buffers[b + 1, 0]), int(buffers[b + 1, 1])
-            if length < (rows + 1) * width:
-                raise ArrowFormatError(f"column {column.name!r}: an offsets buffer too short for {rows} rows")
-            offsets = np.frombuffer(message.buf, f"<i{width}", rows + 1, body + at)
-            data = (body + int(buffers[b + 2, 0]), int(buffers[b + 2, 1]))
-        else:
-            offsets, data = None, (body + int(buffers[b + 1, 0]), int(buffers[b + 1, 1]))
-        out.append(Values(rows, nulls, validity, offsets, *data))
-        b += column.buffers
-    return out
+    return batch.scalar(0, _I64), nodes[0], buffers_at[0]
 
 
 def read_stream(buf: bytes | memoryview) -> Stream:
@@ -305,18 +353,28 @@ def read_stream(buf: bytes | memoryview) -> Stream:
     buf = memoryview(buf).cast("B")
     end, at = len(buf), 0
     columns: list[Column] | None = None
-    batches: list[list[Values]] = []
+    batches: list[tuple[int, int, int, int, int]] = []  # rows, nodes at, buffers at, body at, body length
     try:
         while at + 8 <= end:
             size = _I32.unpack_from(buf, at)[0]
-            if buf[at:at + 4] == CONTINUATION:
+            if size == -1:  # the continuation marker
                 size, at = _I32.unpack_from(buf, at + 4)[0], at + 8
             else:  # the format before 0.15: no continuation marker
                 at += 4
             if size == 0:
-                return Stream(columns or [], batches, True)
+                return _stream(buf, columns or [], batches, True)
             if size < 0 or at + size > end:
                 break
+            ours = _ours(buf, at) if columns is not None else None
+            if ours is not None:
+                rows, body_length, nodes, buffers = ours
+                body, at = at + size, at + size + body_length
+                if at > end:
+                    break
+                if nodes[1] != len(columns) or buffers[1] != width:
+                    raise ArrowFormatError("a record batch does not match its schema")
+                batches.append((rows, nodes[0], buffers[0], body, body_length))
+                continue
             message = _Table(buf, at + _U32.unpack_from(buf, at)[0])
             kind, body_length = message.scalar(1, _U8), message.scalar(3, _I64)
             body, at = at + size, at + size + body_length
@@ -324,12 +382,31 @@ def read_stream(buf: bytes | memoryview) -> Stream:
                 break
             if kind == SCHEMA:
                 columns = _schema_of(bytes(buf[body - size:body]))
+                width = sum(c.buffers for c in columns)
             elif kind == RECORD_BATCH:
                 if columns is None:
                     raise ArrowFormatError("a record batch before the schema")
-                batches.append(_record_batch(message, columns, body, body_length))
+                batches.append((*_record_batch(message, len(columns), width), body, body_length))
             else:
                 raise ArrowFormatError(f"a message of a kind this reader does not handle ({kind})")
     except struct.error:
         raise ArrowFormatError("a message's metadata points outside the stream") from None
-    return Stream(columns or [], batches, False)
+    return _stream(buf, columns or [], batches, False)
+
+
+def _stream(buf: memoryview, columns: list[Column], batches: list[tuple[int, int, int, int, int]],
+            ended: bool) -> Stream:
+    """The stream of ``batches`` (each as :func:`read_stream` found it): every record batch's nodes
+    and buffers read, and checked, at once."""
+    width = sum(c.buffers for c in columns)
+    rows, nodes_at, buffers_at, body, body_length = np.array(batches, np.int64).reshape(-1, 5).T
+    n = len(rows)
+    nodes = gather(buf, "<i8", nodes_at, np.full(n, 2 * len(columns))).reshape(n, len(columns), 2)
+    buffers = gather(buf, "<i8", buffers_at, np.full(n, 2 * width)).reshape(n, width, 2)
+    if n and len(columns) and (nodes[:, :, 0] != rows[:, None]).any():
+        raise ArrowFormatError("a record batch's columns are not all as long as it")
+    if n and width and ((buffers[:, :, 0] + buffers[:, :, 1]).max(axis=1) > body_length).any():
+        raise ArrowFormatError("a record batch's buffer lies past its body")
+    places = buffers.copy()  # a view of the stream's own bytes, which stay as they came
+    places[:, :, 0] += body[:, None]
+    return Stream(columns, rows, nodes[:, :, 1], places, ended)

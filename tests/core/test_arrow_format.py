@@ -56,18 +56,30 @@ def test_pyarrow_reads_what_it_writes_row_for_row():
 def test_it_reads_its_own_stream_in_place_with_every_buffer_aligned():
     data = written(BATCHES)
     stream = arrowipc.read_stream(data)
-    assert stream.ended and stream.rows == 4
+    assert stream.ended and stream.total == 4 and stream.rows.tolist() == [3, 1, 0]
     assert [(c.name, c.type, c.nullable) for c in stream.columns] == [
         ("__key__", arrowipc.LARGE_UTF8, True), ("__index__", arrowipc.INT, False),
         ("jpg", arrowipc.LARGE_BINARY, True), ("cls", arrowipc.LARGE_BINARY, True)]
-    first = stream.batches[0]
-    assert first[2].valid(data).tolist() == [True, True, False]
-    assert first[3].offsets.tolist() == [0, 1, 1, 1]
-    big = stream.batches[1][2]
-    assert data[big.data:big.data + big.data_length] == bytes(range(256)) * 40
-    assert all(v.data % arrowipc.ALIGNMENT == 0 for batch in stream.batches for v in batch)
-    index = stream.batches[0][1]
-    assert np.frombuffer(data, "<i8", 3, index.data).tolist() == [5, 6, 7]
+    assert stream.integers(data, 1).tolist() == [5, 6, 7, 9]
+    assert stream.valid(data, 2).tolist() == [True, True, False, True]
+    starts, lengths = stream.spans(data, 2)
+    assert lengths.tolist()[:2] == [2, 0] and lengths[3] == 256 * 40
+    assert data[starts[3]:starts[3] + lengths[3]] == bytes(range(256)) * 40
+    assert data[starts[0]:starts[0] + 2] == b"xx"
+    assert stream.spans(data, 3)[1].tolist()[:2] == [1, 0]
+    assert (stream.buffers[:, :, 0] % arrowipc.ALIGNMENT == 0).all()
+
+
+def test_a_column_is_read_across_many_record_batches_at_once():
+    many = [{"__key__": [f"k{i}"], "__index__": [i], "jpg": [bytes([i]) * i], "cls": [None if i % 3 else b"c"]}
+            for i in range(50)]
+    data = written(many)
+    stream = arrowipc.read_stream(data)
+    assert stream.integers(data, 1).tolist() == list(range(50))
+    starts, lengths = stream.spans(data, 2)
+    assert [data[a:a + n] for a, n in zip(starts.tolist(), lengths.tolist())] == [bytes([i]) * i for i in range(50)]
+    assert stream.valid(data, 3).tolist() == [i % 3 == 0 for i in range(50)]
+    assert arrowipc.gather(data, "u1", *stream.spans(data, 0)).tobytes() == "".join(f"k{i}" for i in range(50)).encode()
 
 
 @pytest.mark.parametrize("kind", [pa.binary(), pa.large_binary()])
@@ -78,10 +90,9 @@ def test_it_reads_a_stream_pyarrow_wrote(kind):
         writer.write_table(table)
     data = sink.getvalue().to_pybytes()
     stream = arrowipc.read_stream(data)
-    values = stream.batches[0][1]
-    assert stream.ended and values.valid(data).tolist() == [True, False, True]
-    assert data[values.data:values.data + values.data_length] == b"accc"
-    assert values.offsets.tolist() == [0, 1, 1, 4]
+    assert stream.ended and stream.valid(data, 1).tolist() == [True, False, True]
+    starts, lengths = stream.spans(data, 1)
+    assert lengths.tolist() == [1, 0, 3] and data[starts[2]:starts[2] + 3] == b"ccc"
 
 
 def test_a_stream_cut_short_is_not_ended_and_keeps_its_whole_batches():
@@ -89,7 +100,7 @@ def test_a_stream_cut_short_is_not_ended_and_keeps_its_whole_batches():
     for cut in (len(data) - 4, len(data) - 300, 100):
         stream = arrowipc.read_stream(data[:cut])
         assert not stream.ended
-        assert stream.rows <= 4
+        assert stream.total <= 4
 
 
 def test_garbage_is_a_format_error_not_a_crash():
