@@ -27,9 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from shardfeed.arrowipc import INDEX, KEY, batch_schema
+
 from .answers import Allocate, Regions, plain
 from .base import ARROW
-from .layout import ABSENT, INDEX, KEY, Columns
+from .layout import ABSENT, Columns
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -72,7 +74,7 @@ def laid_out(buffer: np.ndarray, requests: Sequence[PartRequest], regions: Regio
     Arrow: :func:`over` makes it again from these), else ``None``."""
     pa = pyarrow()
     if not requests:
-        return _schema(pa, []).empty_table(), None
+        return batch_schema([]).empty_table(), None
     whole = pa.py_buffer(buffer)  # holds the array: the table keeps its memory alive
     tables, spans = [], []
     for request, region, start in zip(requests, regions.regions, starts.tolist()):
@@ -120,13 +122,7 @@ def _copied(pa: Any, columns: Columns, body: memoryview) -> pa.Table:
                              pa.large_binary())
               for name, lengths in columns.lengths.items()}
     return pa.table({KEY: pa.array(columns.keys, pa.large_utf8()), INDEX: pa.array(columns.indices, pa.int64()),
-                     **fields}, schema=_schema(pa, list(fields)))
-
-
-def _schema(pa: Any, fields: list[str]) -> pa.Schema:
-    """The schema of an Arrow answer with ``fields``."""
-    return pa.schema([pa.field(KEY, pa.large_utf8()), pa.field(INDEX, pa.int64(), nullable=False),
-                      *(pa.field(name, pa.large_binary()) for name in fields)])
+                     **fields}, schema=batch_schema(list(fields)))
 
 
 def as_binary_views(table: pa.Table) -> pa.Table:

@@ -25,13 +25,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from shardfeed import arrowipc
+from shardfeed.arrowipc import INDEX, KEY
 
 from .errors import ShardfeedConnectionError, ShardfeedError
 
 ABSENT = -1
 """The length of a field a sample lacks (or of every field of a missing sample)."""
-KEY, INDEX = "__key__", "__index__"
-"""The Arrow answer's columns besides one per field."""
 
 
 @dataclass

@@ -24,6 +24,7 @@ each record batch's buffers as places in it: nothing per row, nothing copied.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -40,6 +41,20 @@ SCHEMA, RECORD_BATCH = 1, 3  # MessageHeader union types
 # Type union ids (Schema.fbs) of the columns handled.
 INT, BINARY, UTF8, LARGE_BINARY, LARGE_UTF8 = 2, 4, 5, 19, 20
 _OFFSET_WIDTH = {BINARY: 4, UTF8: 4, LARGE_BINARY: 8, LARGE_UTF8: 8}
+
+
+KEY, INDEX = "__key__", "__index__"
+"""A batch answer's columns before one per field: each sample's key (large_utf8) and index (int64)."""
+
+
+def batch_schema(fields: Sequence[str]):
+    """The ``pyarrow.Schema`` of a batch answer with ``fields``: ``KEY``, ``INDEX``, then a large_binary
+    column per field. The one place both sides name it; pyarrow is imported here, on first use (the
+    bare client reads streams without it)."""
+    import pyarrow as pa
+
+    return pa.schema([pa.field(KEY, pa.large_utf8()), pa.field(INDEX, pa.int64(), nullable=False),
+                      *(pa.field(name, pa.large_binary()) for name in fields)])
 
 
 class ArrowFormatError(ValueError):
@@ -353,6 +368,7 @@ def read_stream(buf: bytes | memoryview) -> Stream:
     buf = memoryview(buf).cast("B")
     end, at = len(buf), 0
     columns: list[Column] | None = None
+    width = 0  # buffers per record batch, once the schema says
     batches: list[tuple[int, int, int, int, int]] = []  # rows, nodes at, buffers at, body at, body length
     try:
         while at + 8 <= end:

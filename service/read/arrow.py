@@ -22,10 +22,10 @@ from collections.abc import Callable
 from functools import cached_property, lru_cache
 
 import numpy as np
-import pyarrow as pa
 
 from shardfeed.arrowipc import (
-    ALIGNMENT, END_OF_STREAM, BodyLayout, record_batch_message, record_batch_message_length, validity_bitmap,
+    ALIGNMENT, END_OF_STREAM, BodyLayout, batch_schema, record_batch_message, record_batch_message_length,
+    validity_bitmap,
 )
 from shardfeed.arrowipc import schema_message as encapsulated_schema
 from shardfeed.service.datasets.dataset import Dataset
@@ -40,9 +40,7 @@ _GAPS = [bytes(n) for n in range(ALIGNMENT)]
 @lru_cache(maxsize=256)
 def schema_message(fields: tuple[str, ...]) -> bytes:
     """The stream's schema message for a batch of ``fields``."""
-    schema = pa.schema([pa.field("__key__", pa.large_utf8()), pa.field("__index__", pa.int64(), nullable=False),
-                        *(pa.field(name, pa.large_binary()) for name in fields)])
-    return encapsulated_schema(schema.serialize().to_pybytes())
+    return encapsulated_schema(batch_schema(fields).serialize().to_pybytes())
 
 
 @lru_cache(maxsize=1024)
