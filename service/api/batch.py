@@ -39,8 +39,8 @@ from starlette.responses import Response
 from shardfeed.service.api.auth import tenant_of
 from shardfeed.arrowipc import MEDIA_TYPE as ARROW
 from shardfeed.service.api.common import (
-    ERRORS, TAR, State, answer_changed_once, count_batch, json_body, parse_json, read_body, served_metrics,
-    tar_stream_response,
+    ERRORS, TAR, State, answer_changed_once, count_batch, json_body, located_members, parse_json, read_body,
+    served_metrics, tar_stream_response,
 )
 from shardfeed.service.api.routing import ROUTING_HEADER, routing_version
 from shardfeed.service.api.tenants import Tenant
@@ -49,6 +49,7 @@ from shardfeed.service.datasets.index import Members, SampleOutOfRange, UnknownF
 from shardfeed.service.http.errors import ApiError
 from shardfeed.service.http.protocol import INSTANT_BYTES
 from shardfeed.service.read.arrow import ArrowFraming
+from shardfeed.service.read.fields import known
 from shardfeed.service.read.framing import TarFraming
 from shardfeed.service.read.stream import batch_groups, stream_batch
 from shardfeed.service.read.warm import HeldGroup, held_group
@@ -159,7 +160,11 @@ class BatchEndpoint:
             wanted = wanted_batch(self.state, body, tenant_of(scope))
         except ApiError as err:
             return Decision(body, error=err)
-        return Decision(body, wanted, held_group(self.state.coalescer, wanted.dataset, wanted.members),
+        members = known(wanted.dataset, wanted.members)
+        if members is None:  # records whose fields are not placed yet: streamed, placed first
+            return Decision(body, wanted, group_bytes=self.state.config.group_bytes)
+        wanted.members = members
+        return Decision(body, wanted, held_group(self.state.coalescer, wanted.dataset, members),
                         group_bytes=self.state.config.group_bytes)
 
     def instant(self, scope, body: bytes) -> tuple[list[tuple[bytes, bytes]], list] | None:
@@ -211,8 +216,10 @@ class BatchEndpoint:
         if decision.error is not None:
             raise decision.error
         state, config = self.state, self.state.config
-        dataset, members, indices = decision.wanted.dataset, decision.wanted.members, decision.wanted.indices
-        held = decision.held
+        held, wanted = decision.held, decision.wanted
+        if held is None:
+            wanted.members = await located_members(state, wanted.dataset, wanted.members)
+        dataset, members, indices = wanted.dataset, wanted.members, wanted.indices
         chunks = stream_batch(state.coalescer, dataset, members, indices,
                               continue_on_error=decision.wanted.continue_on_error, group_bytes=config.group_bytes,
                               prefetch=config.prefetch_groups, on_served=_served(state, dataset, indices), held=held,

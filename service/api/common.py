@@ -19,6 +19,7 @@ from starlette.responses import Response, StreamingResponse
 from shardfeed.service.cluster.peers import COPIES, COPY_HEADER, Cluster
 from shardfeed.service.config import ServiceConfig
 from shardfeed.service.datasets.dataset import Dataset
+from shardfeed.service.datasets.index import Members
 from shardfeed.service.datasets.indexfile import IndexFormatError
 from shardfeed.service.datasets.objects import Catalog
 from shardfeed.service.datasets.served import ServedDatasets
@@ -36,6 +37,7 @@ from shardfeed.service.observe.stats import StatsRecorder
 from shardfeed.service.plans.prefetch import Prefetcher
 from shardfeed.service.plans.registry import Plans
 from shardfeed.service.read.coalescer import Coalescer
+from shardfeed.service.read.fields import located
 from shardfeed.service.read.framing import chunks_of
 from shardfeed.service.read.samples import SampleBatcher
 from shardfeed.service.read.stream import SampleFailed
@@ -63,7 +65,9 @@ ERRORS = {status: {"model": ErrorBody, "description": text} for status, text in 
     (400, "Malformed or invalid request"), (401, "Missing or wrong bearer token"),
     (403, "The token lacks the scope the request needs"),
     (404, "Unknown dataset, sample, field or route"), (408, "Request body not sent in time"),
-    (413, "Too many items or body too large"), (429, "Overloaded; retry after Retry-After seconds"),
+    (413, "Too many items or body too large"),
+    (422, "A shard disagrees with its dataset's index (MDS, LitData)"),
+    (429, "Overloaded; retry after Retry-After seconds"),
     (503, "Store unreachable after retries")]}
 
 
@@ -290,6 +294,26 @@ async def answer_changed_once(answer: Callable[[], Awaitable[Response]],
             log.warning("reopening after a change failed: %s", err)
             raise changed_error from None
         return await answer()
+
+
+async def located_members(state: State, dataset: Dataset, members: Members) -> Members:
+    """``members`` at their fields' own extents (``read/fields.py``), a failure to learn them an
+    answer (``not_located``)."""
+    try:
+        return await located(state.coalescer, dataset, members)
+    except (StoreError, IndexFormatError) as err:
+        raise not_located(err) from None
+
+
+def not_located(err: StoreError | IndexFormatError) -> ApiError:
+    """The answer to a record whose fields could not be placed: its shard replaced (the 409 that
+    reopens the dataset), the store unreachable (503), or the record disagreeing with its
+    shard's header (422, naming the shard)."""
+    if isinstance(err, ObjectChanged):
+        return DatasetChanged(str(err))
+    if isinstance(err, StoreError):
+        return StoreUnavailable(str(err))
+    return ApiError(422, "shard_disagrees", str(err))
 
 
 def count_batch(state: State, route: str, status: str, began: float) -> None:

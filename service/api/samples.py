@@ -10,10 +10,12 @@ import time
 from fastapi import APIRouter
 from starlette.responses import Response
 
-from shardfeed.service.api.common import TAR, AppState, State, answer_changed_once
+from shardfeed.service.api.common import TAR, AppState, State, answer_changed_once, not_located
 from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.datasets.index import UnknownField
+from shardfeed.service.datasets.indexfile import IndexFormatError
 from shardfeed.service.http.errors import ApiError, DatasetChanged, StoreUnavailable
+from shardfeed.service.read.fields import known_member
 from shardfeed.service.read.warm import held_member as held_bytes
 from shardfeed.service.stores import ObjectChanged, StoreError
 from shardfeed.tar import END_OF_ARCHIVE, frame
@@ -70,7 +72,7 @@ async def held_member(state: State, scope, send) -> bool:
         return False
     began = time.perf_counter()
     sample = int(text)
-    member = dataset.index.member(sample, parts[6].lower())
+    member = known_member(dataset, sample, parts[6].lower())
     payload = held_bytes(state.coalescer, dataset, *member) if member is not None and member[2] else None
     if payload is None:
         return False
@@ -95,7 +97,10 @@ def sample_number(dataset: Dataset, text: str) -> int:
 async def _read_sample(state: State, dataset: Dataset, sample: int, field: int) -> list:
     began = time.perf_counter()
     with state.admission.slot("sample"):
-        parts = await state.batcher.get(dataset, sample, field)
+        try:
+            parts = await state.batcher.get(dataset, sample, field)
+        except (StoreError, IndexFormatError) as err:  # the record's header could not be read
+            raise not_located(err) from None
     metrics = state.metrics
     for _, payload in parts:
         if isinstance(payload, ObjectChanged):

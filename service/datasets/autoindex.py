@@ -1,4 +1,4 @@
-"""Datasets of WebDataset tar shards without ``index.parquet``: indexed when they open.
+"""Datasets without ``index.parquet``: indexed when they open (tar shards; a peer's, MDS or LitData).
 
 A dataset registered (``POST /v1/datasets``, or ``serve --dataset``) whose root holds
 ``.tar`` shards but no index is indexed from the shards' headers (``tarscan.py``: a few
@@ -8,6 +8,9 @@ on any node, reads it as usual; where the prefix is read-only it is kept in the
 service's index directory instead, named by the dataset's URL and its shards' versions:
 the next open of the same shards (a restart, another worker) reads it from there, and a
 shard replaced in the store makes a new one.
+
+A peer's dataset (an ``index.json``: ``peerindex.py``) is indexed from its shards' headers
+and always kept here (``index_records``), never written beside the peer's files.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from shardfeed.service.datasets.index import (
     Index, Share, index_from_parquet, index_version, parquet_bytes, read_index, unshared, write_index,
 )
 from shardfeed.service.datasets.indexfile import INDEX_FILE
+from shardfeed.service.datasets.peerindex import PeerLayout, index_records
 from shardfeed.service.datasets.tarscan import index_shards
 from shardfeed.service.stores import ObjectInfo, ObjectNotFound, Store, StoreError
 
@@ -96,6 +100,29 @@ class IndexKeeper:
         data = await asyncio.to_thread(parquet_bytes, index.to_table())
         await asyncio.to_thread(write_atomically, kept, data)
         return await self.share(store.url, kept.name, built), None
+
+
+    async def index_records(self, store: Store, layout: PeerLayout, infos: list[ObjectInfo],
+                            progress: IndexProgress | None = None) -> Index:
+        """The index of a peer's shards (``peerindex.py``), ``infos`` the versions of its
+        ``index.json`` and shards: kept here, never in the store, named by those versions, so
+        that a peer's writer that replaces the dataset (knowing nothing of ours) never finds
+        a stale index beside it."""
+        kept = self.directory / f"{dataset_id(store.url)}-{_versions_digest(infos)}.parquet"
+        async with locked(kept.with_suffix(".lock")):
+            if kept.exists():
+                return await self.share(store.url, kept.name, partial(asyncio.to_thread, read_kept, kept))
+            progress = progress or IndexProgress()
+            progress.shards = progress.bytes = len(layout.shards)  # counted in shard headers read
+            log.info("indexing %s: %d %s shards, headers only", store.url, len(layout.shards), layout.format.layout)
+            index = await index_records(store, layout, meter=progress)
+            data = await asyncio.to_thread(parquet_bytes, index.to_table())
+            await asyncio.to_thread(write_atomically, kept, data)
+
+            async def built() -> Index:
+                return index
+
+            return await self.share(store.url, kept.name, built)
 
 
 def read_kept(kept: Path) -> Index:

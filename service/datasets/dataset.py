@@ -23,6 +23,9 @@ from shardfeed.service.cache.names import dataset_id, shard_id
 from shardfeed.service.datasets import layouts
 from shardfeed.service.datasets.autoindex import IndexKeeper, IndexProgress
 from shardfeed.service.datasets.index import Index, Share, read_index, unshared
+from shardfeed.service.datasets.indexfile import IndexFormatError
+from shardfeed.service.datasets.peerindex import PEER_INDEX, index_records, read_peer_layout, shard_store
+from shardfeed.service.datasets.records import RecordFormat
 from shardfeed.service.stores import ObjectChanged, ObjectInfo, ObjectNotFound, Store, open_store
 
 OPEN_ATTEMPTS = 3
@@ -52,6 +55,9 @@ class Dataset:
     """The index's and every shard's version, digested: equal on every node that opened the same bytes."""
     checked: float = 0.0
     """When (Unix time) the store was last listed for this dataset."""
+    records: RecordFormat | None = None
+    """The columns of its records, when its index holds records rather than fields (MDS,
+    LitData: ``records.py``; ``read/fields.py`` places the fields)."""
 
     @cached_property
     def stored_bytes(self) -> int:
@@ -70,6 +76,8 @@ class Dataset:
             "bytes": self.index.total_bytes,
             "shard_samples": self.shard_samples,
             "fields": self.index.fields,
+            "layout": self.index.layout,
+            "encodings": self.records.encodings if self.records is not None else {},
             "version": self.version,
             "checked": self.checked,
         }
@@ -90,14 +98,15 @@ async def open_dataset(name: str, url: str, store_options: dict | None = None, *
     own_store = store is None
     store = open_store(url, **(store_options or {})) if own_store else store
     try:
-        index, listed, objects = await _index_and_versions(store, index_objects, keeper, progress, share)
+        opened = await _index_and_versions(store, index_objects, keeper, progress, share)
     except BaseException:
         if own_store:
             await store.close()
         raise
-    shards = [objects.get(path) for path in index.shards]
+    index, listed = opened.index, opened.listed
+    shards = [opened.objects.get(path) for path in index.shards]
     return Dataset(
-        name=name, url=url, store=store, index=index, id=dataset_id(url),
+        name=name, url=url, store=opened.store or store, index=index, id=dataset_id(url), records=opened.records,
         extents=index.shard_extents(),
         shard_ids=[shard_id(path, *_version(info)) for path, info in zip(index.shards, shards)],
         shard_samples=index.shard_samples(),
@@ -106,9 +115,20 @@ async def open_dataset(name: str, url: str, store_options: dict | None = None, *
     )
 
 
+@dataclass
+class _Opened:
+    index: Index
+    listed: ObjectInfo | None
+    """The version of the index read (``index.parquet``, or a peer's ``index.json``)."""
+    objects: dict[str, ObjectInfo]
+    """The version of each shard, by its name in the index."""
+    records: RecordFormat | None = None
+    store: Store | None = None
+    """What reads its shards, when not the root's store (a peer's compressed shards)."""
+
+
 async def _index_and_versions(store: Store, index_objects: bool, keeper: IndexKeeper | None,
-                              progress: IndexProgress | None, share: Share,
-                              ) -> tuple[Index, ObjectInfo | None, dict[str, ObjectInfo]]:
+                              progress: IndexProgress | None, share: Share) -> _Opened:
     """The index (read at the version a HEAD names), that version, and a listing of the
     shards' common prefix: one page per 1,000 shards, whatever else the root holds."""
     for attempt in range(OPEN_ATTEMPTS):
@@ -119,17 +139,37 @@ async def _index_and_versions(store: Store, index_objects: bool, keeper: IndexKe
             if attempt == OPEN_ATTEMPTS - 1:
                 raise
         except ObjectNotFound:
+            listing = await layouts.list_objects(store, progress=False)
+            peer = next((info for info in listing if info.path == PEER_INDEX), None)
+            if peer is not None:
+                return await _open_peer(store, peer, listing, keeper, progress)
             if not index_objects and keeper is None:
                 raise
-            listing = await layouts.list_objects(store, progress=False)
             if index_objects:
                 index, listed = await layouts.index_objects(store, listing=listing), None
             else:
                 index, listed = await keeper.index(store, listing, progress)
-            return index, listed, {i.path: i for i in listing}
+            return _Opened(index, listed, {i.path: i for i in listing})
     # A key prefix, not a directory: S3 and the file store both list by string prefix.
     listing = await layouts.list_objects(store, prefix=posixpath.commonprefix(index.shards), progress=False)
-    return index, listed, {info.path: info for info in listing}
+    return _Opened(index, listed, {info.path: info for info in listing})
+
+
+async def _open_peer(store: Store, peer: ObjectInfo, listing: list[ObjectInfo], keeper: IndexKeeper | None,
+                     progress: IndexProgress | None) -> _Opened:
+    """A peer's dataset (``peerindex.py``): its layout from ``peer`` (its ``index.json``), its
+    shards' versions those of the objects holding them, its index built or kept."""
+    layout = await read_peer_layout(store, peer, listing)
+    infos = {info.path: info for info in listing}
+    for shard in layout.shards:
+        if shard.stored not in infos:
+            raise IndexFormatError(f"{store.url}/{peer.path} names shard {shard.stored!r}, which the store lacks")
+    shards = shard_store(store, layout)
+    stored = [infos[shard.stored] for shard in layout.shards]
+    index = await (keeper.index_records(shards, layout, [peer, *stored], progress) if keeper is not None
+                   else index_records(shards, layout))
+    return _Opened(index, peer, {shard.name: info for shard, info in zip(layout.shards, stored)},
+                   layout.format, shards)
 
 
 def _version(info: ObjectInfo | None) -> tuple[str | None, int | None]:

@@ -182,6 +182,10 @@ class Index:
         starts = np.frombuffer(offsets, f"<i{width}", len(keys) + 1, keys.offset * width).astype(np.int64)
         return starts, np.frombuffer(text, np.uint8) if text is not None else np.zeros(0, np.uint8)
 
+    def first_rows(self, samples: np.ndarray) -> np.ndarray:
+        """The row of each sample's first member (its members' rows follow it)."""
+        return self._starts[samples]
+
     def sample_fields(self, i: int) -> list[str]:
         """The fields of sample ``i`` in stored member order."""
         i = self._check(int(i))

@@ -20,7 +20,7 @@ INDEX_FILE = "index.parquet"
 VERSION_KEY = b"shardfeed.index.version"
 VERSION = b"1"
 LAYOUT_KEY = b"shardfeed.index.layout"
-LAYOUTS = ("tar", "objects")
+LAYOUTS = ("tar", "objects", "mds", "litdata")
 
 SCHEMA = pa.schema(
     [("sample", pa.int64()), ("key", pa.string()), ("field", pa.string()),
@@ -198,7 +198,10 @@ class IndexStats:
         if len(sample_shard):
             run_starts = np.concatenate(([0], run_starts))
         run_starts = run_starts.astype(np.int64)
-        return cls(total_bytes=int(size.sum(dtype=np.int64)), per_sample=per_sample,
+        # Bytes of distinct extents: a record layout's fields share their record's (``records.py``).
+        shared = (offset[1:] == offset[:-1]) & (shard[1:] == shard[:-1])
+        total_bytes = int(size.sum(dtype=np.int64)) - int(size[1:][shared].sum(dtype=np.int64))
+        return cls(total_bytes=total_bytes, per_sample=per_sample,
                    shard_samples=int(np.median(per_shard[per_shard > 0])) if len(sample_shard) else 0,
                    extents=extents, run_starts=run_starts,
                    run_shards=sample_shard[run_starts].astype(np.int32))

@@ -129,21 +129,22 @@ def map_index(path: Path) -> Index:
 _map_files: weakref.WeakKeyDictionary[Index, Path] = weakref.WeakKeyDictionary()
 
 
-def member_scratch(index: Index, name: str) -> np.ndarray:
-    """A writable byte per member of ``index``, zero at first: shared by the host's processes
+def member_scratch(index: Index, name: str, dtype: type = np.uint8) -> np.ndarray:
+    """A writable ``dtype`` per member of ``index``, zero at first: shared by the host's processes
     when the index is mapped (a sparse file beside its map, one per ``name``), else this
     process's own. For facts any process may learn and every other may use."""
     path = _map_files.get(index)
+    size = index.members * np.dtype(dtype).itemsize
     if path is None or not index.members:
-        return np.zeros(index.members, np.uint8)
+        return np.zeros(index.members, dtype)
     try:
         with open(path.with_name(f"{path.stem}-{name}{_SCRATCH}"), "a+b") as f:
-            if os.fstat(f.fileno()).st_size != index.members:
-                os.ftruncate(f.fileno(), index.members)
-            return np.frombuffer(mmap.mmap(f.fileno(), index.members), np.uint8)
+            if os.fstat(f.fileno()).st_size != size:
+                os.ftruncate(f.fileno(), size)
+            return np.frombuffer(mmap.mmap(f.fileno(), size), dtype)
     except OSError as err:
         log.warning("no shared scratch beside %s (%s): this process keeps its own", path, err)
-        return np.zeros(index.members, np.uint8)
+        return np.zeros(index.members, dtype)
 
 
 class SharedIndexes:

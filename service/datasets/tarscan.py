@@ -162,7 +162,7 @@ async def scan_shard(store: Store, info: ObjectInfo, window: int, bar: Meter | N
     return scan
 
 
-async def _bounded_map(fn: Callable[[T], Awaitable[R]], items: Sequence[T], limit: int) -> list[R]:
+async def bounded_map(fn: Callable[[T], Awaitable[R]], items: Sequence[T], limit: int) -> list[R]:
     """``[await fn(x) for x in items]`` with at most ``limit`` running; the first error cancels the rest."""
     results: list[R] = [None] * len(items)  # type: ignore[list-item]
     todo = iter(enumerate(items))
@@ -216,7 +216,7 @@ async def index_shards(store: Store, shards: Sequence[str] | None = None, *, inf
         if not infos:
             raise IndexFormatError(f"{store.url}: no .tar shards found")
     else:
-        infos = await _bounded_map(store.head, sorted(set(shards)), concurrency)
+        infos = await bounded_map(store.head, sorted(set(shards)), concurrency)
     with tqdm(total=sum(o.size for o in infos), unit="B", unit_scale=True, unit_divisor=1024,
               desc="index", disable=None if progress else True) as bar:
         meters = _Meters(bar, meter) if meter is not None else bar
@@ -224,7 +224,7 @@ async def index_shards(store: Store, shards: Sequence[str] | None = None, *, inf
         async def table(info: ObjectInfo) -> pa.Table:
             return await asyncio.to_thread((await scan_shard(store, info, window, meters)).table)
 
-        tables = await _bounded_map(table, infos, concurrency)
+        tables = await bounded_map(table, infos, concurrency)
     if not any(t.num_rows for t in tables):
         raise IndexFormatError(f"{store.url}: the shards hold no samples")
     return await asyncio.to_thread(lambda: Index.from_table(_number_samples(tables)))

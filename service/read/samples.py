@@ -11,6 +11,7 @@ import numpy as np
 
 from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.read.coalescer import Coalescer
+from shardfeed.service.read.fields import located
 from shardfeed.service.read.planner import take
 
 
@@ -63,7 +64,7 @@ class SampleBatcher:
             wanted = np.fromiter((b[2] for b in batch), np.int64, len(batch))
             members = dataset.index.lookup(indices)
             keep = (wanted[members.position] < 0) | (members.field == wanted[members.position])
-            members = take(members, keep)
+            members = await located(self.coalescer, dataset, take(members, keep))
             payloads = await self.coalescer.read_members(dataset, members)
             results: list[list] = [[] for _ in batch]
             for position, field, payload in zip(members.position.tolist(), members.field.tolist(), payloads):

@@ -1,0 +1,71 @@
+"""The ``litdata`` layout: LitData's ``index.json`` (``litdata.optimize``, its ``BinaryWriter``).
+
+``{"chunks": [...], "config": {...}}``::
+
+    chunks[]: {filename, chunk_size, chunk_bytes}   each chunk's file, records and raw bytes
+    config.data_format                              each pytree leaf's serializer, in leaf order
+    config.data_spec                                the items' pytree (``treespec_dumps``): the
+                                                    leaves' names
+    config.item_loader                              ``PyTreeLoader`` (the only one read here)
+    config.compression, config.compression_level    ``zstd`` with ``batch``/``sample``: frames
+                                                    inside each ``.bin``; ``chunk``: whole files
+
+A leaf's field name is its path in the item: a dict key, a list or tuple position, joined
+with dots (``{"img": ..., "meta": {"label": ...}}`` has fields ``img`` and ``meta.label``);
+an item that is a single leaf has the field ``item``. Leaves are in pytree order, a dict's
+keys in insertion order, as LitData writes them.
+"""
+
+from __future__ import annotations
+
+import json
+
+from shardfeed.service.datasets.indexfile import IndexFormatError
+from shardfeed.service.datasets.peerindex import PeerLayout, PeerShard, field_names
+from shardfeed.service.datasets.records import Column, RecordFormat
+
+_FRAMED = ("batch", "sample")
+"""``compression_level``s that compress frames inside a chunk (LitData's ``framed_zstd.py``)."""
+
+
+def leaf_names(spec: dict, path: str = "") -> list[str]:
+    """The names of a treespec's leaves (``torch.utils._pytree`` JSON, protocol 1), in order."""
+    kind, children = spec.get("type"), spec.get("children_spec", [])
+    if kind is None:
+        return [path or "item"]
+    if kind in ("builtins.dict", "collections.OrderedDict", "collections.defaultdict"):
+        context = json.loads(spec["context"])
+        keys = context[1] if kind == "collections.defaultdict" else context
+    elif kind in ("builtins.list", "builtins.tuple"):
+        keys = range(len(children))
+    else:
+        raise IndexFormatError(f"items of pytree node type {kind!r} are not read (dicts, lists and tuples are)")
+    return [name for key, child in zip(keys, children, strict=True)
+            for name in leaf_names(child, f"{path}.{key}" if path else str(key))]
+
+
+def layout(document: dict, where: str, listed: set[str]) -> PeerLayout:
+    """``PeerLayout`` of a LitData ``index.json`` (``IndexFormatError`` naming what is wrong)."""
+    config = document["config"]
+    if config.get("item_loader", "PyTreeLoader") != "PyTreeLoader":
+        raise IndexFormatError(f"{where}: item loader {config['item_loader']!r} (this shardfeed reads PyTreeLoader)")
+    if config.get("encryption"):
+        raise IndexFormatError(f"{where}: encrypted chunks are not read")
+    protocol, spec = json.loads(config["data_spec"])
+    if protocol != 1:
+        raise IndexFormatError(f"{where}: pytree spec protocol {protocol!r} (this shardfeed reads 1)")
+    formats = config["data_format"]
+    names = field_names(leaf_names(spec), where)
+    if len(names) != len(formats):
+        raise IndexFormatError(f"{where}: {len(formats)} leaf formats for {len(names)} leaves")
+    columns = tuple(Column(name, str(encoding), None) for name, encoding in zip(names, formats))
+    codec = config.get("compression") or None
+    framed = codec is not None and str(config.get("compression_level") or "batch") in _FRAMED
+    shards = []
+    for chunk in document["chunks"]:
+        name = chunk["filename"]
+        raw = None if codec else int(chunk["chunk_bytes"])
+        shards.append(PeerShard(name, int(chunk["chunk_size"]), raw, name, codec, framed))
+    if not shards:
+        raise IndexFormatError(f"{where}: lists no chunks")
+    return PeerLayout(RecordFormat("litdata", columns), tuple(shards))

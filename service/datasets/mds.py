@@ -1,0 +1,47 @@
+"""The ``mds`` layout: MosaicML Streaming's ``index.json`` (version 2, format ``mds``).
+
+``{"version": 2, "shards": [...]}``, each shard::
+
+    column_names, column_encodings, column_sizes   the columns in record order; a size for
+                                                   each fixed-size one, null for the others
+    samples                                        records in the shard
+    raw_data: {basename, bytes}                    the shard as read
+    zip_data: {basename, bytes} | null             the shard as stored, when ``compression``
+    compression: "zstd" | "zstd:7" | "gz" | ...    (streaming/base/compression.py's names)
+
+A compressed shard whose raw form a Streaming reader left beside it is read raw.
+"""
+
+from __future__ import annotations
+
+from shardfeed.service.datasets.indexfile import IndexFormatError
+from shardfeed.service.datasets.peerindex import PeerLayout, PeerShard, field_names
+from shardfeed.service.datasets.records import Column, RecordFormat
+
+
+def layout(document: dict, where: str, listed: set[str]) -> PeerLayout:
+    """``PeerLayout`` of an MDS ``index.json`` (``IndexFormatError`` naming what is wrong)."""
+    if document.get("version") != 2:
+        raise IndexFormatError(f"{where}: MDS index version {document.get('version')!r} (this shardfeed reads 2)")
+    shards, columns = [], None
+    for number, shard in enumerate(document["shards"]):
+        name = shard["raw_data"]["basename"]
+        if shard.get("format") != "mds" or shard.get("version") != 2:
+            raise IndexFormatError(f"{where}: shard {name!r} is format {shard.get('format')!r} version "
+                                   f"{shard.get('version')!r} (this shardfeed reads mds version 2)")
+        found = tuple(Column(field, str(encoding), None if size is None else int(size)) for field, encoding, size in
+                      zip(field_names(shard["column_names"], f"{where} shard {name!r}"),
+                          shard["column_encodings"], shard["column_sizes"], strict=True))
+        if columns is None:
+            columns = found
+        elif found != columns:
+            raise IndexFormatError(f"{where}: shard {name!r} has other columns than the first shard")
+        zipped = shard.get("zip_data")
+        if shard.get("compression") and zipped and name not in listed:
+            shards.append(PeerShard(name, int(shard["samples"]), int(shard["raw_data"]["bytes"]),
+                                    zipped["basename"], shard["compression"]))
+        else:
+            shards.append(PeerShard(name, int(shard["samples"]), int(shard["raw_data"]["bytes"]), name))
+    if columns is None:
+        raise IndexFormatError(f"{where}: lists no shards")
+    return PeerLayout(RecordFormat("mds", columns), tuple(shards))

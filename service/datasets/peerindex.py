@@ -1,0 +1,160 @@
+"""The ``mds`` and ``litdata`` layouts: the index of a peer's dataset from its ``index.json`` and
+its shards' own headers, with ranged reads, never a shard's data.
+
+A dataset root whose listing holds an ``index.json`` (and no ``index.parquet``) is one of
+these: ``mds.py`` and ``litdata.py`` each read their peer's ``index.json`` into a
+``PeerLayout`` (the records' columns, the shards in the peer's order, how each is stored).
+``index_records`` then reads each shard's header, ``4 * (samples + 2)`` bytes at its start,
+``concurrency`` at a time, and checks it against ``index.json``: sample ``i`` is the
+``i``-th record of the shards in ``index.json``'s order, as the peer's own dataset numbers
+them, and has one index row per column, each the record's extent (``records.py``).
+
+Samples are keyed by their number, zero-padded (the peers have no keys). Field names are
+lowercased, as for tar members.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from shardfeed.service.datasets.index import Index
+from shardfeed.service.datasets.indexfile import LAYOUT_KEY, VERSION, VERSION_KEY, IndexFormatError
+from shardfeed.service.datasets.records import Column, RecordFormat
+from shardfeed.service.datasets.tarscan import Meter, bounded_map
+from shardfeed.service.stores import ObjectInfo, Store
+
+PEER_INDEX = "index.json"
+
+
+@dataclass(frozen=True)
+class PeerShard:
+    """One shard as ``index.json`` names it."""
+
+    name: str
+    """The raw (uncompressed) shard's path under the root: the index's shard name."""
+    samples: int
+    raw_size: int | None
+    """Its raw bytes, when ``index.json`` says."""
+    stored: str
+    """The object holding it: ``name`` itself, or its compressed form."""
+    codec: str | None = None
+    """The peer's compression of ``stored`` (``zstd``, ``gz:9``, ...); None: stored raw."""
+    frames: bool = False
+    """LitData's framed zstd layout: frames compressed one by one, read one by one."""
+
+
+@dataclass(frozen=True)
+class PeerLayout:
+    format: RecordFormat
+    shards: tuple[PeerShard, ...]
+
+    @property
+    def compressed(self) -> dict[str, PeerShard]:
+        """The shards stored compressed, by raw name."""
+        return {shard.name: shard for shard in self.shards if shard.codec is not None}
+
+
+def field_names(names: list[str], where: str) -> list[str]:
+    """Column names as fields: lowercased (as tar members' are), and distinct."""
+    fields = [name.lower() for name in names]
+    if len(set(fields)) < len(fields) or "" in fields:
+        raise IndexFormatError(f"{where}: columns {names} are not distinct non-empty names once lowercased")
+    return fields
+
+
+def peer_layout(data: bytes, where: str, listed: set[str]) -> PeerLayout:
+    """The layout an ``index.json`` describes (``where`` names it in errors); ``listed``: the
+    paths under the root, to read a shard raw where a peer left it decompressed."""
+    from shardfeed.service.datasets import litdata, mds
+
+    try:
+        document = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise IndexFormatError(f"{where}: not JSON ({err})") from None
+    if not isinstance(document, dict):
+        raise IndexFormatError(f"{where}: not a JSON object")
+    readers: dict[str, Callable[[dict, str, set[str]], PeerLayout]] = {"shards": mds.layout, "chunks": litdata.layout}
+    for key, read in readers.items():
+        if key in document:
+            try:
+                return read(document, where, listed)
+            except (KeyError, TypeError, ValueError, AttributeError) as err:
+                if isinstance(err, IndexFormatError):
+                    raise
+                raise IndexFormatError(f"{where}: malformed ({type(err).__name__}: {err})") from None
+    raise IndexFormatError(f"{where}: neither an MDS index (\"shards\") nor a LitData one (\"chunks\")")
+
+
+def shard_store(store: Store, layout: PeerLayout) -> Store:
+    """What reads ``layout``'s shards as the index names them: ``store`` itself."""
+    if layout.compressed:
+        name, shard = next(iter(layout.compressed.items()))
+        raise IndexFormatError(f"{name}: stored compressed ({shard.codec}) as {shard.stored!r}; "
+                               "compressed shards are not read yet")
+    return store
+
+
+async def read_peer_layout(store: Store, info: ObjectInfo, listing: list[ObjectInfo]) -> PeerLayout:
+    data = await store.read(info.path, info.etag)
+    return peer_layout(data, f"{store.url}/{info.path}", {i.path for i in listing})
+
+
+def _offsets(shard: PeerShard, header: bytes) -> np.ndarray:
+    """The shard's ``samples + 1`` record offsets, checked against ``index.json``."""
+    n = shard.samples
+    if len(header) < 4 * (n + 2):
+        raise IndexFormatError(f"{shard.name}: {len(header)} bytes, its header needs {4 * (n + 2)}")
+    values = np.frombuffer(header, "<u4", n + 2).astype(np.int64)
+    if values[0] != n:
+        raise IndexFormatError(f"{shard.name}: its header counts {int(values[0])} samples, index.json {n}")
+    offsets = values[1:]
+    if offsets[0] < 4 * (n + 2) or (np.diff(offsets) < 0).any():
+        raise IndexFormatError(f"{shard.name}: its header's sample offsets are not in order after the header")
+    if shard.raw_size is not None and offsets[-1] > shard.raw_size:
+        raise IndexFormatError(f"{shard.name}: its samples end at {int(offsets[-1])}, "
+                               f"index.json sizes it at {shard.raw_size} bytes")
+    return offsets
+
+
+async def index_records(store: Store, layout: PeerLayout, *, concurrency: int = 64,
+                        meter: Meter | None = None) -> Index:
+    """The index of ``layout``'s shards, from their headers read through ``store`` (where a
+    compressed shard reads as its raw bytes: ``stores/compressed.py``)."""
+    async def offsets(shard: PeerShard) -> np.ndarray:
+        if shard.samples == 0:
+            return np.zeros(1, np.int64)
+        found = _offsets(shard, await store.read_range(shard.name, 0, 4 * (shard.samples + 2)))
+        if meter is not None:
+            meter.update(1)
+        return found
+
+    per_shard = await bounded_map(offsets, layout.shards, concurrency)
+    return await asyncio.to_thread(_index, layout, per_shard)
+
+
+def _index(layout: PeerLayout, per_shard: list[np.ndarray]) -> Index:
+    columns = layout.format.columns
+    k = len(columns)
+    starts = np.concatenate([o[:-1] for o in per_shard])
+    sizes = np.concatenate([np.diff(o) for o in per_shard])
+    n = len(starts)
+    if n == 0:
+        raise IndexFormatError("the dataset's index.json lists no samples")
+    shard_of = np.repeat(np.arange(len(layout.shards)), [len(o) - 1 for o in per_shard])
+    names = [shard.name for shard in layout.shards]
+    width = max(6, len(str(n - 1)))
+    table = pa.table({
+        "sample": np.repeat(np.arange(n, dtype=np.int64), k),
+        "key": pa.array(np.char.zfill(np.arange(n).astype(str), width)).take(pa.array(np.repeat(np.arange(n), k))),
+        "field": pa.DictionaryArray.from_arrays(np.tile(np.arange(k, dtype=np.int32), n), [c.name for c in columns]),
+        "shard": pa.DictionaryArray.from_arrays(np.repeat(shard_of, k).astype(np.int32), names),
+        "offset": np.repeat(starts, k),
+        "size": np.repeat(sizes, k),
+    }).replace_schema_metadata({VERSION_KEY: VERSION, LAYOUT_KEY: layout.format.layout.encode()})
+    return Index.from_table(table)

@@ -1,0 +1,79 @@
+"""Records: the samples of MosaicML Streaming's MDS shards and LitData's chunks, and where each
+field lies in one.
+
+Both peers lay a shard out the same way: ``num_samples`` (uint32), ``num_samples + 1`` uint32
+offsets of the samples (from the shard's start), then the samples. A sample is one *record*:
+a header of uint32 sizes, then its columns' bytes back to back, in column order::
+
+    MDS      a size for each variable-size column only (a fixed-size one, ``column_sizes``,
+             is as long in every record)
+    LitData  a size for every leaf of the item's pytree
+
+The shard's header says where each record lies, but only each record's own header says where
+its fields lie. So the index (``peerindex.py``) is built from the shards' headers alone, one
+row per field holding its *record*'s extent, and a batch finds its fields in the records'
+headers when it reads them (``read/fields.py``, with ``RecordFormat.locate``). Each field's
+bytes are the column's encoded bytes, what the peer's own decoder is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from shardfeed.service.datasets.indexfile import IndexFormatError
+
+
+@dataclass(frozen=True)
+class Column:
+    """One field of a record."""
+
+    name: str
+    """The field's name: the MDS column's, or the LitData leaf's (``peerindex.leaf_names``)."""
+    encoding: str
+    """How the peer encoded its values (``int``, ``jpeg``, ``no_header_numpy:10``, ...): what
+    the client's ``decode=`` decodes it by."""
+    size: int | None
+    """Its bytes in every record, when the record's header does not say (MDS fixed-size columns)."""
+
+
+@dataclass(frozen=True)
+class RecordFormat:
+    """The columns of a dataset's records, in record order, and how a record's header sizes them."""
+
+    layout: str
+    columns: tuple[Column, ...]
+
+    @property
+    def sized(self) -> np.ndarray:
+        """bool per column: the record's header holds its size."""
+        return np.array([c.size is None for c in self.columns], bool)
+
+    @property
+    def header_bytes(self) -> int:
+        """Bytes of a record's header."""
+        return 4 * int(self.sized.sum())
+
+    @property
+    def encodings(self) -> dict[str, str]:
+        return {c.name: c.encoding for c in self.columns}
+
+    def sizes(self, headers: np.ndarray) -> np.ndarray:
+        """(records, columns) int64: each column's size in each record, from the records'
+        headers (``(records, header_bytes // 4)`` uint32)."""
+        sizes = np.empty((len(headers), len(self.columns)), np.int64)
+        sized = self.sized
+        sizes[:, sized] = headers
+        sizes[:, ~sized] = [c.size for c in self.columns if c.size is not None]
+        return sizes
+
+    def check(self, sizes: np.ndarray, record_sizes: np.ndarray, shards: np.ndarray, names: list[str]) -> None:
+        """``IndexFormatError`` naming the shard of the first record whose header disagrees with
+        the record's extent in its shard's header."""
+        bad = self.header_bytes + sizes.sum(axis=1) != record_sizes
+        if bad.any():
+            at = int(np.flatnonzero(bad)[0])
+            raise IndexFormatError(
+                f"{names[int(shards[at])]}: a record's header sizes its fields at "
+                f"{self.header_bytes + int(sizes[at].sum())} bytes, the shard's header at {int(record_sizes[at])}")

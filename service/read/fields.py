@@ -1,0 +1,102 @@
+"""Fields of records: where each member a batch wants lies in its record, for the layouts whose
+index holds records, not fields (MDS, LitData: ``datasets/records.py``).
+
+The first batch to read a record reads its header (a few bytes at the record's start, through
+the coalescer, so they come with the record's blocks) and learns its fields' sizes, kept per
+index member for every process of the host (``mapped.member_scratch``: 4 bytes a member, the
+size plus one, 0 until learnt). From then on ``known`` places the record's members with numpy
+alone, as the warm path needs (it decides without awaiting). A dataset whose index holds its
+fields' own extents (tar shards, loose objects) has nothing to learn: its members pass as they are.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from shardfeed.service.datasets.dataset import Dataset
+from shardfeed.service.datasets.index import Index, Members
+from shardfeed.service.datasets.mapped import member_scratch
+from shardfeed.service.read.coalescer import Coalescer
+from shardfeed.service.stores import StoreError
+
+_memos: weakref.WeakKeyDictionary[Index, np.ndarray] = weakref.WeakKeyDictionary()
+
+
+def _memo(dataset: Dataset) -> np.ndarray:
+    memo = _memos.get(dataset.index)
+    if memo is None:
+        memo = _memos[dataset.index] = member_scratch(dataset.index, f"fields-{dataset.version}", np.uint32)
+    return memo
+
+
+def _record_rows(dataset: Dataset, members: Members) -> tuple[np.ndarray, np.ndarray]:
+    """Per member: its record's first index row, and its column (its row's place after it)."""
+    first = dataset.index.first_rows(members.sample).astype(np.int64)
+    return first, members.row - first
+
+
+def known(dataset: Dataset, members: Members) -> Members | None:
+    """``members`` at their fields' own extents, or None while a record's header is not learnt."""
+    records = dataset.records
+    if records is None or not len(members):
+        return members
+    first, column = _record_rows(dataset, members)
+    k = len(records.columns)
+    sizes = _memo(dataset)[first[:, None] + np.arange(k)].astype(np.int64) - 1
+    if (sizes < 0).any():
+        return None
+    before = np.cumsum(sizes, axis=1) - sizes
+    rows = np.arange(len(members))
+    return Members(position=members.position, sample=members.sample, field=members.field, shard=members.shard,
+                   offset=members.offset + records.header_bytes + before[rows, column],
+                   size=sizes[rows, column], found=members.found, row=members.row)
+
+
+def known_member(dataset: Dataset, sample: int, field: str) -> tuple[int, int, int] | None:
+    """``Index.member``: ``(shard code, offset, size)`` of one member, at its field's own extent;
+    None when the sample has no such field or its record's header is not learnt yet."""
+    member = dataset.index.member(sample, field)
+    if member is None or dataset.records is None:
+        return member
+    code = dataset.index.field_codes([field])
+    members = Members(position=np.zeros(1, np.int64), sample=np.array([sample]), field=code,
+                      shard=np.array([member[0]]), offset=np.array([member[1]]), size=np.array([member[2]]),
+                      found=np.ones(1, bool), row=dataset.index.first_rows(np.array([sample])).astype(np.int64)
+                      + dataset.index.sample_fields(sample).index(field))
+    placed = known(dataset, members)
+    return None if placed is None else (member[0], int(placed.offset[0]), int(placed.size[0]))
+
+
+async def located(coalescer: Coalescer, dataset: Dataset, members: Members) -> Members:
+    """``members`` at their fields' own extents, the headers of records not learnt yet read now
+    (their whole records' blocks asked for at once). Raises the ``StoreError`` of a header that
+    could not be read, and ``IndexFormatError`` naming a shard whose record disagrees with it."""
+    found = known(dataset, members)
+    if found is not None:
+        return found
+    records, memo = dataset.records, _memo(dataset)
+    first, _ = _record_rows(dataset, members)
+    unknown = memo[first] == 0
+    rows, at = np.unique(first[unknown], return_index=True)
+    wanted = np.flatnonzero(unknown)[at]
+    n = len(rows)
+    headers = np.zeros((n, records.header_bytes // 4), np.uint32)
+    if records.header_bytes:
+        coalescer.prefetch(dataset, members)
+        heads = Members(position=np.arange(n), sample=members.sample[wanted], field=members.field[wanted],
+                        shard=members.shard[wanted], offset=members.offset[wanted],
+                        size=np.minimum(members.size[wanted], records.header_bytes), found=np.ones(n, bool),
+                        row=np.full(n, -1))
+        for i, payload in enumerate(await coalescer.read_members(dataset, heads)):
+            if isinstance(payload, StoreError):
+                raise payload
+            head = bytes(payload)
+            if len(head) < records.header_bytes:  # a record shorter than its header: check() names it
+                head += bytes(records.header_bytes - len(head))
+            headers[i] = np.frombuffer(head, "<u4")
+    sizes = records.sizes(headers)
+    records.check(sizes, members.size[wanted], members.shard[wanted], dataset.index.shards)
+    memo[rows[:, None] + np.arange(len(records.columns))] = sizes + 1
+    return known(dataset, members)
