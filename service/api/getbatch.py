@@ -33,7 +33,8 @@ from starlette.responses import Response
 
 from shardfeed.service.api.auth import tenant_of
 from shardfeed.service.api.common import (
-    TAR, AppState, answer_changed_once, describe, json_body, read_body, served_metrics, tar_stream_response,
+    TAR, AppState, answer_changed_once, describe, json_body, located_members, read_body, served_metrics,
+    tar_stream_response,
 )
 from shardfeed.service.cache.names import dataset_id, shard_id
 from shardfeed.service.datasets.dataset import Dataset
@@ -160,6 +161,24 @@ def _ranged(entry: Entry, span: Span) -> Span:
     return replace(span, offset=span.offset + start, size=size)
 
 
+async def _place_fields(state, found: list) -> None:
+    """Spans of the fields of a record layout (MDS, LitData), which the index knows by their
+    record's extent, moved to the field's own (``read/fields.py``)."""
+    records = [i for i, span in enumerate(found)
+               if isinstance(span, Span) and span.row >= 0 and span.home[0].records is not None]
+    for dataset in {id(found[i].home[0]): found[i].home[0] for i in records}.values():
+        at = [i for i in records if found[i].home[0] is dataset]
+        rows = np.array([found[i].row for i in at], np.int64)
+        n = len(at)
+        members = await located_members(state, dataset, Members(
+            position=np.arange(n), sample=dataset.index.row_samples(rows), field=np.zeros(n, np.int32),
+            shard=np.array([found[i].home[1] for i in at], np.int32),
+            offset=np.array([found[i].offset for i in at], np.int64),
+            size=np.array([found[i].size for i in at], np.int64), found=np.ones(n, bool), row=rows))
+        for i, offset, size in zip(at, members.offset.tolist(), members.size.tolist()):
+            found[i] = replace(found[i], offset=offset, size=size)
+
+
 class EntryNames:
     """Member names of a GetBatch answer (``framing.SampleNames``' counterpart); remembers why
     each missing entry failed, for the multipart metadata."""
@@ -231,6 +250,7 @@ async def _locate(state, entries: list[Entry], coer: bool) -> tuple[list[Span | 
     todo = [i for i, span in enumerate(found) if span is None]
     for i, result in zip(todo, await asyncio.gather(*(look_up(entries[i]) for i in todo))):
         found[i] = result
+    await _place_fields(state, found)
     spans: list[Span | None] = []
     errors: dict[int, str] = {}
     for i, (entry, result) in enumerate(zip(entries, found)):

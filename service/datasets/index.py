@@ -191,16 +191,21 @@ class Index:
         i = self._check(int(i))
         return [self.fields[c] for c in self._field[self._starts[i]:self._starts[i + 1]]]
 
-    def shard_members(self, shard: str) -> dict[str, tuple[int, int]]:
-        """``{"<key>.<field>": (offset, size)}`` of every member of one shard (empty if unknown)."""
+    def shard_members(self, shard: str) -> dict[str, tuple[int, int, int]]:
+        """``{"<key>.<field>": (offset, size, row)}`` of every member of one shard (empty if unknown)."""
         code = self.shard_code(shard)
         if code is None:
             return {}
         rows = np.flatnonzero(self._shard == code)
         owner = np.searchsorted(self._starts, rows, side="right") - 1
         keys = self._keys.take(pa.array(owner, pa.int64())).to_pylist()
-        return {f"{key}.{self.fields[f]}": (o, z) for key, f, o, z in
-                zip(keys, self._field[rows].tolist(), self._offset[rows].tolist(), self._size[rows].tolist())}
+        return {f"{key}.{self.fields[f]}": (o, z, r) for key, f, o, z, r in
+                zip(keys, self._field[rows].tolist(), self._offset[rows].tolist(), self._size[rows].tolist(),
+                    rows.tolist())}
+
+    def row_samples(self, rows: np.ndarray) -> np.ndarray:
+        """The sample of each member row."""
+        return np.searchsorted(self._starts, rows, side="right") - 1
 
     def shard_code(self, shard: str) -> int | None:
         """The code of a shard path, ``None`` if the dataset has no such shard."""

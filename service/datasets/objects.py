@@ -52,6 +52,8 @@ class Span:
     they share its cached blocks (and its replica owners)."""
     version: str | None = None
     """The object's version (``ObjectInfo.etag``): its blocks are cached under it, and reads ask for it."""
+    row: int = -1
+    """Its member row in ``home``'s index (-1: none): a record layout's field is placed from it."""
 
     @property
     def path(self) -> str:
@@ -223,13 +225,14 @@ class Catalog:
         return span
 
     def _member(self, bucket: str, key: str, info: ObjectInfo, archpath: str,
-                table: tuple[dict[str, tuple[int, int]], bool]) -> Span | None:
+                table: tuple[dict[str, tuple[int, int, int]], bool]) -> Span | None:
         members, indexed = table
         member = members.get(archpath)
         if member is None:
             return None
-        return Span(bucket, key, info.size, *member, home=self._home(bucket, key) if indexed else None,
-                    version=info.etag)
+        offset, size, row = member
+        return Span(bucket, key, info.size, offset, size, home=self._home(bucket, key) if indexed else None,
+                    version=info.etag, row=row)
 
     def _home(self, bucket: str, key: str) -> tuple[Dataset, int] | None:
         """The served dataset that has ``key`` as a shard (a loose object: a member), and its code."""
@@ -255,19 +258,19 @@ class Catalog:
             except ObjectNotFound:
                 raise EntryMissing(key) from None
 
-    async def _member_table(self, where: tuple[str, ObjectInfo]) -> tuple[dict[str, tuple[int, int]], bool]:
+    async def _member_table(self, where: tuple[str, ObjectInfo]) -> tuple[dict[str, tuple[int, int, int]], bool]:
         bucket, info = where
         home = self._home(bucket, info.path)
-        if home is not None and home[0].index.layout == "tar":
+        if home is not None and home[0].index.layout != "objects":  # a shard the index knows
             return home[0].index.shard_members(home[0].index.shards[home[1]]), True
         async with self._lookups:
             try:
                 scan = await scan_shard(self.stores[bucket], info, self._scan_window)
             except ValueError as err:  # not a tar file, truncated, corrupt header
                 raise EntryMissing(f"{info.path}: {err}") from None
-        table: dict[str, tuple[int, int]] = {}
+        table: dict[str, tuple[int, int, int]] = {}
         for name, offset, size in zip(scan.names, scan.offsets, scan.sizes):
-            table.setdefault(name, (offset, size))
+            table.setdefault(name, (offset, size, -1))
         return table, False
 
     def _owners(self, bucket: str, key: str):
