@@ -28,6 +28,13 @@ _FRAMED = ("batch", "sample")
 """``compression_level``s that compress frames inside a chunk (LitData's ``framed_zstd.py``)."""
 
 
+SERIALIZERS = frozenset({
+    "str", "text", "bool", "int", "float", "video", "audio", "image", "nifti", "mesh", "pdf", "graph", "tifffile",
+    "file", "pil", "jpeg", "jpeg_array", "bytes", "no_header_numpy", "numpy", "no_header_tensor", "tensor", "json",
+    "pickle"})
+"""LitData 0.2.76's serializers (``litdata/streaming/serializers.py``), ``NAME:ARG`` counted as ``NAME``."""
+
+
 def leaf_names(spec: dict, path: str = "") -> list[str]:
     """The names of a treespec's leaves (``torch.utils._pytree`` JSON, protocol 1), in order."""
     kind, children = spec.get("type"), spec.get("children_spec", [])
@@ -58,6 +65,9 @@ def layout(document: dict, where: str, listed: set[str]) -> PeerLayout:
     names = field_names(leaf_names(spec), where)
     if len(names) != len(formats):
         raise IndexFormatError(f"{where}: {len(formats)} leaf formats for {len(names)} leaves")
+    for name, encoding in zip(names, formats):
+        if str(encoding).partition(":")[0] not in SERIALIZERS:
+            raise IndexFormatError(f"{where}: leaf {name!r} has an unknown serializer {encoding!r}")
     columns = tuple(Column(name, str(encoding), None) for name, encoding in zip(names, formats))
     codec = config.get("compression") or None
     framed = codec is not None and str(config.get("compression_level") or "batch") in _FRAMED

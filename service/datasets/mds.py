@@ -19,6 +19,14 @@ from shardfeed.service.datasets.peerindex import PeerLayout, PeerShard, field_na
 from shardfeed.service.datasets.records import Column, RecordFormat
 
 
+ENCODINGS = frozenset({
+    "bytes", "str", "int", "ndarray", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
+    "float16", "float32", "float64", "str_int", "str_float", "str_decimal", "pil", "jpeg", "jpeg_array",
+    "jpegarray", "png", "list[pil]", "list[jpeg]", "list[png]", "pkl", "json"})
+"""Streaming 0.13's encodings (``streaming/base/format/mds/encodings.py``), ``ndarray:DTYPE:SHAPE``
+counted as ``ndarray``: a column of any other cannot be what Streaming wrote."""
+
+
 def layout(document: dict, where: str, listed: set[str]) -> PeerLayout:
     """``PeerLayout`` of an MDS ``index.json`` (``IndexFormatError`` naming what is wrong)."""
     if document.get("version") != 2:
@@ -32,6 +40,10 @@ def layout(document: dict, where: str, listed: set[str]) -> PeerLayout:
         found = tuple(Column(field, str(encoding), None if size is None else int(size)) for field, encoding, size in
                       zip(field_names(shard["column_names"], f"{where} shard {name!r}"),
                           shard["column_encodings"], shard["column_sizes"], strict=True))
+        for column in found:
+            if column.encoding.partition(":")[0] not in ENCODINGS:
+                raise IndexFormatError(f"{where}: shard {name!r}'s column {column.name!r} has an unknown "
+                                       f"encoding {column.encoding!r}")
         if columns is None:
             columns = found
         elif found != columns:
