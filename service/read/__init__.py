@@ -4,6 +4,7 @@
     framing.py    tar framing of a batch: names, headers, the shards' own ranges, padding
     arrow.py      Arrow framing of a batch: a record batch per group, its metadata from the sizes
     warm.py       the warm path: a group's blocks all held in RAM, and where each member lies
+    fields.py     where a record's fields lie (MDS, LitData), learnt from its header once
     samples.py    per-sample GETs gathered into batches
     coalescer.py  every read of member bytes: RAM, disk, sibling files, owners, the store
     fetcher.py    fetches of missing blocks (singleflight, merged, bounded) into the cache
