@@ -33,7 +33,8 @@ from shardfeed.service.datasets.index import (
     Index, Share, index_from_parquet, index_version, parquet_bytes, read_index, unshared, write_index,
 )
 from shardfeed.service.datasets.indexfile import INDEX_FILE
-from shardfeed.service.datasets.peerindex import PeerLayout, index_records
+from shardfeed.service.datasets.peerindex import index_records
+from shardfeed.service.datasets.records import PeerLayout
 from shardfeed.service.datasets.tarscan import index_shards
 from shardfeed.service.stores import ObjectInfo, ObjectNotFound, Store, StoreError
 

@@ -21,8 +21,7 @@ from __future__ import annotations
 import json
 
 from shardfeed.service.datasets.indexfile import IndexFormatError
-from shardfeed.service.datasets.peerindex import PeerLayout, PeerShard, field_names
-from shardfeed.service.datasets.records import Column, RecordFormat
+from shardfeed.service.datasets.records import Column, PeerLayout, PeerShard, RecordFormat, field_names
 
 _FRAMED = ("batch", "sample")
 """``compression_level``s that compress frames inside a chunk (LitData's ``framed_zstd.py``)."""

@@ -15,8 +15,7 @@ A compressed shard whose raw form a Streaming reader left beside it is read raw.
 from __future__ import annotations
 
 from shardfeed.service.datasets.indexfile import IndexFormatError
-from shardfeed.service.datasets.peerindex import PeerLayout, PeerShard, field_names
-from shardfeed.service.datasets.records import Column, RecordFormat
+from shardfeed.service.datasets.records import Column, PeerLayout, PeerShard, RecordFormat, field_names
 
 
 ENCODINGS = frozenset({

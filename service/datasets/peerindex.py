@@ -18,61 +18,23 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 
+from shardfeed.service.datasets import litdata, mds
 from shardfeed.service.datasets.index import Index
 from shardfeed.service.datasets.indexfile import LAYOUT_KEY, VERSION, VERSION_KEY, IndexFormatError
-from shardfeed.service.datasets.records import Column, RecordFormat
+from shardfeed.service.datasets.records import PeerLayout, PeerShard
 from shardfeed.service.datasets.tarscan import Meter, bounded_map
 from shardfeed.service.stores import ObjectInfo, Store
 
 PEER_INDEX = "index.json"
 
 
-@dataclass(frozen=True)
-class PeerShard:
-    """One shard as ``index.json`` names it."""
-
-    name: str
-    """The raw (uncompressed) shard's path under the root: the index's shard name."""
-    samples: int
-    raw_size: int | None
-    """Its raw bytes, when ``index.json`` says."""
-    stored: str
-    """The object holding it: ``name`` itself, or its compressed form."""
-    codec: str | None = None
-    """The peer's compression of ``stored`` (``zstd``, ``gz:9``, ...); None: stored raw."""
-    frames: bool = False
-    """LitData's framed zstd layout: frames compressed one by one, read one by one."""
-
-
-@dataclass(frozen=True)
-class PeerLayout:
-    format: RecordFormat
-    shards: tuple[PeerShard, ...]
-
-    @property
-    def compressed(self) -> dict[str, PeerShard]:
-        """The shards stored compressed, by raw name."""
-        return {shard.name: shard for shard in self.shards if shard.codec is not None}
-
-
-def field_names(names: list[str], where: str) -> list[str]:
-    """Column names as fields: lowercased (as tar members' are), and distinct."""
-    fields = [name.lower() for name in names]
-    if len(set(fields)) < len(fields) or "" in fields:
-        raise IndexFormatError(f"{where}: columns {names} are not distinct non-empty names once lowercased")
-    return fields
-
-
 def peer_layout(data: bytes, where: str, listed: set[str]) -> PeerLayout:
     """The layout an ``index.json`` describes (``where`` names it in errors); ``listed``: the
     paths under the root, to read a shard raw where a peer left it decompressed."""
-    from shardfeed.service.datasets import litdata, mds
-
     try:
         document = json.loads(data)
     except (ValueError, UnicodeDecodeError) as err:

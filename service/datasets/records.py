@@ -1,5 +1,5 @@
-"""Records: the samples of MosaicML Streaming's MDS shards and LitData's chunks, and where each
-field lies in one.
+"""Records: the samples of MosaicML Streaming's MDS shards and LitData's chunks, where each
+field lies in one, and a peer's dataset as its ``index.json`` describes it (``PeerLayout``).
 
 Both peers lay a shard out the same way: ``num_samples`` (uint32), ``num_samples + 1`` uint32
 offsets of the samples (from the shard's start), then the samples. A sample is one *record*:
@@ -77,3 +77,39 @@ class RecordFormat:
             raise IndexFormatError(
                 f"{names[int(shards[at])]}: a record's header sizes its fields at "
                 f"{self.header_bytes + int(sizes[at].sum())} bytes, the shard's header at {int(record_sizes[at])}")
+
+
+@dataclass(frozen=True)
+class PeerShard:
+    """One shard as ``index.json`` names it."""
+
+    name: str
+    """The raw (uncompressed) shard's path under the root: the index's shard name."""
+    samples: int
+    raw_size: int | None
+    """Its raw bytes, when ``index.json`` says."""
+    stored: str
+    """The object holding it: ``name`` itself, or its compressed form."""
+    codec: str | None = None
+    """The peer's compression of ``stored`` (``zstd``, ``gz:9``, ...); None: stored raw."""
+    frames: bool = False
+    """LitData's framed zstd layout: frames compressed one by one, read one by one."""
+
+
+@dataclass(frozen=True)
+class PeerLayout:
+    format: RecordFormat
+    shards: tuple[PeerShard, ...]
+
+    @property
+    def compressed(self) -> dict[str, PeerShard]:
+        """The shards stored compressed, by raw name."""
+        return {shard.name: shard for shard in self.shards if shard.codec is not None}
+
+
+def field_names(names: list[str], where: str) -> list[str]:
+    """Column names as fields: lowercased (as tar members' are), and distinct."""
+    fields = [name.lower() for name in names]
+    if len(set(fields)) < len(fields) or "" in fields:
+        raise IndexFormatError(f"{where}: columns {names} are not distinct non-empty names once lowercased")
+    return fields
