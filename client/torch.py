@@ -16,7 +16,8 @@
   loop takes batches.
 
 Samples are dicts ``{"__key__", "__index__", "<field>": bytes}``; ``decode=True`` turns
-``.npy``/``.cls``/``.txt``/``.json`` fields into values, and ``transform`` maps each
+``.npy``/``.cls``/``.txt``/``.json`` fields into values (the fields of MDS and LitData shards
+by the encodings their ``index.json`` names: :mod:`.encodings`), and ``transform`` maps each
 (decoded) sample dict to whatever the model wants. With ``output="tensors"`` a batch is
 one :class:`~.tensors.Batch` instead: every byte in one uint8 tensor, in shared memory in a
 DataLoader worker, which the DataLoader passes to the training process without pickling a
@@ -74,13 +75,13 @@ class _Source:
             self.client = Client(url, **client_options)
         self.dataset = dataset
         self.fields = list(fields) if fields is not None else None
-        self.decoder = make_decoder(decode)
         self.transform = transform
         self.continue_on_error = continue_on_error
         self.output = output
         if output == "arrow":
             from . import arrowshared  # noqa: F401  (tables through DataLoader workers, as names of segments)
         self.info = self.client.info(dataset)
+        self.decoder = make_decoder(decode, self.info)  # MDS and LitData fields by the encodings the info names
         self.client.load_routing(dataset)
 
     def fetch(self, indices: Sequence[int]) -> Any:
@@ -130,8 +131,9 @@ class ShardfeedDataset(Dataset):
             :class:`shardfeed.client.Client`), or a ready ``Client``.
         dataset: the dataset's name on the service (none with a dataset URL).
         fields: fields to fetch, in order (default: all).
-        decode: ``False`` for raw bytes, ``True`` for the built-in decoders, or a mapping
-            of field name or extension to a decoder (see :mod:`shardfeed.client.decode`).
+        decode: ``False`` for raw bytes, ``True`` for the built-in decoders (for MDS and LitData
+            shards, each field's own encoding), or a mapping of field name or extension to a
+            decoder (see :mod:`shardfeed.client.decode`).
         transform: applied to each sample dict after decoding; its result is the item.
         continue_on_error: return ``{"__key__": None, "__index__": i, "__missing__": True}``
             (passed through ``transform``) for a sample the service cannot serve, instead of
