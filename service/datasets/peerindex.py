@@ -67,8 +67,9 @@ async def read_peer_layout(store: Store, info: ObjectInfo, listing: list[ObjectI
     return peer_layout(data, f"{store.url}/{info.path}", {i.path for i in listing})
 
 
-def _offsets(shard: PeerShard, header: bytes) -> np.ndarray:
-    """The shard's ``samples + 1`` record offsets, checked against ``index.json``."""
+def _offsets(shard: PeerShard, header: bytes, least: int) -> np.ndarray:
+    """The shard's ``samples + 1`` record offsets, checked against ``index.json`` and against
+    ``least``, the bytes of the smallest record the columns allow."""
     n = shard.samples
     if len(header) < 4 * (n + 2):
         raise IndexFormatError(f"{shard.name}: {len(header)} bytes, its header needs {4 * (n + 2)}")
@@ -78,6 +79,13 @@ def _offsets(shard: PeerShard, header: bytes) -> np.ndarray:
     offsets = values[1:]
     if offsets[0] < 4 * (n + 2) or (np.diff(offsets) < 0).any():
         raise IndexFormatError(f"{shard.name}: its header's sample offsets are not in order after the header")
+    short = np.diff(offsets) < least
+    if n and (np.diff(offsets) == 0).all() and least:
+        raise IndexFormatError(f"{shard.name}: its records are empty, its samples elsewhere (LitData's Arrow-footer "
+                               "chunks, written for items of text and numbers alone, are not read)")
+    if short.any():
+        raise IndexFormatError(f"{shard.name}: record {int(np.flatnonzero(short)[0])} is shorter than its "
+                               f"{least}-byte least (its header and fixed-size columns)")
     if shard.raw_size is not None and offsets[-1] > shard.raw_size:
         raise IndexFormatError(f"{shard.name}: its samples end at {int(offsets[-1])}, "
                                f"index.json sizes it at {shard.raw_size} bytes")
@@ -91,7 +99,8 @@ async def index_records(store: Store, layout: PeerLayout, *, concurrency: int = 
     async def offsets(shard: PeerShard) -> np.ndarray:
         if shard.samples == 0:
             return np.zeros(1, np.int64)
-        found = _offsets(shard, await store.read_range(shard.name, 0, 4 * (shard.samples + 2)))
+        found = _offsets(shard, await store.read_range(shard.name, 0, 4 * (shard.samples + 2)),
+                         layout.format.least_bytes)
         if meter is not None:
             meter.update(1)
         return found

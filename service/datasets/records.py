@@ -56,6 +56,11 @@ class RecordFormat:
         return 4 * int(self.sized.sum())
 
     @property
+    def least_bytes(self) -> int:
+        """Bytes of the smallest record: its header and its fixed-size columns."""
+        return self.header_bytes + sum(c.size for c in self.columns if c.size is not None)
+
+    @property
     def encodings(self) -> dict[str, str]:
         return {c.name: c.encoding for c in self.columns}
 

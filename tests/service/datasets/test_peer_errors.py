@@ -113,3 +113,18 @@ def test_a_shard_replaced_in_the_store_is_served_at_its_new_version(service, mot
     peer = streaming.StreamingDataset(local=str(tmp_path / "new"), shuffle=False, batch_size=1)
     assert [bytes(s["data"]) for s in after] == [peer[i]["data"] for i in range(40)]
     assert [bytes(s["data"]) for s in before] != [bytes(s["data"]) for s in after]
+
+
+def test_litdata_chunks_of_an_arrow_footer_are_refused_by_name_not_misread(service, moto, tmp_path):
+    """LitData writes items of text and bytes alone as an Arrow file after empty records."""
+    from litdata.streaming.writer import BinaryWriter
+
+    writer = BinaryWriter(str(tmp_path / "lit"), chunk_size=10)
+    for i in range(20):
+        writer[i] = {"text": "t" * i, "data": b"d" * i}
+    writer.done()
+    writer.merge()
+    files = {path.name: path.read_bytes() for path in (tmp_path / "lit").iterdir()}
+    answer = register(service, "arrow-footer", put(moto, "arrow-footer", files))
+    assert answer.status_code == 422
+    assert "chunk-0-0.bin" in answer.json()["error"]["message"] and "Arrow" in answer.json()["error"]["message"]

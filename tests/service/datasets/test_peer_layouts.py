@@ -49,7 +49,7 @@ def test_every_sample_is_the_peers_own_bytes_cold_and_warm_in_both_formats(servi
     n = len(expected)
     order = np.random.default_rng(1).permutation(n).tolist()
     with Client(service.url) as client:
-        info = client.dataset(layout)
+        info = client.info(layout)
         assert info["layout"] == layout and info["samples"] == n
         assert sorted(info["fields"]) == sorted(expected[0])
         for _ in range(2):  # cold, then from the cache
