@@ -15,8 +15,9 @@ MDS (``mds_dataset``)
   ``"zstd"``; Streaming also writes ``gz``, ``bz2``, ``br``, ``snappy``, ``zstd:<level>``),
   ``format`` (``"mds"``), ``version`` (2), ``hashes``, ``size_limit``, ``raw_data`` and
   ``zip_data`` (each ``{"basename", "bytes", "hashes"}``; ``zip_data`` is ``null`` uncompressed).
-- Files: ``shard.00000.mds``...; compressed, only ``shard.00000.mds.zstd``... (``raw_data`` names the
-  ``.mds`` that Streaming's reader writes beside it when it first reads the shard).
+- Files: ``shard.00000.mds``...; compressed, only ``shard.00000.mds.zstd``... (``.gz``, ``.br``...:
+  the algorithm without its level; ``raw_data`` names the ``.mds`` that Streaming's reader writes
+  beside it when it first reads the shard).
 - A raw shard: ``num_samples`` (uint32), ``num_samples + 1`` uint32 offsets from the file's start,
   the shard's JSON (its ``index.json`` entry less ``samples``, ``raw_data`` and ``zip_data``), then
   the samples; a sample is a uint32 size for each variable-size column, in column order, then
@@ -31,13 +32,17 @@ LitData (``litdata_dataset``)
   (``"PyTreeLoader"``), ``types``. A chunk: ``chunk_bytes``, ``chunk_size`` (items), ``dim``,
   ``filename``.
 - Leaves in pytree order: a dict's in insertion order (LitData's copy of torch's pytree flattens
-  ``list(d.values())``, as torch's does; nothing sorts), nested dicts depth first; lists inside a
-  dict item are one ``json`` leaf. ``data_format`` comes from the first item: ``int`` and ``float``
-  (8 bytes), ``str``, ``bytes``, ``jpeg`` (a ``JpegImageFile``), ``pil`` (any other PIL image),
-  ``no_header_numpy:<dtype code>`` (a 1-D array), ``numpy`` (more dimensions).
+  ``list(d.values())``, as torch's does; nothing sorts), nested dicts and tuples depth first. In a
+  dict item, a list of plain values (``["a", "b"]``) is one ``json`` leaf (in LitData's own binary
+  encoding, not JSON text); a list of arrays or images is a list of leaves. ``data_format`` comes
+  from the first item: ``int`` and ``float`` (8 bytes), ``str``, ``bytes``, ``jpeg`` (a
+  ``JpegImageFile``), ``pil`` (any other PIL image), ``no_header_numpy:<dtype code>`` (a 1-D array;
+  the codes of ``litdata.constants._NUMPY_DTYPES_MAPPING``, int64 is 3), ``numpy`` (more
+  dimensions, the dtype and shape in the leaf's own header).
 - A chunk: ``num_items`` (uint32), ``num_items + 1`` uint32 offsets, the items; an item is a
   uint32 size per leaf, then the leaves. The layouts of ``LITDATA_LAYOUTS``:
-  - ``plain``: ``chunk-0-N.bin``; ``compression`` and ``compression_level`` ``null``.
+  - ``plain``: ``chunk-0-N.bin`` (``chunk-<writer's rank>-<chunk>``); ``compression`` and
+    ``compression_level`` ``null``.
   - ``framed`` (``compression="zstd"``, LitData's default since ``compression_level`` defaults to
     ``"batch"``): ``chunk-0-N.bin`` opening with ``LDFZ01\\0\\0``, then version, flags,
     ``num_items``, rows per frame, ``n_frames``, the ``num_items + 1`` item offsets into the
