@@ -208,7 +208,7 @@ def _read_mds(streaming, root: Path, encodings: dict[str, str], samples: int) ->
 def _read_back(root: Path, open_dataset: Callable[[str], Any], calls: list[tuple[bytes, Any]],
                encodings: dict[str, str], samples: int) -> tuple[dict, dict]:
     """``raw`` and ``decoded`` of ``PeerDataset``: sample after sample of ``open_dataset(a copy of
-    root)``, whose wrapped decoders leave in ``calls`` what each field's was handed and returned."""
+    root)``, whose wrapped decoders leave in ``calls`` what each field's decoder was handed and returned."""
     raw, decoded = {}, {}
     with tempfile.TemporaryDirectory() as scratch:
         dataset = open_dataset(str(shutil.copytree(root, Path(scratch) / "local")))
