@@ -73,11 +73,11 @@ def quality(order: np.ndarray, batch: int, per_shard: int) -> tuple[float, float
 
 def py1e(shard_sizes: np.ndarray, seed: int, epoch: int, block_size: int) -> np.ndarray:
     """Streaming's ``get_shuffle_py1e`` for one canonical node (``streaming/base/shuffle/py1e.py``)."""
-    try:
+    from shardfeed.benchmarks.loaders import import_streaming  # torch and the client: imported only here
+
+    if import_streaming() is not None:
         from streaming.base.shuffle.py1e import get_shuffle_py1e
-    except ImportError:
-        pass
-    else:
+
         return get_shuffle_py1e(shard_sizes, 1, seed, epoch, block_size)
     starts = np.concatenate([[0], np.cumsum(shard_sizes)[:-1]])
     spans = [(int(s), int(s + n)) for s, n in zip(starts, shard_sizes)]

@@ -34,8 +34,8 @@ the same bytes of samples (``--samples`` is the first size's count).
 same rounds, e.g. the cold path as it was before fetch windows and direct cache writes:
 ``--baseline-serve-arg=--fetch-window=0 --baseline-serve-arg=--cache-writes=buffered``.
 
-Streaming is optional (``pip install mosaicml-streaming``, then ``pip uninstall -y
-torchvision``: the PyPI torchvision wheels need CUDA torch). Without it, shardfeed alone
+Streaming is optional: the Makefile's venv has it (installed without its dependencies;
+``import_streaming`` stands in for torchvision and transformers). Without it, shardfeed alone
 is measured and the script says so.
 """
 
@@ -74,7 +74,7 @@ BASELINE = "shardfeed-map-baseline"  # the map-style loader against --baseline-s
 
 
 class _StandIn(types.ModuleType):
-    """An empty torchvision module: any name in it is a placeholder class."""
+    """An empty module: any name in it is a placeholder class."""
 
     def __getattr__(self, name: str):
         if name.startswith("__"):
@@ -82,19 +82,31 @@ class _StandIn(types.ModuleType):
         return type(name, (), {})
 
 
+# The modules Streaming imports at import time from packages that the Makefile leaves out
+# (it installs Streaming with --no-deps): no torchvision wheel works with the CPU torch build,
+# and transformers (Streaming wants < 5) would pull a tokenizer stack for two isinstance checks
+# in its StreamingDataLoader and the tokenizers of its C4 and Pile datasets.
+_STANDING_IN = {
+    "torchvision": ("torchvision", "torchvision.datasets", "torchvision.transforms",
+                    "torchvision.transforms.functional"),
+    "transformers": ("transformers", "transformers.feature_extraction_utils", "transformers.tokenization_utils_base",
+                     "transformers.models", "transformers.models.auto", "transformers.models.auto.tokenization_auto"),
+}
+
+
 def import_streaming() -> types.ModuleType | None:
     """MosaicML Streaming, or ``None`` when it is not installed.
 
-    Streaming imports its torchvision datasets at import time, and no torchvision wheel
-    works with the CPU torch build: an empty stand-in is enough, since no vision code runs.
+    Each package of ``_STANDING_IN`` that is not installed gets empty stand-ins: no vision or
+    tokenizer code runs here.
     """
     if importlib.util.find_spec("streaming") is None:
         return None
-    if importlib.util.find_spec("torchvision") is None:
-        for name in ("torchvision", "torchvision.datasets", "torchvision.transforms",
-                     "torchvision.transforms.functional"):
-            module = sys.modules[name] = _StandIn(name)
-            module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    for package, names in _STANDING_IN.items():
+        if importlib.util.find_spec(package) is None:
+            for name in names:
+                module = sys.modules[name] = _StandIn(name)
+                module.__spec__ = importlib.machinery.ModuleSpec(name, None)
     return importlib.import_module("streaming")
 
 
