@@ -261,14 +261,14 @@ def litdata_dataset(root: Path, *, layout: str = "plain", samples: int = 24, chu
 def leaf_names(data_spec: str) -> list[str]:
     """The field name of each leaf of a LitData item, in ``data_format`` order: its path down the
     item, a dict's key or a list's or tuple's position at each level, joined with ``.``
-    (``meta.source``; ``0``, ``1`` for a tuple item). An item that is a bare leaf is field ``0``."""
+    (``meta.source``; ``0``, ``1`` for a tuple item). An item that is a bare leaf is field ``item``."""
     from litdata.utilities._pytree import tree_unflatten, treespec_loads
 
     spec = treespec_loads(data_spec)
     positions = tree_unflatten(list(range(spec.num_leaves)), spec)  # each leaf replaced by its position
     names = [""] * spec.num_leaves
     for position, path in _leaf_paths(positions, ()):
-        names[position] = ".".join(path) or "0"
+        names[position] = ".".join(path) or "item"
     return names
 
 
