@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from bisect import bisect_right, insort
 from collections import OrderedDict, defaultdict
 from collections.abc import Awaitable, Callable
 
@@ -39,7 +40,10 @@ StoreRead = Callable[[Dataset, int, int, int], Awaitable[bytes]]
 
 
 class RangeReader:
-    """Reads member ranges from the store, merged when near; shares reads in flight."""
+    """Reads member ranges from the store, merged when near; shares reads in flight. A range
+    read ahead also serves the ranges inside it (an MDS or LitData record read ahead serves its
+    header and each of its fields: ``read/fields.py``), and is let go once as many of its
+    bytes were taken as it holds."""
 
     def __init__(self, store_read: StoreRead, *, gap: int, max_read: int, memory: int):
         self.store_read = store_read  # raises StoreError
@@ -49,6 +53,9 @@ class RangeReader:
         self._pending: OrderedDict[tuple, tuple[asyncio.Future, float]] = OrderedDict()  # key -> (bytes, when)
         self._held = 0  # bytes of ranges read ahead, in flight or waiting for their reader
         self._taken: OrderedDict[tuple, None] = OrderedDict()  # the latest TAKEN_KEPT a reader took
+        self._ahead: dict[tuple[str, str], list[tuple[int, int]]] = defaultdict(list)
+        """Per shard version, the ranges read ahead and not let go, sorted: what serves a range inside one."""
+        self._covered: dict[tuple, int] = defaultdict(int)  # key -> bytes of it taken so far
         self._tasks: set[asyncio.Task] = set()
 
     def room(self) -> int:
@@ -58,21 +65,26 @@ class RangeReader:
 
     def holds(self, dataset: Dataset, spans: list[Span]) -> bool:
         """Whether every span is being read or waits for its reader already."""
-        return all(_key(dataset, *span) in self._pending for span in spans)
+        return all(self._source(_key(dataset, *span)) is not None for span in spans)
 
     async def read(self, dataset: Dataset, spans: list[Span]) -> list[bytes | StoreError]:
         """The bytes of each span (or the error that prevented reading it), in order."""
         keys = [_key(dataset, *span) for span in spans]
-        missing = [span for span, key in zip(spans, keys) if key not in self._pending]
-        self._start(dataset, missing, ahead=False)
-        futures = [self._pending[key][0] for key in keys]  # before any wait: a sharer may pop them
-        out = [await asyncio.shield(future) for future in futures]
-        for key, future in zip(keys, futures):
-            entry = self._pending.get(key)
+        sources = [self._source(key) for key in keys]
+        self._start(dataset, [span for span, source in zip(spans, sources) if source is None], ahead=False)
+        sources = [source or key for key, source in zip(keys, sources)]
+        futures = [self._pending[source][0] for source in sources]  # before any wait: a sharer may pop them
+        out = []
+        for key, source, future in zip(keys, sources, futures):
+            data = await asyncio.shield(future)
+            out.append(data if source == key or isinstance(data, StoreError)
+                       else data[key[2] - source[2]:key[3] - source[2]])
+        for key, source, future in zip(keys, sources, futures):
+            entry = self._pending.get(source)
             if entry is not None and entry[0] is future:  # not a later read's of the same range
-                del self._pending[key]
-                if entry[1] > 0:  # read ahead: its memory is free now
-                    self._held -= key[3] - key[2]
+                self._covered[source] += key[3] - key[2]
+                if self._covered[source] >= source[3] - source[2]:
+                    self._forget(source)
             self._taken[key] = None
             self._taken.move_to_end(key)
         while len(self._taken) > TAKEN_KEPT:
@@ -81,8 +93,32 @@ class RangeReader:
 
     def read_ahead(self, dataset: Dataset, spans: list[Span]) -> None:
         """Start reading spans for a reader that comes later (callers stay within ``room()``)."""
-        self._start(dataset, [s for s in spans if (key := _key(dataset, *s)) not in self._pending
-                              and key not in self._taken], ahead=True)
+        self._start(dataset, [s for s in spans if (key := _key(dataset, *s)) not in self._taken
+                              and self._source(key) is None], ahead=True)
+
+    def _source(self, key: tuple) -> tuple | None:
+        """The range being read, or waiting for its reader, that holds ``key``'s bytes: ``key``
+        itself, or a range read ahead around it; None if none."""
+        if key in self._pending:
+            return key
+        ahead = self._ahead.get(key[:2])
+        if not ahead:
+            return None
+        at = bisect_right(ahead, (key[2], float("inf"))) - 1
+        if at >= 0 and ahead[at][0] <= key[2] and key[3] <= ahead[at][1]:
+            return (*key[:2], *ahead[at])
+        return None
+
+    def _forget(self, key: tuple) -> None:
+        """Let go of a range: taken whole, or stale."""
+        _, when = self._pending.pop(key)
+        self._covered.pop(key, None)
+        if when > 0:  # read ahead: its memory is free now
+            self._held -= key[3] - key[2]
+            ahead = self._ahead[key[:2]]
+            ahead.remove((key[2], key[3]))
+            if not ahead:
+                del self._ahead[key[:2]]
 
     def _start(self, dataset: Dataset, spans: list[Span], *, ahead: bool) -> None:
         by_shard: dict[int, list[tuple[int, int]]] = defaultdict(list)
@@ -94,9 +130,11 @@ class RangeReader:
             for run in _merge(sorted(ranges), self.gap, self.max_read):
                 futures = [loop.create_future() for _ in run]
                 for (start, end), future in zip(run, futures):
-                    self._pending[_key(dataset, shard, start, end)] = (future, now)
+                    key = _key(dataset, shard, start, end)
+                    self._pending[key] = (future, now)
                     if ahead:
                         self._held += end - start
+                        insort(self._ahead[key[:2]], (start, end))
                 task = asyncio.create_task(self._fetch(dataset, shard, run, futures))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -125,8 +163,7 @@ class RangeReader:
             if when > 0 and future.done():
                 stale.append(key)
         for key in stale:
-            del self._pending[key]
-            self._held -= key[3] - key[2]
+            self._forget(key)
 
     async def close(self) -> None:
         for task in list(self._tasks):

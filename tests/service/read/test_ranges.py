@@ -118,3 +118,31 @@ def test_merged_ranges_are_byte_exact_for_every_field_across_shards(written, gap
     # and near neighbours together; 1 MiB: one read per shard.
     assert len(reads) == len(spans) if gap == 0 else len(reads) < len(indices) if gap == 2048 else len(reads) == 2
     assert "json" in {fields[f] for f in members.field}  # a third field where a sample has one
+
+
+def test_a_range_read_ahead_serves_the_ranges_inside_it_and_is_let_go_once_all_are_taken(dataset):
+    """A record of an MDS or LitData shard is read ahead whole, then its header and its fields
+    are taken one by one (``read/fields.py``): none of them is read again."""
+    reads: list[tuple[int, int, int]] = []
+
+    async def store_read(ds, shard: int, start: int, end: int) -> bytes:
+        reads.append((shard, start, end))
+        return await ds.store.read_range(ds.index.shards[shard], start, end - start, ds.shard_version(shard))
+
+    (shard, start, end), = spans_of(dataset, [3])[:1]
+    inside = [(shard, start, start + 8), (shard, start + 8, start + 100), (shard, start + 100, end)]
+    whole = (dataset.store.root / dataset.index.shards[shard]).read_bytes()
+
+    async def main() -> None:
+        ranges = RangeReader(store_read, gap=0, max_read=1 << 20, memory=1 << 20)
+        ranges.read_ahead(dataset, [(shard, start, end)])
+        assert ranges.holds(dataset, inside) and ranges.room() == (1 << 20) - (end - start)
+        assert await ranges.read(dataset, inside[:1]) == [whole[start:start + 8]]
+        assert await ranges.read(dataset, inside[1:]) == [whole[a:b] for _, a, b in inside[1:]]
+        assert reads == [(shard, start, end)]  # the record alone, once
+        assert ranges.room() == 1 << 20 and not ranges.holds(dataset, inside)  # every byte taken: let go
+        await ranges.read(dataset, inside[:1])
+        assert reads[1:] == inside[:1]  # a read of its own now
+        await ranges.close()
+
+    asyncio.run(main())
