@@ -1,7 +1,9 @@
 """Storage backends behind one async interface (see ``base.Store``).
 
 One module per store (``file.py``; ``s3.py``, its requests and wire format, with its ranged
-reads' transport ``getter.py``), and ``hedge.py``, which wraps any store's ranged reads. May import: ``observe``, ``http``, ``config``.
+reads' transport ``getter.py``), and ``hedge.py``, which wraps any store's ranged reads. ``lru.py``:
+the bounded async memo (singleflight) that GetBatch's lookups and the compressed store share.
+May import: ``observe``, ``http``, ``config``.
 """
 
 from __future__ import annotations
