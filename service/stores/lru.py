@@ -41,6 +41,15 @@ class Lru(Generic[K, V]):
         self._values.move_to_end(key)
         return entry[0]
 
+    def has(self, key: K) -> bool:
+        """Whether the value is loaded (counts as a use) or being loaded."""
+        return self.peek(key) is not None or key in self._loading
+
+    @property
+    def weight(self) -> int:
+        """The weight of the values kept."""
+        return self._total
+
     async def get(self, key: K) -> V:
         value = self.peek(key)
         if value is not None:
