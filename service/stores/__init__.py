@@ -1,7 +1,11 @@
 """Storage backends behind one async interface (see ``base.Store``).
 
 One module per store (``file.py``; ``s3.py``, its requests and wire format, with its ranged
-reads' transport ``getter.py``), and ``hedge.py``, which wraps any store's ranged reads. May import: ``observe``, ``http``, ``config``.
+reads' transport ``getter.py``), and two stores that wrap another: ``hedge.py``, whose ranged
+reads are hedged, and ``compressed.py``, which serves MDS's and LitData's raw shards from their
+compressed objects (LitData's framed zstd chunks: ``framed.py``). ``lru.py``: the bounded async
+memo (singleflight) that GetBatch's lookups and the compressed store share.
+May import: ``observe``, ``http``, ``config``.
 """
 
 from __future__ import annotations
@@ -9,13 +13,13 @@ from __future__ import annotations
 from urllib.parse import unquote, urlparse
 
 from shardfeed.service.stores.base import (
-    AccessDenied, Arrived, InvalidPath, ObjectChanged, ObjectInfo, ObjectNotFound, ShortRead, Store, StoreError,
-    StoreUnavailable,
+    AccessDenied, Arrived, CorruptObject, InvalidPath, ObjectChanged, ObjectInfo, ObjectNotFound, ShortRead, Store,
+    StoreError, StoreUnavailable,
 )
 
 __all__ = [
-    "AccessDenied", "Arrived", "InvalidPath", "ObjectChanged", "ObjectInfo", "ObjectNotFound", "ShortRead",
-    "Store", "StoreError", "StoreUnavailable", "open_store",
+    "AccessDenied", "Arrived", "CorruptObject", "InvalidPath", "ObjectChanged", "ObjectInfo", "ObjectNotFound",
+    "ShortRead", "Store", "StoreError", "StoreUnavailable", "open_store",
 ]
 
 

@@ -45,6 +45,11 @@ class ObjectChanged(StoreError):
     """The object is no longer the version a read asked for: it was replaced in the store."""
 
 
+class CorruptObject(StoreError):
+    """The object's bytes are not what its format says: a compressed shard that does not
+    decompress, or decompresses to another size than its dataset's index says."""
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     path: str  # relative to the store root, '/'-separated
