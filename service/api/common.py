@@ -41,7 +41,7 @@ from shardfeed.service.read.fields import located
 from shardfeed.service.read.framing import chunks_of
 from shardfeed.service.read.samples import SampleBatcher
 from shardfeed.service.read.stream import SampleFailed
-from shardfeed.service.stores import ObjectChanged, StoreError
+from shardfeed.service.stores import CorruptObject, ObjectChanged, StoreError
 
 log = logging.getLogger("shardfeed.api")
 
@@ -307,13 +307,14 @@ async def located_members(state: State, dataset: Dataset, members: Members) -> M
 
 def not_located(err: StoreError | IndexFormatError) -> ApiError:
     """The answer to a record whose fields could not be placed: its shard replaced (the 409 that
-    reopens the dataset), the store unreachable (503), or the record disagreeing with its
-    shard's header (422, naming the shard)."""
+    reopens the dataset), a shard that is not what its dataset says (422, naming it: a record
+    that disagrees with its shard's header, a compressed shard that does not decompress), or
+    the store unreachable (503)."""
     if isinstance(err, ObjectChanged):
         return DatasetChanged(str(err))
-    if isinstance(err, StoreError):
-        return StoreUnavailable(str(err))
-    return ApiError(422, "shard_disagrees", str(err))
+    if isinstance(err, (IndexFormatError, CorruptObject)):
+        return ApiError(422, "shard_disagrees", str(err))
+    return StoreUnavailable(str(err))
 
 
 def count_batch(state: State, route: str, status: str, began: float) -> None:
@@ -346,7 +347,7 @@ async def tar_stream_response(state: State, route: str, chunks: AsyncIterator[li
     except BaseException as err:
         await chunks.aclose()
         if isinstance(err, SampleFailed):
-            answer = DatasetChanged(str(err)) if isinstance(err.cause, ObjectChanged) else failed(err)
+            answer = not_located(err.cause) if isinstance(err.cause, (ObjectChanged, CorruptObject)) else failed(err)
             finish(str(answer.status))
             raise answer from None
         finish("500")

@@ -55,6 +55,9 @@ class Dataset:
     """The index's and every shard's version, digested: equal on every node that opened the same bytes."""
     checked: float = 0.0
     """When (Unix time) the store was last listed for this dataset."""
+    root: Store | None = None
+    """The store at its URL, which a reopening lists: ``store`` itself, or what ``store`` reads
+    through (a peer's compressed shards: ``stores/compressed.py``)."""
     records: RecordFormat | None = None
     """The columns of its records, when its index holds records rather than fields (MDS,
     LitData: ``records.py``; ``read/fields.py`` places the fields)."""
@@ -106,7 +109,8 @@ async def open_dataset(name: str, url: str, store_options: dict | None = None, *
     index, listed = opened.index, opened.listed
     shards = [opened.objects.get(path) for path in index.shards]
     return Dataset(
-        name=name, url=url, store=opened.store or store, index=index, id=dataset_id(url), records=opened.records,
+        name=name, url=url, store=opened.store or store, root=store, index=index, id=dataset_id(url),
+        records=opened.records,
         extents=index.shard_extents(),
         shard_ids=[shard_id(path, *_version(info)) for path, info in zip(index.shards, shards)],
         shard_samples=index.shard_samples(),

@@ -7,8 +7,9 @@
     config.data_spec                                the items' pytree (``treespec_dumps``): the
                                                     leaves' names
     config.item_loader                              ``PyTreeLoader`` (the only one read here)
-    config.compression, config.compression_level    ``zstd`` with ``batch``/``sample``: frames
-                                                    inside each ``.bin``; ``chunk``: whole files
+    config.compression, config.compression_level    ``zstd`` with ``batch``: frames inside each
+                                                    ``.bin`` (LDFZ01, read frame by frame); none
+                                                    (or ``chunk``): whole ``.zstd.bin`` files
 
 A leaf's field name is its path in the item: a dict key, a list or tuple position, joined
 with dots (``{"img": ..., "meta": {"label": ...}}`` has fields ``img`` and ``meta.label``);
@@ -22,9 +23,6 @@ import json
 
 from shardfeed.service.datasets.indexfile import IndexFormatError
 from shardfeed.service.datasets.records import Column, PeerLayout, PeerShard, RecordFormat, field_names
-
-_FRAMED = ("batch", "sample")
-"""``compression_level``s that compress frames inside a chunk (LitData's ``framed_zstd.py``)."""
 
 
 SERIALIZERS = frozenset({
@@ -69,11 +67,14 @@ def layout(document: dict, where: str, listed: set[str]) -> PeerLayout:
             raise IndexFormatError(f"{where}: leaf {name!r} has an unknown serializer {encoding!r}")
     columns = tuple(Column(name, str(encoding), None) for name, encoding in zip(names, formats))
     codec = config.get("compression") or None
-    framed = codec is not None and str(config.get("compression_level") or "batch") in _FRAMED
+    level = config.get("compression_level")
+    if codec is not None and level == "sample":
+        raise IndexFormatError(f"{where}: chunks compressed item by item (compression_level 'sample') are not read")
+    framed = codec is not None and level == "batch"
     shards = []
     for chunk in document["chunks"]:
         name = chunk["filename"]
-        raw = None if codec else int(chunk["chunk_bytes"])
+        raw = None if framed else int(chunk["chunk_bytes"])  # a framed chunk's is its stored size
         shards.append(PeerShard(name, int(chunk["chunk_size"]), raw, name, codec, framed))
     if not shards:
         raise IndexFormatError(f"{where}: lists no chunks")

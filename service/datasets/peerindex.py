@@ -28,6 +28,7 @@ from shardfeed.service.datasets.indexfile import LAYOUT_KEY, VERSION, VERSION_KE
 from shardfeed.service.datasets.records import PeerLayout, PeerShard
 from shardfeed.service.datasets.tarscan import Meter, bounded_map
 from shardfeed.service.stores import ObjectInfo, Store
+from shardfeed.service.stores.compressed import Compressed, CompressedShards
 
 PEER_INDEX = "index.json"
 
@@ -54,12 +55,16 @@ def peer_layout(data: bytes, where: str, listed: set[str]) -> PeerLayout:
 
 
 def shard_store(store: Store, layout: PeerLayout) -> Store:
-    """What reads ``layout``'s shards as the index names them: ``store`` itself."""
-    if layout.compressed:
-        name, shard = next(iter(layout.compressed.items()))
-        raise IndexFormatError(f"{name}: stored compressed ({shard.codec}) as {shard.stored!r}; "
-                               "compressed shards are not read yet")
-    return store
+    """What reads ``layout``'s shards as the index names them: ``store`` itself, or over it the
+    raw shards of the compressed ones (``stores/compressed.py``)."""
+    compressed = layout.compressed
+    if not compressed:
+        return store
+    try:
+        return CompressedShards(store, {name: Compressed(shard.stored, shard.codec, shard.raw_size, shard.frames)
+                                        for name, shard in compressed.items()})
+    except ValueError as err:  # a codec not understood
+        raise IndexFormatError(str(err)) from None
 
 
 async def read_peer_layout(store: Store, info: ObjectInfo, listing: list[ObjectInfo]) -> PeerLayout:

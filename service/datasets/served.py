@@ -35,7 +35,7 @@ from shardfeed.service.datasets.autoindex import IndexKeeper, IndexProgress, wri
 from shardfeed.service.datasets.dataset import Dataset, open_dataset
 from shardfeed.service.datasets.index import Share, unshared
 from shardfeed.service.datasets.mapped import SharedIndexes
-from shardfeed.service.stores import Store
+from shardfeed.service.stores import Store, open_store
 
 log = logging.getLogger("shardfeed.datasets")
 
@@ -77,10 +77,15 @@ class Opener:
                        progress: IndexProgress | None = None, before: Dataset | None = None) -> Dataset:
         """The dataset at ``url`` now, its shards checked against its index (``agreement.py``:
         those changed since ``before``, or a sample of them on a first opening)."""
-        dataset = await open_dataset(name, url, self.store_options, index_objects=self.index_objects, store=store,
-                                     keeper=self.keeper, progress=progress, share=self.share)
-        if store is None:
-            dataset.store = self.wrap(dataset.store)
+        own_store = store is None
+        store = self.wrap(open_store(url, **self.store_options)) if own_store else store
+        try:
+            dataset = await open_dataset(name, url, index_objects=self.index_objects, store=store,
+                                         keeper=self.keeper, progress=progress, share=self.share)
+        except BaseException:
+            if own_store:
+                await store.close()
+            raise
         return await agreed(before, dataset)
 
 
@@ -214,7 +219,7 @@ class ServedDatasets(Mapping[str, Dataset]):
             asyncio.ensure_future(self.reload(dataset.name)).add_done_callback(_log_failure)
 
     async def _reload(self, old: Dataset) -> Dataset:
-        new = await self.opener(old.name, old.url, store=old.store, before=old)
+        new = await self.opener(old.name, old.url, store=old.root, before=old)
         if new.version == old.version:
             old.checked = new.checked
             return old

@@ -107,7 +107,7 @@ def test_litdata_leaves_are_named_by_their_path_in_the_item(tmp_path):
     assert tuples.encodings == {"0": "numpy", "1.label": "int", "1.boxes.0": "bytes", "1.boxes.1": "str"}
     assert [tuples.raw[i, "1.boxes.0"] for i in range(6)] == [b"x" * k for k in range(6)]
     bare = litdata_dataset(tmp_path / "bare", samples=4, item=lambda k: np.arange(k + 1, dtype=np.int64))
-    assert bare.encodings == {"0": "no_header_numpy:3"}  # int64 in litdata.constants._NUMPY_DTYPES_MAPPING
+    assert bare.encodings == {"item": "no_header_numpy:3"}  # int64 in litdata.constants._NUMPY_DTYPES_MAPPING
     # Dict leaves in insertion order, not sorted: the writer's order is the reader's.
     dicts = litdata_dataset(tmp_path / "dict", samples=4,
                             item=lambda k: {"z": np.zeros(k + 1), "a": {"y": k, "b": "s"}})
