@@ -68,8 +68,8 @@ def write_shards(streaming, out: Path, shards: int, per_shard: int, size: int) -
     written = json.loads((out / "index.json").read_text())["shards"]
     counts = Counter(shard["samples"] for shard in written)
     if len(written) != shards or set(counts) != {per_shard}:
-        raise RuntimeError(f"MDSWriter wrote {len(written)} shards holding {dict(counts)} records (count: shards), "
-                           f"not {shards} of {per_shard}: pick a larger --size")
+        raise ValueError(f"MDSWriter wrote {len(written)} shards ({dict(counts)}: shards by their records), "
+                           f"not {shards} of {per_shard} records: pick a larger --size")
 
 
 def expected_requests(shards: int) -> Counter:
@@ -112,15 +112,14 @@ def open_seconds(env: dict[str, str], cache_dir: Path,
 def check_samples(url: str, streaming, local: Path, per_shard: int, indices: list[int]) -> int:
     """Samples ``indices`` through the service at ``url``, each field as Streaming's own reader
     reads it from the shards in ``local``; how many."""
-    from streaming.base.format import reader_from_json
-
     shards = json.loads((local / "index.json").read_text())["shards"]
     readers: dict[int, object] = {}
-    got = Client(url).get_batch(NAME, indices)
+    with Client(url) as client:
+        got = client.get_batch(NAME, indices)
     for i, sample in zip(indices, got, strict=True):
         number, at = divmod(i, per_shard)
         if number not in readers:
-            readers[number] = reader_from_json(str(local), None, shards[number])
+            readers[number] = streaming.base.format.reader_from_json(str(local), None, shards[number])
         theirs = readers[number].get_item(at)
         if bytes(sample["bin"]) != theirs["bin"]:
             raise WrongBytes(f"sample {i} bin: other bytes than Streaming's reader reads")
@@ -171,7 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     if streaming is None:
         parser.exit(2, f"{parser.prog}: MosaicML Streaming writes the shards: pip install mosaicml-streaming\n")
     with tempfile.TemporaryDirectory() as tmp:
-        counted, direct, found, info, checked = measure(args, streaming, Path(tmp))
+        try:
+            counted, direct, found, info, checked = measure(args, streaming, Path(tmp))
+        except ValueError as err:  # the shards as asked cannot be written
+            parser.exit(2, f"{parser.prog}: {err}\n")
     expected = expected_requests(args.shards)
     print(f"opened: {info['samples']} samples, {info['shards']} shards, fields {info['fields']}, "
           f"layout {info['layout']}")

@@ -325,6 +325,10 @@ def test_the_peer_open_benchmark_opens_mds_shards_with_a_listing_and_a_header_ra
             "(expected 1200), requests 1204 (expected 1204)\n") in out.stdout, out.stdout
     assert re.search(r"direct to \S+: \d+\.\d\d s \(target 30 s\)", out.stdout), out.stdout
     assert "40 samples read back, every field as Streaming's reader reads it" in out.stdout, out.stdout
+    too_small = ["--shards", "10", "--size", "64B"]  # records too small for each shard to close at two
+    refused = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.peer_open", *too_small],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "not 10 of 2 records: pick a larger --size" in refused.stderr, refused.stderr
 
 
 def test_the_peer_open_benchmark_counts_a_shard_read_whole_as_one_request_too_many():
