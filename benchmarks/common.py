@@ -16,7 +16,9 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from pathlib import Path
 
 from xxhash import xxh3_64_intdigest
 
@@ -77,6 +79,19 @@ def seeded_s3(kind: str, samples: int, size: str, shard_size: str, fields: str |
         yield server
     finally:
         server.stop()
+
+
+def upload(server: S3Server, directory: Path, url: str, threads: int = 16) -> None:
+    """Every file in ``directory`` to ``url`` (``s3://bucket/prefix``) on ``server``, ``threads``
+    at a time (a dataset of many small shards is mostly round trips)."""
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    s3 = server.client()
+
+    def put(path: Path) -> None:
+        s3.put_object(Bucket=bucket, Key=f"{prefix}/{path.name}", Body=path.read_bytes())
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(put, sorted(directory.iterdir())))
 
 
 def load_note() -> str:

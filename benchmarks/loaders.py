@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from shardfeed.benchmarks.common import BENCH_DATA, benchmark_parser, load_note, seeded_s3, seeded_s3_arguments
+from shardfeed.benchmarks.common import BENCH_DATA, benchmark_parser, load_note, seeded_s3, seeded_s3_arguments, upload
 from shardfeed.benchmarks.serverside import tree_cpu
 from shardfeed.client.torch import ShardfeedDataset, ShardfeedIterableDataset, ShardfeedLoader
 from shardfeed.process import scrape_metrics, start_service
@@ -222,9 +222,7 @@ def write_mds(streaming, server, samples: int, sizes, shard_size: int, tmp: Path
                              size_limit=shard_size) as writer:
         for i in range(samples):
             writer.write({"index": i, "bin": member_bytes(0, i, "bin", sizes), "cls": member_bytes(0, i, "cls", sizes)})
-    s3 = server.client()
-    for path in out.iterdir():
-        s3.upload_file(str(path), "bench", f"mds/{path.name}")
+    upload(server, out, "s3://bench/mds")
     return "s3://bench/mds"
 
 

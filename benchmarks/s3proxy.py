@@ -125,15 +125,18 @@ class FaultProxy:
     @property
     def counts(self) -> dict[str, int]:
         """Snapshot: ``requests`` (all proxied), one entry per method (``GET``, ``HEAD``,
-        ...) and one per fault served (``fault:503``, ``fault:reset``, ...)."""
+        ...), ``LIST`` and ``GET range`` among the GETs (``_shape``), and one per fault
+        served (``fault:503``, ``fault:reset``, ...)."""
         with self._lock:
             return dict(self._counts)
 
-    def _take(self, method: str, label: str) -> _Fault | None:
+    def _take(self, method: str, label: str, shape: str | None = None) -> _Fault | None:
         """Count the request and pop the first pending fault that matches it."""
         with self._lock:
             self._counts["requests"] += 1
             self._counts[method] += 1
+            if shape is not None:
+                self._counts[shape] += 1
             if self.down:
                 self._counts["fault:outage"] += 1
                 return _OUTAGE
@@ -152,7 +155,7 @@ class FaultProxy:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         if request.path.startswith("/_proxy/"):
             return await self._control(request)
-        fault = self._take(request.method, f"{request.method} {request.raw_path}")
+        fault = self._take(request.method, f"{request.method} {request.raw_path}", _shape(request))
         kind = fault.kind if fault else None
         if kind == "outage":
             self._cut(request, "reset")
@@ -296,6 +299,16 @@ class FaultProxy:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _shape(request: web.Request) -> str | None:
+    """``LIST`` for a GET of a bucket's keys (path-style, as the clients here send it), ``GET
+    range`` for a GET of a byte range; None for any other request (counted by its method)."""
+    if request.method != "GET":
+        return None
+    if "/" not in request.path.strip("/"):
+        return "LIST"
+    return "GET range" if "Range" in request.headers else None
 
 
 def start_proxy(upstream: str, *, latency_ms: float = 0, host: str = "127.0.0.1",

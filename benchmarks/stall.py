@@ -13,6 +13,14 @@ bytes and a ``cls`` label; SeaweedFS, or moto with ``--s3 moto``):
                        read from an Arrow answer (its layout sent first, nothing parsed per member)
     shardfeed-tensors-tar  the same from a tar answer, parsed member by member (``batch_format="tar"``):
                        the tensor output as it was before the Arrow format
+    shardfeed-mds-bytes    ShardfeedDataset over Streaming's very MDS shards, served in place (layout
+                       ``mds``: the prefix registered as it is, its columns the fields), sample dicts
+    shardfeed-mds-tensors  the same, ``output="tensors"``
+
+Streaming and the ``shardfeed-mds-*`` loaders read the same MDS shards (``index``, ``bin`` and
+``cls`` columns, written by ``streaming.MDSWriter`` beside the tar shards, as large); with
+Streaming in the run, the summary gives each shardfeed loader against it too, cold and warm
+(issue 42's target: 1.5x over the MDS shards).
 
 For each sample size, each loader runs in a fresh process: a cold epoch flat out (a service
 started on an empty cache, Streaming with an empty local directory: the reads reach S3), then
@@ -34,6 +42,7 @@ gpu-check`` runs it so, at small sizes).
 
     python -m shardfeed.benchmarks.stall --sizes 10KiB,100KiB,1MiB --plot stall.png
     python -m shardfeed.benchmarks.stall --cuda --sizes 10KiB,1MiB --samples 256 --loaders ram,shardfeed-tensors
+    python -m shardfeed.benchmarks.stall --sizes 10KiB,100KiB --loaders streaming,shardfeed-mds-bytes,shardfeed-bytes
 
 The plot (matplotlib, from the ``demo`` extra) shows the stall of each loader at each size
 and step time. Every sample of every epoch is checked against the seeded bytes (an xxh3 per
@@ -74,10 +83,14 @@ from shardfeed.s3server import S3_SERVERS, default_server
 from shardfeed.seeds.synthetic import parse_sizes
 from shardfeed.sizes import parse_size
 
-LOADERS = ("ram", "streaming", "shardfeed-bytes", "shardfeed-tensors", "shardfeed-tensors-tar")
+LOADERS = ("ram", "streaming", "shardfeed-bytes", "shardfeed-tensors", "shardfeed-tensors-tar",
+           "shardfeed-mds-bytes", "shardfeed-mds-tensors")
 OUTPUTS = {"shardfeed-bytes": ("samples", {}), "shardfeed-tensors": ("tensors", {}),
-           "shardfeed-tensors-tar": ("tensors", {"batch_format": "tar"})}
+           "shardfeed-tensors-tar": ("tensors", {"batch_format": "tar"}),
+           "shardfeed-mds-bytes": ("samples", {}), "shardfeed-mds-tensors": ("tensors", {})}
 """The ``output`` and client options of each shardfeed loader's ``ShardfeedDataset``."""
+MDS_LOADERS = ("streaming", "shardfeed-mds-bytes", "shardfeed-mds-tensors")
+"""The loaders that read the MDS shards (the others: the tar shards, or RAM)."""
 STEP_MULTIPLES = (2, 30)
 """Default step times, as multiples of the ram loader's time per batch flat out. Its own
 stall stays well above 5% at 2x: each batch is unpickled in the training process, inside
@@ -206,7 +219,7 @@ def run_size(size: str, samples: int, kinds: list[str], steps_ms: list[float] | 
     """Every loader at one sample size, on one seeded S3 server, ``rounds`` times (the
     loaders in turn, the order reversed every other round): the medians."""
     sizes = parse_sizes(size)
-    streaming = import_streaming() if "streaming" in kinds else None
+    streaming = import_streaming() if set(kinds) & set(MDS_LOADERS) else None
     shard_size = "4MiB" if parse_size(size) < (1 << 20) else "64MiB"
     runs: dict[str, list[list[Epoch]]] = {kind: [] for kind in kinds}
     with seeded_s3(s3, samples, size, shard_size, fields="bin,cls") as server:
@@ -221,7 +234,8 @@ def run_size(size: str, samples: int, kinds: list[str], steps_ms: list[float] | 
         for r in range(rounds):
             for kind in kinds if r % 2 == 0 else kinds[::-1]:
                 if kind in OUTPUTS:
-                    with start_service({"bench": BENCH_DATA}, cache_dir=tmp / f"cache-{size}-{kind}-{r}",
+                    served = remote if kind in MDS_LOADERS else BENCH_DATA
+                    with start_service({"bench": served}, cache_dir=tmp / f"cache-{size}-{kind}-{r}",
                                        env=server.env(), workers=service_workers) as svc:
                         epochs = in_fresh_process(stall_round, kind, svc.url, "", samples, sizes, steps,
                                                   svc.process.pid, limit)
@@ -259,7 +273,7 @@ def _to_gpu(e: Epoch) -> str:
 def _report(result: Result, label: str) -> None:
     for when, e in result.rows():
         cpu = " + ".join(f"{e.cpu[p]:.0f}" for p in PARTIES)
-        print(f"{label:8s} {result.size:>7} {result.kind:18s} {when} step {e.step * 1e3:6.1f} ms  {e.rate:8.0f} "
+        print(f"{label:8s} {result.size:>7} {result.kind:21s} {when} step {e.step * 1e3:6.1f} ms  {e.rate:8.0f} "
               f"samples/s  stall {e.stall:6.1%}  first batch {e.first:5.2f} s  CPU us/sample {cpu} "
               f"({' + '.join(PARTIES)}){_to_gpu(e)}", flush=True)
 
@@ -269,21 +283,30 @@ def _loader_cpu(e: Epoch) -> float:
     return e.cpu["main"] + e.cpu["workers"]
 
 
+SUMMARIES = {"ram": ("", "the ram loader (the DataLoader's ceiling for bytes)"),
+             "streaming": ("shardfeed", "Streaming over the same MDS shards (issue 42's target: 1.5x cold and warm)")}
+"""Each loader the summary holds others against: the loaders held (by prefix), and what it is."""
+
+
 def summary(results: list[Result]) -> None:
-    """Side by side: each loader against the ram ceiling, cold and warm flat out, and warm
-    at the steps (medians)."""
-    print("\nagainst the ram loader (the DataLoader's ceiling for bytes), same size, same epoch, medians:")
-    ceiling = {r.size: r for r in results if r.kind == "ram"}
-    for r in results:
-        base = ceiling.get(r.size)
-        if base is None or r.kind == "ram":
+    """Side by side: each loader against the ram ceiling, then each shardfeed loader against
+    Streaming, cold and warm flat out, and warm at the steps (medians)."""
+    for base_kind, (held, title) in SUMMARIES.items():
+        bases = {r.size: r for r in results if r.kind == base_kind}
+        if not bases:
             continue
-        for when, e, ram in (("cold", r.cold, base.cold), ("warm", r.warm[0], base.warm[0])):
-            stalls = "" if when == "cold" else "; stall at " + ", ".join(
-                f"{s.step * 1e3:.1f} ms: {s.stall:.1%} (ram {b.stall:.1%})" for s, b in zip(r.warm[1:], base.warm[1:]))
-            print(f"{r.size:>7} {r.kind:18s} {when} {e.rate / ram.rate:5.2f}x the samples/s ({e.rate:.0f}), "
-                  f"loader CPU per sample {_loader_cpu(e) / _loader_cpu(ram):5.2f}x ({_loader_cpu(e):.0f} us)"
-                  f"{stalls}{_to_gpu(e)}")
+        print(f"\nagainst {title}, same size, same epoch, medians:")
+        for r in results:
+            base = bases.get(r.size)
+            if base is None or r.kind == base_kind or not r.kind.startswith(held):
+                continue
+            for when, e, b in (("cold", r.cold, base.cold), ("warm", r.warm[0], base.warm[0])):
+                stalls = "" if when == "cold" else "; stall at " + ", ".join(
+                    f"{s.step * 1e3:.1f} ms: {s.stall:.1%} ({base_kind} {t.stall:.1%})"
+                    for s, t in zip(r.warm[1:], base.warm[1:]))
+                print(f"{r.size:>7} {r.kind:21s} {when} {e.rate / b.rate:5.2f}x the samples/s ({e.rate:.0f}), "
+                      f"loader CPU per sample {_loader_cpu(e) / _loader_cpu(b):5.2f}x ({_loader_cpu(e):.0f} us)"
+                      f"{stalls}{_to_gpu(e)}")
 
 
 def plot(results: list[Result], path: Path) -> None:
@@ -344,9 +367,12 @@ def main(argv=None) -> int:
         parser.error(f"--loaders takes some of {', '.join(LOADERS)}, not {args.loaders!r}")
     if args.cuda and "shardfeed-tensors" not in kinds:
         parser.error("--cuda times the copy of tensor batches: --loaders must include shardfeed-tensors")
-    if "streaming" in kinds and import_streaming() is None:
-        print("MosaicML Streaming is not installed (pip install mosaicml-streaming): left out")
-        kinds.remove("streaming")
+    if set(kinds) & set(MDS_LOADERS) and import_streaming() is None:  # its MDSWriter writes the MDS shards
+        print(f"MosaicML Streaming is not installed (pip install mosaicml-streaming): "
+              f"{', '.join(k for k in kinds if k in MDS_LOADERS)} left out")
+        kinds = [k for k in kinds if k not in MDS_LOADERS]
+        if not kinds:
+            parser.exit(2, "no loader left to run\n")
     steps_ms = [float(s) for s in args.steps_ms.split(",")] if args.steps_ms else None
     _quiet()
     results: list[Result] = []

@@ -5,6 +5,7 @@ for real."""
 from __future__ import annotations
 
 import base64
+import importlib.util
 import json
 import re
 import shutil
@@ -14,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from shardfeed.benchmarks import peer_open
 from shardfeed.benchmarks.capacity import Calibration
 from shardfeed.benchmarks.loaders import Epoch, paired_ratios, sample_counts
 from shardfeed.benchmarks.report import SCENARIOS
@@ -290,6 +292,52 @@ def test_the_stall_benchmark_compares_every_loader_with_the_ceiling_and_plots_it
     refused = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.stall", "--loaders", "petastorm"],
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "--loaders takes some of" in refused.stderr
+
+
+needs_streaming = pytest.mark.skipif(importlib.util.find_spec("streaming") is None,
+                                     reason="MosaicML Streaming is not installed: its MDSWriter writes the MDS shards")
+
+
+@needs_streaming
+@pytest.mark.timeout(200)
+def test_the_stall_benchmark_serves_streamings_own_mds_shards_in_place_beside_streaming():
+    out = run_benchmark("stall", "--sizes", "10KiB", "--samples", "192", "--loaders",
+                        "streaming,shardfeed-mds-bytes,shardfeed-mds-tensors", "--steps-ms", "2", "--step-batches", "2",
+                        "--service-workers", "1", timeout=190)
+    for kind in ("shardfeed-mds-bytes", "shardfeed-mds-tensors"):  # every sample's bin checked by its digest
+        rows = re.findall(rf"median +10KiB {kind} +(cold|warm) step +(\d+\.\d) ms +(\d+) samples/s", out.stdout)
+        assert [(when, step) for when, step, _ in rows] == [("cold", "0.0"), ("warm", "0.0"), ("warm", "2.0")], rows
+        assert all(int(rate) > 0 for _, _, rate in rows), out.stdout
+    if "streaming: failed" in out.stdout:  # Streaming's own failure is reported, and leaves it no median
+        return
+    summary = out.stdout.split("against Streaming over the same MDS shards", 1)[1]
+    for kind in ("shardfeed-mds-bytes", "shardfeed-mds-tensors"):
+        for when in ("cold", "warm"):
+            assert re.search(rf"10KiB {kind} +{when} +\d+\.\d\dx the samples/s \(\d+\)", summary), summary
+
+
+@needs_streaming
+@pytest.mark.timeout(150)
+def test_the_peer_open_benchmark_opens_mds_shards_with_a_listing_and_a_header_range_each():
+    out = run_benchmark("peer_open", "--shards", "1200", "--check", "40", timeout=140)  # two listing pages
+    assert "opened: 2400 samples, 1200 shards, fields ['bin', 'index'], layout mds" in out.stdout, out.stdout
+    assert ("store requests: HEAD 1 (expected 1), LIST 2 (expected 2), GET whole 1 (expected 1), GET range 1200 "
+            "(expected 1200), requests 1204 (expected 1204)\n") in out.stdout, out.stdout
+    assert re.search(r"direct to \S+: \d+\.\d\d s \(target 30 s\)", out.stdout), out.stdout
+    assert "40 samples read back, every field as Streaming's reader reads it" in out.stdout, out.stdout
+    too_small = ["--shards", "10", "--size", "64B"]  # records too small for each shard to close at two
+    refused = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.peer_open", *too_small],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "not 10 of 2 records: pick a larger --size" in refused.stderr, refused.stderr
+
+
+def test_the_peer_open_benchmark_counts_a_shard_read_whole_as_one_request_too_many():
+    opened = {"requests": 1204, "HEAD": 1, "GET": 1203, "LIST": 2, "GET range": 1200}
+    assert +peer_open.kinds(opened) == +peer_open.expected_requests(1200)
+    whole = {**opened, "requests": 1205, "GET": 1204}  # a shard read whole besides its header
+    assert peer_open.kinds(whole)["GET whole"] == 2 and +peer_open.kinds(whole) != +peer_open.expected_requests(1200)
+    written = {**opened, "requests": 1205, "PUT": 1}  # an index written beside the peer's files
+    assert peer_open.kinds(written)["PUT"] == 1 and +peer_open.kinds(written) != +peer_open.expected_requests(1200)
 
 
 def test_the_stall_benchmark_with_cuda_refuses_in_one_line_where_there_is_none():
