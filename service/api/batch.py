@@ -49,7 +49,7 @@ from shardfeed.service.datasets.index import Members, SampleOutOfRange, UnknownF
 from shardfeed.service.http.errors import ApiError
 from shardfeed.service.http.protocol import INSTANT_BYTES
 from shardfeed.service.read.arrow import ArrowFraming
-from shardfeed.service.read.fields import known
+from shardfeed.service.read.fields import placed_from_ram
 from shardfeed.service.read.framing import TarFraming
 from shardfeed.service.read.stream import batch_groups, stream_batch
 from shardfeed.service.read.warm import HeldGroup, held_group
@@ -160,8 +160,8 @@ class BatchEndpoint:
             wanted = wanted_batch(self.state, body, tenant_of(scope))
         except ApiError as err:
             return Decision(body, error=err)
-        members = known(wanted.dataset, wanted.members)
-        if members is None:  # records whose fields are not placed yet: streamed, placed first
+        members = placed_from_ram(self.state.coalescer, wanted.dataset, wanted.members)
+        if members is None:  # records whose headers are not in RAM: streamed, placed first
             return Decision(body, wanted, group_bytes=self.state.config.group_bytes)
         wanted.members = members
         return Decision(body, wanted, held_group(self.state.coalescer, wanted.dataset, members),

@@ -1,12 +1,14 @@
 """Fields of records: where each member a batch wants lies in its record, for the layouts whose
 index holds records, not fields (MDS, LitData: ``datasets/records.py``).
 
-The first batch to read a record reads its header (a few bytes at the record's start, through
-the coalescer, so they come with the record's blocks) and learns its fields' sizes, kept per
-index member for every process of the host (``mapped.member_scratch``: 4 bytes a member, the
-size plus one, 0 until learnt). From then on ``known`` places the record's members with numpy
-alone, as the warm path needs (it decides without awaiting). A dataset whose index holds its
-fields' own extents (tar shards, loose objects) has nothing to learn: its members pass as they are.
+The first batch to read a record reads its header (a few bytes at the record's start) and learns
+its fields' sizes, kept per index member for every process of the host (``mapped.member_scratch``:
+4 bytes a member, the size plus one, 0 until learnt). It reads them from the RAM tier when that
+holds them (``placed_from_ram``: a plan read the records ahead), deciding without awaiting as the
+warm path does; else through the coalescer (``located``), the records' whole blocks asked for at
+once. From then on ``known`` places the record's members with numpy alone. A dataset whose index
+holds its fields' own extents (tar shards, loose objects) has nothing to learn: its members pass
+as they are.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.datasets.index import Index, Members
 from shardfeed.service.datasets.mapped import member_scratch
 from shardfeed.service.read.coalescer import Coalescer
+from shardfeed.service.read.warm import held_group
 from shardfeed.service.stores import StoreError
 
 _memos: weakref.WeakKeyDictionary[Index, np.ndarray] = weakref.WeakKeyDictionary()
@@ -69,6 +72,21 @@ def known_member(dataset: Dataset, sample: int, field: str) -> tuple[int, int, i
     return None if placed is None else (member[0], int(placed.offset[0]), int(placed.size[0]))
 
 
+def placed_from_ram(coalescer: Coalescer, dataset: Dataset, members: Members) -> Members | None:
+    """``known``, the headers of records not learnt yet read from the RAM tier when it holds them
+    all (blocks read ahead by a plan, or by an earlier batch), without waiting: how a batch
+    decides on the warm path. None when a header is not in RAM."""
+    found = known(dataset, members)
+    if found is not None:
+        return found
+    heads, extents = _heads(dataset, members)
+    held = held_group(coalescer, dataset, heads)
+    if held is None:
+        return None
+    _learn(dataset, heads, extents, [b"".join(held.data(i)) for i in range(len(heads))])
+    return known(dataset, members)
+
+
 async def located(coalescer: Coalescer, dataset: Dataset, members: Members) -> Members:
     """``members`` at their fields' own extents, the headers of records not learnt yet read now
     (their whole records' blocks asked for at once). Raises the ``StoreError`` of a header that
@@ -76,27 +94,42 @@ async def located(coalescer: Coalescer, dataset: Dataset, members: Members) -> M
     found = known(dataset, members)
     if found is not None:
         return found
-    records, memo = dataset.records, _memo(dataset)
+    heads, extents = _heads(dataset, members)
+    if dataset.records.header_bytes:
+        coalescer.prefetch(dataset, members)
+    payloads = await coalescer.read_members(dataset, heads)
+    for payload in payloads:
+        if isinstance(payload, StoreError):
+            raise payload
+    _learn(dataset, heads, extents, payloads)
+    return known(dataset, members)
+
+
+def _heads(dataset: Dataset, members: Members) -> tuple[Members, np.ndarray]:
+    """One member per record of ``members`` not learnt yet, its header's bytes (its ``row``: the
+    record's first index row), and each record's whole size."""
     first, _ = _record_rows(dataset, members)
-    unknown = memo[first] == 0
+    unknown = _memo(dataset)[first] == 0
     rows, at = np.unique(first[unknown], return_index=True)
     wanted = np.flatnonzero(unknown)[at]
     n = len(rows)
-    headers = np.zeros((n, records.header_bytes // 4), np.uint32)
-    if records.header_bytes:
-        coalescer.prefetch(dataset, members)
-        heads = Members(position=np.arange(n), sample=members.sample[wanted], field=members.field[wanted],
-                        shard=members.shard[wanted], offset=members.offset[wanted],
-                        size=np.minimum(members.size[wanted], records.header_bytes), found=np.ones(n, bool),
-                        row=np.full(n, -1))
-        for i, payload in enumerate(await coalescer.read_members(dataset, heads)):
-            if isinstance(payload, StoreError):
-                raise payload
-            head = bytes(payload)
-            if len(head) < records.header_bytes:  # a record shorter than its header: check() names it
-                head += bytes(records.header_bytes - len(head))
-            headers[i] = np.frombuffer(head, "<u4")
+    return Members(position=np.arange(n), sample=members.sample[wanted], field=members.field[wanted],
+                   shard=members.shard[wanted], offset=members.offset[wanted],
+                   size=np.minimum(members.size[wanted], dataset.records.header_bytes), found=np.ones(n, bool),
+                   row=rows), members.size[wanted]
+
+
+def _learn(dataset: Dataset, heads: Members, extents: np.ndarray, payloads: list) -> None:
+    """Remember the sizes of the fields of ``heads``' records (``extents`` bytes each), from their
+    headers' bytes (``payloads``: empty ones where the header holds no size); ``IndexFormatError``
+    naming the shard of a record whose header disagrees with its extent."""
+    records = dataset.records
+    headers = np.zeros((len(heads), records.header_bytes // 4), np.uint32)
+    for i, payload in enumerate(payloads):
+        head = bytes(payload)
+        if len(head) < records.header_bytes:  # a record shorter than its header: check() names it
+            head += bytes(records.header_bytes - len(head))
+        headers[i] = np.frombuffer(head, "<u4")
     sizes = records.sizes(headers)
-    records.check(sizes, members.size[wanted], members.shard[wanted], dataset.index.shards)
-    memo[rows[:, None] + np.arange(len(records.columns))] = sizes + 1
-    return known(dataset, members)
+    records.check(sizes, extents, heads.shard, dataset.index.shards)
+    _memo(dataset)[heads.row[:, None] + np.arange(len(records.columns))] = sizes + 1
