@@ -13,6 +13,10 @@ one epoch with ``DataLoader(num_workers=2)``, on a fresh cache, every sample che
 - ``map + ShardfeedSampler``: ``DataLoader(ShardfeedDataset(url, name), batch_size=64,
   sampler=ShardfeedSampler(ds))``.
 
+``--layout mds`` writes the same samples as MosaicML Streaming's MDS shards (``MDSWriter``), which
+the service serves in place (issue 42): its records are read ahead whole, then their headers and
+fields taken from them.
+
 Printed per recipe: S3 bytes per dataset byte (tar shards included), S3 requests per
 sample, plans held right after the epoch (one per rank and epoch is right), samples/s. Targets (issue 25): the plain iterable recipe
 <= 1.2x the dataset's bytes.
@@ -34,6 +38,7 @@ import httpx
 from torch.utils.data import DataLoader
 
 from shardfeed.benchmarks.common import seed_by_cli
+from shardfeed.benchmarks.loaders import import_streaming, write_mds
 from shardfeed.benchmarks.s3proxy import start_proxy_process
 from shardfeed.client.torch import ShardfeedDataset, ShardfeedIterableDataset, ShardfeedLoader, ShardfeedSampler
 from shardfeed.process import scrape_metrics, start_service, stop_process
@@ -61,19 +66,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-args", default="", help="more `serve` flags, e.g. '--plan-memory 0'")
     parser.add_argument("--service-workers", type=int, default=os.cpu_count() or 1,
                         help="serve --workers (default: every core, as serve's own default)")
+    parser.add_argument("--layout", choices=("tar", "mds"), default="tar",
+                        help="the shards: tar (shardfeed seed), or MDS (Streaming's MDSWriter), served in place")
     args = parser.parse_args(argv)
+    streaming = import_streaming() if args.layout == "mds" else None
+    if args.layout == "mds" and streaming is None:
+        parser.error("--layout mds writes its shards with MosaicML Streaming: pip install mosaicml-streaming")
     work = Path(tempfile.mkdtemp(prefix="shardfeed-recipes-"))
     sizes = parse_sizes(args.size)
     s3 = start_moto()
     proxy, proxy_process = start_proxy_process(s3.endpoint, 0, work / "proxy.log")
-    url = "s3://recipes/data"
     try:
-        s3.create_bucket("recipes")
-        seed_by_cli(url, args.samples, args.size, shard_size="1MiB", fields=FIELDS, env=s3.env())
-        dataset_bytes = sum(o["Size"] for o in s3.client().list_objects_v2(Bucket="recipes")["Contents"]
-                            if o["Key"].endswith(".tar"))
+        if streaming is None:
+            url = "s3://recipes/data"
+            s3.create_bucket("recipes")
+            seed_by_cli(url, args.samples, args.size, shard_size="1MiB", fields=FIELDS, env=s3.env())
+        else:
+            s3.create_bucket("bench")
+            url = write_mds(streaming, s3, args.samples, sizes, 1 << 20, work)
+        bucket, _, prefix = url.removeprefix("s3://").partition("/")
+        dataset_bytes = sum(o["Size"] for o in s3.client().list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]
+                            if o["Key"].endswith(f".{args.layout}"))
         cache = max(1 << 20, int(args.cache_share * dataset_bytes))
-        print(f"{args.samples} samples, {dataset_bytes / 2**20:.1f} MiB of shards, cache {cache / 2**20:.1f} MiB "
+        print(f"{args.samples} samples, {dataset_bytes / 2**20:.1f} MiB of {args.layout} shards, cache {cache / 2**20:.1f} MiB "
               f"({args.cache_share:g} of the dataset), moto behind the counting proxy", file=sys.stderr)
         print(f"\n{'recipe':<26}{'S3 bytes/dataset':>17}{'S3 requests/sample':>20}{'plans':>7}{'samples/s':>11}")
         for recipe in args.recipes.split(","):
