@@ -35,7 +35,7 @@ from shardfeed.service.datasets.autoindex import IndexKeeper, IndexProgress, wri
 from shardfeed.service.datasets.dataset import Dataset, open_dataset
 from shardfeed.service.datasets.index import Share, unshared
 from shardfeed.service.datasets.mapped import SharedIndexes
-from shardfeed.service.stores import Store, open_store
+from shardfeed.service.stores import Store
 
 log = logging.getLogger("shardfeed.datasets")
 
@@ -77,15 +77,9 @@ class Opener:
                        progress: IndexProgress | None = None, before: Dataset | None = None) -> Dataset:
         """The dataset at ``url`` now, its shards checked against its index (``agreement.py``:
         those changed since ``before``, or a sample of them on a first opening)."""
-        own_store = store is None
-        store = self.wrap(open_store(url, **self.store_options)) if own_store else store
-        try:
-            dataset = await open_dataset(name, url, index_objects=self.index_objects, store=store,
-                                         keeper=self.keeper, progress=progress, share=self.share)
-        except BaseException:
-            if own_store:
-                await store.close()
-            raise
+        dataset = await open_dataset(name, url, self.store_options, index_objects=self.index_objects, store=store,
+                                     keeper=self.keeper, progress=progress, share=self.share)
+        dataset.store = self.wrap(dataset.store)  # its reads hedged; its opening read each thing once
         return await agreed(before, dataset)
 
 

@@ -89,7 +89,8 @@ def test_per_sample_and_whole_sample_gets_return_the_source_bytes(shared_service
     assert len(info.pop("version")) == 12 and abs(info.pop("checked") - time.time()) < 3600
     assert info == {"name": "train", "url": s3_dataset[0], "samples": SAMPLES, "shards": 4,
                     "bytes": sum(len(v) for v in source.values()), "fields": ["bin", "cls", "json"],
-                    "shard_samples": 50, "cache": {"bytes": 10 << 30, "block_size": 64 << 10}}
+                    "layout": "tar", "encodings": {}, "shard_samples": 50,
+                    "cache": {"bytes": 10 << 30, "block_size": 64 << 10}}
     assert [d["name"] for d in httpx.get(f"{shared_service.url}/v1/datasets").json()] == ["train"]
 
 
