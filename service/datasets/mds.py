@@ -6,7 +6,9 @@
                                                    each fixed-size one, null for the others
     samples                                        records in the shard
     raw_data: {basename, bytes}                    the shard as read
-    zip_data: {basename, bytes} | null             the shard as stored, when ``compression``
+    zip_data: {basename, bytes, hashes} | null     the shard as stored, when ``compression``; its
+                                                   ``hashes`` (``sha1``, ``xxh64``, ...) are checked
+                                                   when it is read whole
     compression: "zstd" | "zstd:7" | "gz" | ...    (streaming/base/compression.py's names)
 
 A compressed shard whose raw form a Streaming reader left beside it is read raw.
@@ -50,7 +52,8 @@ def layout(document: dict, where: str, listed: set[str]) -> PeerLayout:
         zipped = shard.get("zip_data")
         if shard.get("compression") and zipped and name not in listed:
             shards.append(PeerShard(name, int(shard["samples"]), int(shard["raw_data"]["bytes"]),
-                                    zipped["basename"], shard["compression"]))
+                                    zipped["basename"], shard["compression"],
+                                    digests=tuple(sorted((zipped.get("hashes") or {}).items()))))
         else:
             shards.append(PeerShard(name, int(shard["samples"]), int(shard["raw_data"]["bytes"]), name))
     if columns is None:

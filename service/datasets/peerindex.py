@@ -61,9 +61,10 @@ def shard_store(store: Store, layout: PeerLayout) -> Store:
     if not compressed:
         return store
     try:
-        return CompressedShards(store, {name: Compressed(shard.stored, shard.codec, shard.raw_size, shard.frames)
-                                        for name, shard in compressed.items()})
-    except ValueError as err:  # a codec not understood
+        return CompressedShards(store, {
+            name: Compressed(shard.stored, shard.codec, shard.raw_size, shard.frames, shard.digests)
+            for name, shard in compressed.items()})
+    except ValueError as err:  # a codec or a hash not understood
         raise IndexFormatError(str(err)) from None
 
 

@@ -99,6 +99,8 @@ class PeerShard:
     """The peer's compression of ``stored`` (``zstd``, ``gz:9``, ...); None: stored raw."""
     frames: bool = False
     """LitData's framed zstd layout: frames compressed one by one, read one by one."""
+    digests: tuple[tuple[str, str], ...] = ()
+    """``(algorithm, hex digest)`` of ``stored`` as ``index.json`` records them (MDS's ``hashes``)."""
 
 
 @dataclass(frozen=True)

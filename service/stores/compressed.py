@@ -28,10 +28,12 @@ wrote one (MDS and LitData do not), the stream's structure and the sizes otherwi
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from dataclasses import dataclass
 
 import pyarrow as pa
+import xxhash
 
 from shardfeed.service.stores.base import AccessDenied, Arrived, CorruptObject, ObjectInfo, ShortRead, Store
 from shardfeed.service.stores.framed import FrameTable, FrameTableError, table_size
@@ -49,6 +51,10 @@ FIRST_READ = 64 << 10
 PREFIX_READ_LIMIT = 4 * PREFIX_LIMIT
 """Compressed bytes a prefix may grow to before the shard is read whole instead."""
 
+DIGESTS = {**{name: getattr(hashlib, name) for name in hashlib.algorithms_available
+              if hasattr(hashlib, name) and not name.startswith("shake_")},
+           **{name: getattr(xxhash, name) for name in xxhash.algorithms_available}}
+"""The hashes a peer may record of a shard, as Streaming computes them (``streaming/base/hashing.py``)."""
 CODECS = {"zstd": "zstd", "gz": "gzip", "bz2": "bz2", "br": "brotli", "snappy": "snappy"}
 """The peers' codec names (``zstd:7`` is ``zstd`` at level 7) and Arrow's for them."""
 STREAMED = {"zstd", "gzip", "bz2", "brotli"}
@@ -70,8 +76,14 @@ class Compressed:
     LitData's ``chunk_bytes`` of a ``.zstd.bin`` chunk); checked against the bytes."""
     frames: bool = False
     """LitData's framed zstd layout (``LDFZ01``): read by frames, never whole."""
+    digests: tuple[tuple[str, str], ...] = ()
+    """``(algorithm, hex digest)`` of the compressed object, where the peer's index records them
+    (MDS's ``zip_data.hashes``: ``sha1``, ``xxh64``, ...): a whole read is checked against each."""
 
     def __post_init__(self):
+        for algorithm, _ in self.digests:
+            if algorithm not in DIGESTS:
+                raise ValueError(f"{self.path}: hash {algorithm!r} is not known (known: {', '.join(sorted(DIGESTS))})")
         family, _, level = self.codec.partition(":")
         if family not in CODECS or (level and not level.isdigit()):
             raise ValueError(f"{self.path}: compression {self.codec!r} is not understood "
@@ -201,7 +213,10 @@ class CompressedShards(Store):
                                                int(spec["compressed_len"]), version)
             return await self._decompress(path, shard, data, int(spec["uncompressed_len"]),
                                           f"{shard.path} frame {frame[0]}", "its table")
-        return await self._decompress(path, shard, await self.store.read(shard.path, version), shard.raw_size,
+        data = await self.store.read(shard.path, version)
+        if shard.digests:
+            await asyncio.to_thread(_check_digests, f"{self.url}/{path}: {shard.path}", data, shard.digests)
+        return await self._decompress(path, shard, data, shard.raw_size,
                                       shard.path, "its index")
 
     async def _load_table(self, path: str, shard: Compressed, version: str | None) -> FrameTable:
@@ -276,6 +291,15 @@ class CompressedShards(Store):
 
 def _held_size(value: pa.Buffer | FrameTable) -> int:
     return value.nbytes if isinstance(value, FrameTable) else value.size
+
+
+def _check_digests(what: str, data: bytes, digests: tuple[tuple[str, str], ...]) -> None:
+    """``CorruptObject`` unless ``data`` has each digest (zstd as the peers write it carries no
+    checksum of its own: a flipped byte could decode)."""
+    for algorithm, expected in digests:
+        found = DIGESTS[algorithm](data).hexdigest()
+        if found != expected:
+            raise CorruptObject(f"{what}: its {algorithm} is {found}, its index says {expected}")
 
 
 def _decode(codec: str, data: bytes, raw_size: int | None) -> pa.Buffer:

@@ -128,3 +128,25 @@ def test_litdata_chunks_of_an_arrow_footer_are_refused_by_name_not_misread(servi
     answer = register(service, "arrow-footer", put(moto, "arrow-footer", files))
     assert answer.status_code == 422
     assert "chunk-0-0.bin" in answer.json()["error"]["message"] and "Arrow" in answer.json()["error"]["message"]
+
+
+def test_a_compressed_shard_whose_bytes_are_not_its_recorded_hash_fails_its_batch_never_decoded(
+        service, moto, tmp_path):
+    """zstd as Streaming writes it has no checksum of its own: the shard's recorded hashes are."""
+    streaming = import_streaming()
+    rng = np.random.default_rng(3)
+    out = tmp_path / "hashed"
+    with streaming.MDSWriter(out=str(out), columns={"data": "bytes"}, compression="zstd",
+                             hashes=["sha1", "xxh64"], size_limit=1 << 20) as writer:
+        for _ in range(300):
+            writer.write({"data": rng.bytes(2048)})  # random: the shard stays ~600 KB compressed
+    files = {path.name: path.read_bytes() for path in out.iterdir()}
+    name = json.loads(files["index.json"])["shards"][0]["zip_data"]["basename"]
+    flipped = bytearray(files[name])
+    flipped[-100] ^= 0x01  # past the prefix the open reads its header from
+    files[name] = bytes(flipped)
+    assert register(service, "hashed", put(moto, "hashed", files)).status_code == 200
+    answer = requests.post(f"{service.url}/v1/batch", json={"dataset": "hashed", "indices": [299]}, timeout=30)
+    assert answer.status_code == 422, answer.text
+    message = answer.json()["error"]["message"]
+    assert answer.json()["error"]["code"] == "shard_disagrees" and name in message and "its sha1 is" in message
