@@ -31,6 +31,8 @@ from shardfeed.service.stores import ObjectInfo, Store
 from shardfeed.service.stores.compressed import Compressed, CompressedShards
 
 PEER_INDEX = "index.json"
+PEER_INDEX_LIMIT = 1 << 30
+"""Bytes of an ``index.json`` read whole, at most (Streaming's takes ~500 bytes a shard)."""
 
 
 def peer_layout(data: bytes, where: str, listed: set[str]) -> PeerLayout:
@@ -69,6 +71,9 @@ def shard_store(store: Store, layout: PeerLayout) -> Store:
 
 
 async def read_peer_layout(store: Store, info: ObjectInfo, listing: list[ObjectInfo]) -> PeerLayout:
+    if info.size > PEER_INDEX_LIMIT:
+        raise IndexFormatError(f"{store.url}/{info.path}: {info.size} bytes, more than the {PEER_INDEX_LIMIT} "
+                               "an index.json of a million shards takes")
     data = await store.read(info.path, info.etag)
     return peer_layout(data, f"{store.url}/{info.path}", {i.path for i in listing})
 

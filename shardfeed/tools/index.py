@@ -8,9 +8,11 @@ import asyncio
 import time
 
 from shardfeed.service.datasets.index import Index, write_index
+from shardfeed.service.datasets.indexfile import IndexFormatError
 from shardfeed.service.datasets.layouts import index_objects
+from shardfeed.service.datasets.peerindex import PEER_INDEX
 from shardfeed.service.datasets.tarscan import index_shards
-from shardfeed.service.stores import open_store
+from shardfeed.service.stores import ObjectNotFound, open_store
 from shardfeed.sizes import format_size, parse_size
 
 
@@ -23,11 +25,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bytes per ranged header read of a tar shard (default 1MiB)")
 
 
+async def _exists(store, path: str) -> bool:
+    try:
+        await store.head(path)
+    except ObjectNotFound:
+        return False
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     async def main() -> tuple[Index, str]:
         async with open_store(args.url) as store:
             if args.objects:
                 index = await index_objects(store, progress=args.progress)
+            elif await _exists(store, PEER_INDEX):
+                raise IndexFormatError(f"{args.url} holds a MosaicML Streaming or LitData dataset ({PEER_INDEX}): "
+                                       "`shardfeed serve --dataset NAME=URL` serves it in place, with no index")
             else:
                 index = await index_shards(store, window=parse_size(args.window), progress=args.progress)
             # S3Store counts its requests: report what indexing cost.

@@ -281,6 +281,15 @@ def test_seed_refuses_to_overwrite_a_dataset(tmp_path):
 
 
 @pytest.mark.slow
+def test_index_of_a_peers_dataset_says_it_is_served_as_it_is(tmp_path):
+    from common.peerdatasets import mds_dataset
+
+    root = mds_dataset(tmp_path / "mds", samples=6).root
+    error = fails("index", str(root))
+    assert "holds a MosaicML Streaming or LitData dataset (index.json)" in error and "in place" in error
+    assert not (root / INDEX_FILE).exists()
+
+
 def test_store_problems_give_one_line_errors(s3_env, bucket):
     assert "bucket 'no-such-bucket' does not exist" in fails("seed", "s3://no-such-bucket/x", "--samples", "2")
     assert "access denied" in fails("index", f"s3://{bucket}/x", env={"AWS_SECRET_ACCESS_KEY": "wrong"})
