@@ -1,5 +1,7 @@
 """The Arrow IPC stream format, as far as batch answers need it: shared by the service (writer)
-and the client (reader), with NumPy and the standard library only.
+and the client (reader), with NumPy and the standard library only; and, for the service's
+reading of LitData's Arrow-footer chunks (``service/datasets/arrowfooter.py``), an IPC *file*'s
+footer and record batches, read where they lie.
 
 A batch answer in ``"format": "arrow"`` is an Arrow IPC *stream*
 (https://arrow.apache.org/docs/format/Columnar.html#ipc-streaming-format): a schema message,
@@ -19,6 +21,13 @@ any dtype whose size divides their lengths.
 
 The reader (:func:`read_stream`) walks the messages of a stream held whole in memory and returns
 each record batch's buffers as places in it: nothing per row, nothing copied.
+
+An IPC file (https://arrow.apache.org/docs/format/Columnar.html#ipc-file-format) is ``ARROW1``,
+padding, a stream, then its footer (a flatbuffer: the schema, and a Block per record batch: where
+its message lies, its metadata's length and its body's), the footer's length (int32) and
+``ARROW1`` again. :func:`read_file_footer` reads the footer, :func:`read_record_batches` the
+record batches' metadata messages, each read on its own: a reader of a large file reads those
+and the buffers it wants, never the file.
 """
 
 from __future__ import annotations
@@ -38,9 +47,21 @@ MEDIA_TYPE = "application/vnd.apache.arrow.stream"
 
 V5 = 4  # MetadataVersion.V5
 SCHEMA, RECORD_BATCH = 1, 3  # MessageHeader union types
-# Type union ids (Schema.fbs) of the columns handled.
-INT, BINARY, UTF8, LARGE_BINARY, LARGE_UTF8 = 2, 4, 5, 19, 20
+# Type union ids (Schema.fbs) of the columns read: the stream reader's, and the footer reader's.
+NULL, INT, FLOATING_POINT, BINARY, UTF8, BOOL, LARGE_BINARY, LARGE_UTF8 = 1, 2, 3, 4, 5, 6, 19, 20
 _OFFSET_WIDTH = {BINARY: 4, UTF8: 4, LARGE_BINARY: 8, LARGE_UTF8: 8}
+TYPE_NAMES = {
+    NULL: "null", INT: "int", FLOATING_POINT: "floating point", BINARY: "binary", UTF8: "utf8", BOOL: "bool",
+    7: "decimal", 8: "date", 9: "time", 10: "timestamp", 11: "interval", 12: "list", 13: "struct", 14: "union",
+    15: "fixed-size binary", 16: "fixed-size list", 17: "map", 18: "duration", LARGE_BINARY: "large binary",
+    LARGE_UTF8: "large utf8", 21: "large list", 22: "run-end encoded", 23: "binary view", 24: "utf8 view",
+    25: "list view", 26: "large list view"}
+"""Every type's name (Schema.fbs's union), for errors."""
+NESTED = frozenset({12, 13, 14, 16, 17, 21, 22, 25, 26})
+"""The types whose values are their child columns' (lists, structs, maps, unions, ...)."""
+FILE_MAGIC = b"ARROW1"
+FILE_TAIL = 4 + len(FILE_MAGIC)
+"""An IPC file's last bytes: its footer's length (int32), then ``FILE_MAGIC``."""
 
 
 KEY, INDEX = "__key__", "__index__"
@@ -237,11 +258,16 @@ class Column:
     name: str
     type: int
     nullable: bool
+    dtype: str | None = None
+    """The NumPy dtype of its values when they are fixed-width numbers (int, floating point)."""
+    dictionary: bool = False
+    """Its values are indices into a dictionary of them."""
 
     @property
     def buffers(self) -> int:
-        """Buffers per record batch: validity and values, and offsets for variable-size values."""
-        return 3 if self.type in _OFFSET_WIDTH else 2
+        """Buffers per record batch: none for nulls; validity and values, and offsets for
+        variable-size values (a nested column's children's are not counted)."""
+        return 0 if self.type == NULL else 3 if self.type in _OFFSET_WIDTH else 2
 
 
 @dataclass(frozen=True)
@@ -264,7 +290,7 @@ class Stream:
         """Rows in all record batches."""
         return int(self.rows.sum())
 
-    def _first(self, column: int) -> int:
+    def first_buffer(self, column: int) -> int:
         """The index of ``column``'s first buffer (its validity) in a record batch's."""
         return sum(c.buffers for c in self.columns[:column])
 
@@ -273,9 +299,12 @@ class Stream:
         out = np.ones(self.total, bool)
         if not self.nulls[:, column].any():
             return out
-        validity = self.buffers[:, self._first(column)]
+        validity = self.buffers[:, self.first_buffer(column)]
+        if ((self.nulls[:, column] > 0) & (validity[:, 1] * 8 < self.rows)).any():
+            raise ArrowFormatError(f"column {self.columns[column].name!r}: a record batch's nulls lack "
+                                   "a validity bit per row")
         starts = np.cumsum(self.rows) - self.rows
-        for k in np.flatnonzero((self.nulls[:, column] > 0) & (validity[:, 1] > 0)).tolist():
+        for k in np.flatnonzero(self.nulls[:, column] > 0).tolist():
             rows = int(self.rows[k])
             bits = np.frombuffer(buf, np.uint8, int(validity[k, 1]), int(validity[k, 0]))
             out[starts[k]:starts[k] + rows] = np.unpackbits(bits, count=rows, bitorder="little").astype(bool)
@@ -283,12 +312,12 @@ class Stream:
 
     def integers(self, buf, column: int) -> np.ndarray:
         """An int64 column's values."""
-        return gather(buf, "<i8", self.buffers[:, self._first(column) + 1, 0], self.rows)
+        return gather(buf, "<i8", self.buffers[:, self.first_buffer(column) + 1, 0], self.rows)
 
     def spans(self, buf, column: int) -> tuple[np.ndarray, np.ndarray]:
         """A binary or string column's values as places in the stream: each row's absolute offset and
         length (a null's too: it may have one; see :meth:`valid`)."""
-        first = self._first(column)
+        first = self.first_buffer(column)
         offsets, data = self.buffers[:, first + 1], self.buffers[:, first + 2]
         width = _OFFSET_WIDTH[self.columns[column].type]
         ends = gather(buf, f"<i{width}", offsets[:, 0], self.rows + 1)
@@ -305,6 +334,16 @@ class Stream:
         if len(lo) and (lo.min() < 0 or lengths.min() < 0 or (hi > limit).any()):
             raise ArrowFormatError(f"column {self.columns[column].name!r}: offsets outside its values")
         return at + lo, lengths
+
+    def fixed_spans(self, column: int) -> tuple[np.ndarray, np.ndarray]:
+        """A fixed-width column's values as places in the stream, as :meth:`spans` gives a binary
+        column's: each row's absolute offset and its dtype's size (a null's too)."""
+        width = np.dtype(self.columns[column].dtype).itemsize
+        values = self.buffers[:, self.first_buffer(column) + 1]
+        if (values[:, 1] < width * self.rows).any():
+            raise ArrowFormatError(f"column {self.columns[column].name!r}: fewer values than rows")
+        within = np.arange(self.total) - np.repeat(np.cumsum(self.rows) - self.rows, self.rows)
+        return np.repeat(values[:, 0], self.rows) + width * within, np.full(self.total, width, np.int64)
 
 
 def gather(buf, dtype: str, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -323,20 +362,35 @@ def gather(buf, dtype: str, starts: np.ndarray, counts: np.ndarray) -> np.ndarra
     return whole[np.repeat(starts // size - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))]
 
 
+def _columns(schema: _Table) -> list[Column]:
+    """The top-level columns of a Schema table, of whatever type."""
+    return [Column(field.string(0), field.scalar(2, _U8), bool(field.scalar(1, _U8)),
+                   _dtype(field.scalar(2, _U8), field.table(3)), field.table(4) is not None)
+            for field in schema.tables(1)]
+
+
+def _dtype(kind: int, spec: _Table | None) -> str | None:
+    """The NumPy dtype of an Int or FloatingPoint type's values (its table: ``spec``); None for others."""
+    if kind == INT and spec is not None and spec.scalar(0, _I32) in (8, 16, 32, 64):
+        return f"<{'i' if spec.scalar(1, _U8) else 'u'}{spec.scalar(0, _I32) // 8}"
+    if kind == FLOATING_POINT:
+        precision = 0 if spec is None else spec.scalar(0, _U16)  # HALF, SINGLE, DOUBLE
+        return ("<f2", "<f4", "<f8")[precision] if precision < 3 else None
+    return None
+
+
 def _schema(message: _Table) -> list[Column]:
+    """A schema message's columns, each of a type the stream reader handles."""
     schema = message.table(2)
     if schema is None:
         raise ArrowFormatError("a schema message without a schema")
-    columns = []
-    for field in schema.tables(1):
-        kind = field.scalar(2, _U8)
-        if kind not in (INT, *_OFFSET_WIDTH):
-            raise ArrowFormatError(f"column {field.string(0)!r} has a type this reader does not handle ({kind})")
-        if kind == INT:
-            spec = field.table(3)
-            if spec is None or spec.scalar(0, _I32) != 64:
-                raise ArrowFormatError(f"column {field.string(0)!r}: only 64-bit integers are handled")
-        columns.append(Column(field.string(0), kind, bool(field.scalar(1, _U8))))
+    columns = _columns(schema)
+    for column in columns:
+        if column.type not in (INT, *_OFFSET_WIDTH) or column.dictionary:
+            raise ArrowFormatError(f"column {column.name!r} has a type this reader does not handle "
+                                   f"({TYPE_NAMES.get(column.type, column.type)})")
+        if column.type == INT and column.dtype not in ("<i8", "<u8"):
+            raise ArrowFormatError(f"column {column.name!r}: only 64-bit integers are handled")
     return columns
 
 
@@ -355,7 +409,7 @@ def _record_batch(message: _Table, columns: int, buffers: int) -> tuple[int, int
     if batch is None:
         raise ArrowFormatError("a record batch message without a record batch")
     if batch._place(3) is not None:
-        raise ArrowFormatError("compressed record batches are not handled")
+        raise ArrowFormatError("compressed record batches (each buffer compressed on its own) are not handled")
     nodes, buffers_at = batch.vector(1), batch.vector(2)
     if nodes[1] != columns or buffers_at[1] != buffers:
         raise ArrowFormatError("a record batch does not match its schema")
@@ -426,3 +480,65 @@ def _stream(buf: memoryview, columns: list[Column], batches: list[tuple[int, int
     places = buffers.copy()  # a view of the stream's own bytes, which stay as they came
     places[:, :, 0] += body[:, None]
     return Stream(columns, rows, nodes[:, :, 1], places, ended)
+
+
+# -- an IPC file's footer and record batches -------------------------------------------------
+
+_BLOCK = np.dtype([("offset", "<i8"), ("metadata", "<i4"), ("padding", "V4"), ("body", "<i8")])
+"""A Block struct of a file's footer: where a message lies in the file, its metadata's length (its
+prefix and padding included) and its body's length."""
+
+
+@dataclass(frozen=True)
+class FileFooter:
+    """An IPC file's footer: its ``columns``; per record batch (``batches``, int64 ``(n, 3)``) the
+    offset of its message in the file, its metadata's length and its body's length."""
+
+    columns: list[Column]
+    batches: np.ndarray
+
+
+def file_footer_length(tail: bytes) -> int:
+    """The length of a file's footer, from its last ``FILE_TAIL`` bytes (``tail``)."""
+    if len(tail) != FILE_TAIL or tail[4:] != FILE_MAGIC:
+        raise ArrowFormatError(f"not an Arrow IPC file (it does not end in {FILE_MAGIC!r})")
+    return _I32.unpack_from(tail, 0)[0]
+
+
+def read_file_footer(data: bytes) -> FileFooter:
+    """A file's footer from its flatbuffer (``data``: the ``file_footer_length`` bytes before the
+    file's tail)."""
+    buf = memoryview(data).cast("B")
+    try:
+        footer = _Table(buf, _U32.unpack_from(buf, 0)[0])
+        schema = footer.table(1)
+        if schema is None:
+            raise ArrowFormatError("a file footer without a schema")
+        at, count = footer.vector(3)
+        blocks = np.frombuffer(buf, _BLOCK, count, at)
+        return FileFooter(_columns(schema), np.stack([blocks["offset"], blocks["metadata"].astype(np.int64),
+                                                      blocks["body"]], axis=1).reshape(-1, 3))
+    except (struct.error, ValueError) as err:
+        if isinstance(err, ArrowFormatError):
+            raise
+        raise ArrowFormatError("a file footer's flatbuffer points outside it") from None
+
+
+def read_record_batches(columns: list[Column], messages: Sequence[bytes], bodies: np.ndarray) -> Stream:
+    """The record batches of a file, each from its metadata message (the bytes its Block names:
+    prefix, flatbuffer, padding) and where its body starts (``bodies``): a ``Stream`` whose
+    buffers are places as ``bodies`` counts them (in the file, or whatever holds it)."""
+    buf = memoryview(b"".join(messages))
+    width = sum(c.buffers for c in columns)
+    batches, at = [], 0
+    try:
+        for message, body in zip(messages, np.asarray(bodies, np.int64).tolist(), strict=True):
+            start = at + (8 if bytes(message[:4]) == CONTINUATION else 4)
+            table = _Table(buf, start + _U32.unpack_from(buf, start)[0])
+            if table.scalar(1, _U8) != RECORD_BATCH:
+                raise ArrowFormatError("a file's record batch block holds another kind of message")
+            batches.append((*_record_batch(table, len(columns), width), body, table.scalar(3, _I64)))
+            at += len(message)
+    except struct.error:
+        raise ArrowFormatError("a record batch's metadata points outside it") from None
+    return _stream(buf, columns, batches, True)

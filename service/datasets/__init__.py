@@ -14,6 +14,8 @@
     tarscan.py    the tar layout: an index from the shards' headers, read with ranged reads
     autoindex.py  tar shards without an index, indexed when they open (kept in the store or here)
     peerindex.py  a peer's dataset (an ``index.json``): its index from its shards' headers
+    arrowfooter.py
+                  LitData's Arrow-footer chunks: each value's own extent, from the footer
     mds.py        MosaicML Streaming's ``index.json`` (layout ``mds``)
     litdata.py    LitData's ``index.json`` (layout ``litdata``)
     records.py    the columns of a peer's records, and where a record's header puts each

@@ -106,9 +106,9 @@ class IndexKeeper:
     async def index_records(self, store: Store, layout: PeerLayout, infos: list[ObjectInfo],
                             progress: IndexProgress | None = None) -> Index:
         """The index of a peer's shards (``peerindex.py``), ``infos`` the versions of its
-        ``index.json`` and shards: kept here, never in the store, named by those versions, so
-        that a peer's writer that replaces the dataset (knowing nothing of ours) never finds
-        a stale index beside it."""
+        ``index.json`` and shards (the objects holding them, in ``layout``'s order): kept here,
+        never in the store, named by those versions, so that a peer's writer that replaces the
+        dataset (knowing nothing of ours) never finds a stale index beside it."""
         kept = self.directory / f"{dataset_id(store.url)}-{_versions_digest(infos)}.parquet"
         async with locked(kept.with_suffix(".lock")):
             if kept.exists():
@@ -116,7 +116,7 @@ class IndexKeeper:
             progress = progress or IndexProgress()
             progress.shards = progress.bytes = len(layout.shards)  # counted in shard headers read
             log.info("indexing %s: %d %s shards, headers only", store.url, len(layout.shards), layout.format.layout)
-            index = await index_records(store, layout, meter=progress)
+            index = await index_records(store, layout, [info.size for info in infos[1:]], meter=progress)
             data = await asyncio.to_thread(parquet_bytes, index.to_table())
             await asyncio.to_thread(write_atomically, kept, data)
 

@@ -58,9 +58,11 @@ class Dataset:
     root: Store | None = None
     """The store at its URL, which a reopening lists: ``store`` itself, or what ``store`` reads
     through (a peer's compressed shards: ``stores/compressed.py``)."""
+    encodings: dict[str, str] = field(default_factory=dict)
+    """Each field's encoding, where its layout names one (MDS, LitData: what ``decode=`` decodes by)."""
     records: RecordFormat | None = None
     """The columns of its records, when its index holds records rather than fields (MDS,
-    LitData: ``records.py``; ``read/fields.py`` places the fields)."""
+    LitData's records: ``records.py``; ``read/fields.py`` places the fields)."""
 
     @cached_property
     def stored_bytes(self) -> int:
@@ -80,7 +82,7 @@ class Dataset:
             "shard_samples": self.shard_samples,
             "fields": self.index.fields,
             "layout": self.index.layout,
-            "encodings": self.records.encodings if self.records is not None else {},
+            "encodings": self.encodings,
             "version": self.version,
             "checked": self.checked,
         }
@@ -110,7 +112,7 @@ async def open_dataset(name: str, url: str, store_options: dict | None = None, *
     shards = [opened.objects.get(path) for path in index.shards]
     return Dataset(
         name=name, url=url, store=opened.store or store, root=store, index=index, id=dataset_id(url),
-        records=opened.records,
+        encodings=opened.encodings, records=opened.records,
         extents=index.shard_extents(),
         shard_ids=[shard_id(path, *_version(info)) for path, info in zip(index.shards, shards)],
         shard_samples=index.shard_samples(),
@@ -126,6 +128,7 @@ class _Opened:
     """The version of the index read (``index.parquet``, or a peer's ``index.json``)."""
     objects: dict[str, ObjectInfo]
     """The version of each shard, by its name in the index."""
+    encodings: dict[str, str] = field(default_factory=dict)
     records: RecordFormat | None = None
     store: Store | None = None
     """What reads its shards, when not the root's store (a peer's compressed shards)."""
@@ -162,7 +165,9 @@ async def _index_and_versions(store: Store, index_objects: bool, keeper: IndexKe
 async def _open_peer(store: Store, peer: ObjectInfo, listing: list[ObjectInfo], keeper: IndexKeeper | None,
                      progress: IndexProgress | None) -> _Opened:
     """A peer's dataset (``peerindex.py``): its layout from ``peer`` (its ``index.json``), its
-    shards' versions those of the objects holding them, its index built or kept."""
+    shards' versions those of the objects holding them, its index built or kept; its fields
+    placed in their records by the read path unless the index holds the fields' own extents
+    (LitData's Arrow footers)."""
     layout = await read_peer_layout(store, peer, listing)
     infos = {info.path: info for info in listing}
     for shard in layout.shards:
@@ -171,9 +176,9 @@ async def _open_peer(store: Store, peer: ObjectInfo, listing: list[ObjectInfo], 
     shards = shard_store(store, layout)
     stored = [infos[shard.stored] for shard in layout.shards]
     index = await (keeper.index_records(shards, layout, [peer, *stored], progress) if keeper is not None
-                   else index_records(shards, layout))
+                   else index_records(shards, layout, [info.size for info in stored]))
     return _Opened(index, peer, {shard.name: info for shard, info in zip(layout.shards, stored)},
-                   layout.format, shards)
+                   layout.format.encodings, layout.format if index.records else None, shards)
 
 
 def _version(info: ObjectInfo | None) -> tuple[str | None, int | None]:

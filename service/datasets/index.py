@@ -27,7 +27,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shardfeed.service.datasets.indexfile import (
-    INDEX_FILE, LAYOUT_KEY, SCHEMA, VERSION, VERSION_KEY, IndexFormatError, IndexStats, first_row, index_columns,
+    INDEX_FILE, LAYOUT_KEY, ROWS_KEY, SCHEMA, VERSION, VERSION_KEY, IndexFormatError, IndexStats, first_row,
+    index_columns,
 )
 from shardfeed.service.stores import ObjectInfo, ObjectNotFound, Store
 from shardfeed.sizes import format_size
@@ -68,10 +69,12 @@ class Index:
 
     def __init__(self, *, keys: pa.Array, starts: np.ndarray, shard: np.ndarray,
                  field: np.ndarray, offset: np.ndarray, size: np.ndarray,
-                 shards: list[str], fields: list[str], layout: str = "tar",
+                 shards: list[str], fields: list[str], layout: str = "tar", records: bool = False,
                  stats: IndexStats | None = None):
         # Internal: callers use from_table(), which validates.
         self.layout = layout
+        self.records = records
+        """Its rows hold their records' extents, not their fields' (``indexfile.ROWS_KEY``)."""
         self._keys = keys
         self._starts = starts
         self._shard = shard
@@ -319,7 +322,8 @@ class Index:
                 "offset": self._offset.astype(np.int64),
                 "size": self._size.astype(np.int64),
             },
-            schema=SCHEMA.with_metadata({VERSION_KEY: VERSION, LAYOUT_KEY: self.layout.encode()}),
+            schema=SCHEMA.with_metadata({VERSION_KEY: VERSION, LAYOUT_KEY: self.layout.encode(),
+                                         ROWS_KEY: b"records" if self.records else b"fields"}),
         )
 
 

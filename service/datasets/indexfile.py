@@ -2,10 +2,11 @@
 
 One row per member (docs/architecture.md): ``sample`` (int64, dense 0..N-1), ``key``,
 ``field`` (lowercased), ``shard`` (path relative to the dataset root), ``offset`` (of the
-member's data in the shard) and ``size``, with the format version and the layout in the
-schema metadata. ``index_columns`` checks a table and turns it into the compact arrays an
-``Index`` (``index.py``) holds; ``split_member_name`` is WebDataset's naming, shared by
-every writer of an index (the shard writer, ``pack``, the layouts).
+member's data in the shard) and ``size``, with the format version, the layout and what a
+row's extent is (``ROWS_KEY``) in the schema metadata. ``index_columns`` checks a table and
+turns it into the compact arrays an ``Index`` (``index.py``) holds; ``split_member_name`` is
+WebDataset's naming, shared by every writer of an index (the shard writer, ``pack``, the
+layouts).
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ VERSION_KEY = b"shardfeed.index.version"
 VERSION = b"1"
 LAYOUT_KEY = b"shardfeed.index.layout"
 LAYOUTS = ("tar", "objects", "mds", "litdata")
+ROWS_KEY = b"shardfeed.index.rows"
+"""What a row's offset and size are: ``fields``, the member's own bytes, or ``records``, its
+record's, in which its record's own header places it (``read/fields.py``). When absent:
+``records`` for the layouts ``mds`` and ``litdata`` (as every index of theirs was before the
+key), ``fields`` for the others."""
+RECORD_LAYOUTS = ("mds", "litdata")
 
 SCHEMA = pa.schema(
     [("sample", pa.int64()), ("key", pa.string()), ("field", pa.string()),
@@ -92,6 +99,9 @@ def index_columns(table: pa.Table) -> dict:
     layout = (table.schema.metadata or {}).get(LAYOUT_KEY, b"tar").decode(errors="replace")
     if layout not in LAYOUTS:
         raise IndexFormatError(f"unknown index layout {layout!r} (known: {', '.join(LAYOUTS)})")
+    rows = (table.schema.metadata or {}).get(ROWS_KEY, b"records" if layout in RECORD_LAYOUTS else b"fields")
+    if rows not in (b"records", b"fields"):
+        raise IndexFormatError(f"unknown index rows {rows.decode(errors='replace')!r} (known: records, fields)")
     for name in SCHEMA.names:
         if name not in table.column_names:
             raise IndexFormatError(f"index has no {name!r} column")
@@ -164,6 +174,7 @@ def index_columns(table: pa.Table) -> dict:
         shards=shards,
         fields=fields,
         layout=layout,
+        records=rows == b"records",
     )
 
 
@@ -198,8 +209,9 @@ class IndexStats:
         if len(sample_shard):
             run_starts = np.concatenate(([0], run_starts))
         run_starts = run_starts.astype(np.int64)
-        # Bytes of distinct extents: a record layout's fields share their record's (``records.py``).
-        shared = (offset[1:] == offset[:-1]) & (shard[1:] == shard[:-1])
+        # Bytes of distinct extents: a record layout's fields share their record's (``records.py``);
+        # a field's own extent may start where an empty one's lies (an Arrow footer's), and counts.
+        shared = (offset[1:] == offset[:-1]) & (shard[1:] == shard[:-1]) & (size[1:] == size[:-1])
         total_bytes = int(size.sum(dtype=np.int64)) - int(size[1:][shared].sum(dtype=np.int64))
         return cls(total_bytes=total_bytes, per_sample=per_sample,
                    shard_samples=int(np.median(per_shard[per_shard > 0])) if len(sample_shard) else 0,

@@ -11,6 +11,9 @@
                                                     ``.bin`` (LDFZ01, read frame by frame); none
                                                     (or ``chunk``): whole ``.zstd.bin`` files
 
+A chunk of dict items whose leaves are all plain values (str, int, float, bool, bytes) holds
+them in an Arrow footer after empty records (``arrowfooter.py``); its columns are the leaves.
+
 A leaf's field name is its path in the item: a dict key, a list or tuple position, joined
 with dots (``{"img": ..., "meta": {"label": ...}}`` has fields ``img`` and ``meta.label``);
 an item that is a single leaf has the field ``item``. Leaves are in pytree order, a dict's

@@ -42,7 +42,7 @@ from shardfeed.service.datasets.indexfile import IndexFormatError, IndexStats
 
 log = logging.getLogger("shardfeed.datasets")
 
-MAGIC = b"shardfeed-index\x01"
+MAGIC = b"shardfeed-index\x02"  # 2: the header says ``records``
 SUFFIX = ".idx"
 _SCRATCH = ".scratch"
 _ALIGN = 64
@@ -65,7 +65,7 @@ def write_mapped(index: Index, path: Path) -> None:
     for name, array in arrays.items():
         layout[name] = [array.dtype.str, position, len(array)]
         position += -(-array.nbytes // _ALIGN) * _ALIGN
-    header = {"layout": index.layout, "shards": index.shards, "fields": index.fields,
+    header = {"layout": index.layout, "records": index.records, "shards": index.shards, "fields": index.fields,
               "total_bytes": stats.total_bytes, "per_sample": stats.per_sample,
               "shard_samples": stats.shard_samples, "arrays": layout}
     base = 0
@@ -121,7 +121,7 @@ def map_index(path: Path) -> Index:
                        **{name: array(name) for name in _STATS_ARRAYS})
     index = Index(keys=keys, starts=array("starts"), shard=array("shard"), field=array("field"),
                   offset=array("offset"), size=array("size"), shards=header["shards"], fields=header["fields"],
-                  layout=header["layout"], stats=stats)
+                  layout=header["layout"], records=header["records"], stats=stats)
     _map_files[index] = path
     return index
 

@@ -12,8 +12,11 @@ a header of uint32 sizes, then its columns' bytes back to back, in column order:
 The shard's header says where each record lies, but only each record's own header says where
 its fields lie. So the index (``peerindex.py``) is built from the shards' headers alone, one
 row per field holding its *record*'s extent, and a batch finds its fields in the records'
-headers when it reads them (``read/fields.py``, with ``RecordFormat.locate``). Each field's
+headers when it reads them (``read/fields.py``, with ``RecordFormat.sizes``). Each field's
 bytes are the column's encoded bytes, what the peer's own decoder is given.
+
+(LitData writes items of plain values alone as empty records and an Arrow file after them:
+``arrowfooter.py`` finds each field's own extent there, and those fields need no placing.)
 """
 
 from __future__ import annotations

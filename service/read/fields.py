@@ -7,8 +7,8 @@ its fields' sizes, kept per index member for every process of the host (``mapped
 holds them (``placed_from_ram``: a plan read the records ahead), deciding without awaiting as the
 warm path does; else through the coalescer (``located``), the records' whole blocks asked for at
 once. From then on ``known`` places the record's members with numpy alone. A dataset whose index
-holds its fields' own extents (tar shards, loose objects) has nothing to learn: its members pass
-as they are.
+holds its fields' own extents (tar shards, loose objects, LitData's Arrow-footer chunks) has
+nothing to learn: its members pass as they are.
 """
 
 from __future__ import annotations

@@ -56,10 +56,15 @@ LitData (``litdata_dataset``)
     ``chunk-0-N.bin``.
   (``compression_level="sample"``, a plain chunk whose items are each a zstd frame, is not
   written here.)
-- A dict item whose leaves are all ``str``/``int``/``float``/``bool``/``bytes`` is written as an
-  Arrow IPC footer instead: every item offset equals the header's size and the file ends with
-  ``LDARW01\\0``; the reader never hands those leaves to a deserializer, so no dataset here is
-  of that kind (``litdata_item`` has images and arrays).
+- A dict item whose leaves are all ``str``/``int``/``float``/``bool``/``bytes`` (or lists and
+  dicts of those; ``plain_item``) is written as an Arrow IPC footer instead, in every layout:
+  every item offset equals the header's size, then an Arrow IPC file of the chunk's items (the
+  dict's keys its columns, 256 rows a record batch), its length (uint32) and ``LDARW01\\0``.
+  ``config``: ``compression`` ``null`` whatever the writer was asked, ``ipc_compression``
+  ``"zstd"`` when it was asked to compress (the record batches' buffers then compressed one by
+  one). A ``None`` value is a null in the footer, and ``None`` in the item LitData's reader
+  returns. The reader hands those values to no deserializer: their raw bytes are what the
+  leaf's serializer writes of the value LitData's reader returns (``_read_litdata_footer``).
 - LitData's ``jpeg`` deserializer decodes with torchvision, which the CPU torch build lacks:
   its decoded values are ``PeerCannotDecode``.
 """
@@ -110,7 +115,7 @@ class PeerDataset:
 
     @property
     def samples(self) -> int:
-        return len(self.raw) // len(self.encodings)
+        return len({i for i, _ in self.raw})  # every sample has a field (an Arrow footer's may lack some)
 
     @property
     def index(self) -> dict:
@@ -233,6 +238,14 @@ def litdata_item(k: int) -> dict[str, Any]:
     }
 
 
+def plain_item(k: int) -> dict[str, Any]:
+    """Item ``k`` of plain values alone, which LitData writes in an Arrow footer: empty ``caption``
+    and ``blob`` now and then, ``note`` now and then ``None`` (not in item 0, which fixes
+    ``data_format``), a ``label`` always."""
+    return {"id": k * 7919 - 10**6, "caption": _caption(k), "score": k / 3 - 100, "blob": _blob(k)[:k % 50],
+            "note": None if k % 7 == 3 else "n" * (k % 4), "label": f"class-{k % 10}"}
+
+
 LITDATA_LAYOUTS = {
     "plain": {},
     "framed": {"compression": "zstd", "compression_batch_size": 2},  # several frames in a chunk
@@ -253,9 +266,22 @@ def litdata_dataset(root: Path, *, layout: str = "plain", samples: int = 24, chu
         writer[k] = item(k)
     writer.done()
     writer.merge()
-    config = json.loads((root / "index.json").read_text())["config"]
+    document = json.loads((root / "index.json").read_text())
+    config = document["config"]
     encodings = dict(zip(leaf_names(config["data_spec"]), config["data_format"], strict=True))
-    return PeerDataset(root, encodings, *_read_litdata(root, encodings, samples))
+    read = _read_litdata_footer if arrow_footers(root, document) else _read_litdata
+    return PeerDataset(root, encodings, *read(root, encodings, samples))
+
+
+def arrow_footers(root: Path, document: dict) -> bool:
+    """Whether the chunks ``document`` (an ``index.json``) lists hold their items in Arrow footers."""
+    found = set()
+    for chunk in document["chunks"]:
+        data = (root / chunk["filename"]).read_bytes()
+        offsets = np.frombuffer(data, "<u4", int(chunk["chunk_size"]) + 1, 4)
+        found.add(bool((offsets == offsets[0]).all()) and data.endswith(b"LDARW01\0"))
+    assert len(found) == 1, "chunks of both kinds"
+    return found.pop()
 
 
 def leaf_names(data_spec: str) -> list[str]:
@@ -321,3 +347,24 @@ def _read_litdata(root: Path, encodings: dict[str, str], samples: int) -> tuple[
     with mock.patch.object(BaseItemLoader, "setup", recording_setup):
         return _read_back(root, lambda local: litdata.StreamingDataset(input_dir=local, batch_decode="item"),
                           calls, encodings, samples)
+
+
+def _read_litdata_footer(root: Path, encodings: dict[str, str], samples: int) -> tuple[dict, dict]:
+    """Each item through ``litdata.StreamingDataset``, whose values from an Arrow footer meet no
+    deserializer: a field's raw bytes are what LitData's serializer of its leaf writes of the
+    value returned (``None``: the sample lacks the field)."""
+    import litdata
+    from litdata.streaming.serializers import _SERIALIZERS
+
+    raw, decoded = {}, {}
+    with tempfile.TemporaryDirectory() as scratch:
+        dataset = litdata.StreamingDataset(input_dir=str(shutil.copytree(root, Path(scratch) / "local")))
+        assert len(dataset) == samples, (len(dataset), samples)
+        for i in range(samples):
+            item = dataset[i]
+            assert list(item) == list(encodings), (i, list(item))
+            for field, encoding in encodings.items():
+                if item[field] is not None:
+                    raw[i, field] = _SERIALIZERS[encoding].serialize(item[field])[0]
+                    decoded[i, field] = item[field]
+    return raw, decoded

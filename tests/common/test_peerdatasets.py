@@ -10,7 +10,7 @@ import pytest
 
 from common.peerdatasets import (
     LITDATA_LAYOUTS, MDS_COLUMNS, PeerCannotDecode, leaf_names, litdata_dataset, litdata_item, mds_dataset,
-    mds_sample, upload,
+    mds_sample, plain_item, upload,
 )
 
 
@@ -99,6 +99,31 @@ def test_litdata_dataset_is_read_through_litdatas_own_deserializers(tmp_path, la
     for field in ("caption", "blob"):
         assert any(dataset.raw[i, field] == b"" for i in range(dataset.samples))
     assert image_modes(dataset, "picture") == {"L", "RGB"}
+
+
+@pytest.mark.parametrize("layout", ["plain", "framed"])
+def test_litdata_items_of_plain_values_are_written_in_arrow_footers_and_read_as_its_serializers_write_them(
+        tmp_path, layout):
+    dataset = litdata_dataset(tmp_path / "arrow", layout=layout, samples=300, chunk_bytes=1 << 14, item=plain_item)
+    config, chunks = dataset.index["config"], dataset.index["chunks"]
+    assert (config["compression"], config["ipc_compression"]) == ((None, None) if layout == "plain" else (None, "zstd"))
+    assert len(chunks) >= 2 and chunks[0]["chunk_size"] > 256  # several chunks, several record batches
+    for chunk in chunks:
+        data = (dataset.root / chunk["filename"]).read_bytes()
+        count, *offsets = struct.unpack_from(f"<{chunk['chunk_size'] + 2}I", data)
+        assert offsets == [4 * (count + 2)] * (count + 1) and data.endswith(b"LDARW01\0")
+        assert data[offsets[0]:offsets[0] + 6] == b"ARROW1" == data[-18:-12]
+        assert len(data) == chunk["chunk_bytes"] == offsets[0] + struct.unpack_from("<I", data, len(data) - 12)[0] + 12
+    assert dataset.encodings == {"id": "int", "caption": "str", "score": "float", "blob": "bytes", "note": "str",
+                                 "label": "str"}
+    for i in range(dataset.samples):
+        item = plain_item(i)
+        assert dataset.raw[i, "id"] == struct.pack("<q", item["id"]) and dataset.decoded[i, "id"] == item["id"]
+        assert dataset.raw[i, "score"] == struct.pack("<d", item["score"])
+        assert dataset.raw[i, "caption"] == item["caption"].encode() and dataset.raw[i, "blob"] == item["blob"]
+        assert ((i, "note") in dataset.raw) == (item["note"] is not None)  # a null: no field
+    for field in ("caption", "blob", "note"):
+        assert any(dataset.raw.get((i, field)) == b"" for i in range(dataset.samples))
 
 
 def test_litdata_leaves_are_named_by_their_path_in_the_item(tmp_path):

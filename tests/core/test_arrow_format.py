@@ -1,5 +1,6 @@
 """The Arrow IPC stream format (shardfeed/arrowipc.py): what it writes, pyarrow reads (and
-verifies); what pyarrow writes, it reads; a stream cut short is told apart from a whole one."""
+verifies); what pyarrow writes, it reads; a stream cut short is told apart from a whole one; an
+IPC file's footer and record batches read from their own bytes."""
 
 from __future__ import annotations
 
@@ -112,3 +113,62 @@ def test_garbage_is_a_format_error_not_a_crash():
         with pa.ipc.new_stream(sink, pa.schema([("f", pa.float32())])):
             pass
         arrowipc.read_stream(sink.getvalue())
+
+
+def file_of(table: pa.Table, **options) -> bytes:
+    """``table`` as an IPC file that pyarrow writes, 3 rows a record batch."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, table.schema, options=pa.ipc.IpcWriteOptions(**options)) as writer:
+        writer.write_table(table, max_chunksize=3)
+    return sink.getvalue().to_pybytes()
+
+
+def footer_of(data: bytes) -> arrowipc.FileFooter:
+    length = arrowipc.file_footer_length(data[-arrowipc.FILE_TAIL:])
+    return arrowipc.read_file_footer(data[-arrowipc.FILE_TAIL - length:-arrowipc.FILE_TAIL])
+
+
+def record_batches(data: bytes, footer: arrowipc.FileFooter) -> arrowipc.Stream:
+    """The file's record batches, each message read from the bytes its block names."""
+    messages = [data[offset:offset + length] for offset, length, _ in footer.batches.tolist()]
+    return arrowipc.read_record_batches(footer.columns, messages, footer.batches[:, 0] + footer.batches[:, 1])
+
+
+PLAIN = pa.table({"s": pa.array(["a", None, "ccc", ""]), "b": pa.array([b"x", b"", None, b"zz"], pa.large_binary()),
+                  "i": pa.array([1, -2, None, 4], pa.int64()), "f": pa.array([0.5, 1.5, 2.5, None]),
+                  "n": pa.array([None] * 4)})
+
+
+def test_a_files_footer_names_every_columns_type_and_its_record_batches():
+    table = PLAIN.append_column("u", pa.array([1, 2, 3, 4], pa.uint16())).append_column(
+        "ok", pa.array([True, False, True, None])).append_column("l", pa.array([[1], [], None, [2, 3]])).append_column(
+        "d", pa.array(["p", "q", "p", "q"]).dictionary_encode())
+    footer = footer_of(file_of(table))
+    assert [(c.name, c.type, c.dtype, c.dictionary) for c in footer.columns] == [
+        ("s", arrowipc.UTF8, None, False), ("b", arrowipc.LARGE_BINARY, None, False), ("i", arrowipc.INT, "<i8", False),
+        ("f", arrowipc.FLOATING_POINT, "<f8", False), ("n", arrowipc.NULL, None, False),
+        ("u", arrowipc.INT, "<u2", False), ("ok", arrowipc.BOOL, None, False), ("l", 12, None, False),
+        ("d", arrowipc.UTF8, None, True)]
+    assert footer.batches.shape == (2, 3)
+    with pytest.raises(arrowipc.ArrowFormatError):
+        arrowipc.file_footer_length(b"\0" * arrowipc.FILE_TAIL)
+
+
+def test_a_files_record_batches_place_each_value_where_it_lies():
+    data = file_of(PLAIN)
+    stream = record_batches(data, footer_of(data))
+    assert stream.rows.tolist() == [3, 1] and stream.nulls[:, 4].tolist() == [3, 1]
+
+    def values(column: int) -> list:
+        at, lengths = stream.spans(data, column) if column < 2 else stream.fixed_spans(column)
+        return [data[a:a + n] if ok else None for a, n, ok in zip(at, lengths, stream.valid(data, column))]
+
+    assert values(0) == [b"a", None, b"ccc", b""] and values(1) == [b"x", b"", None, b"zz"]
+    assert [v and int(np.frombuffer(v, "<i8")[0]) for v in values(2)] == [1, -2, None, 4]
+    assert [v and float(np.frombuffer(v, "<f8")[0]) for v in values(3)] == [0.5, 1.5, 2.5, None]
+
+
+def test_a_files_compressed_record_batches_are_refused():
+    data = file_of(PLAIN, compression="zstd")
+    with pytest.raises(arrowipc.ArrowFormatError, match="compressed"):
+        record_batches(data, footer_of(data))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import json
+import re
+import struct
 
 import numpy as np
 import pytest
@@ -115,19 +117,48 @@ def test_a_shard_replaced_in_the_store_is_served_at_its_new_version(service, mot
     assert [bytes(s["data"]) for s in before] != [bytes(s["data"]) for s in after]
 
 
-def test_litdata_chunks_of_an_arrow_footer_are_refused_by_name_not_misread(service, moto, tmp_path):
-    """LitData writes items of text and bytes alone as an Arrow file after empty records."""
+def litdata_files(tmp_path, name: str, item, **options) -> dict[str, bytes]:
+    """The files of 20 items ``item(i)`` that LitData's own writer writes, 10 a chunk, by name."""
     from litdata.streaming.writer import BinaryWriter
 
-    writer = BinaryWriter(str(tmp_path / "lit"), chunk_size=10)
+    writer = BinaryWriter(str(tmp_path / name), chunk_size=10, **options)
     for i in range(20):
-        writer[i] = {"text": "t" * i, "data": b"d" * i}
+        writer[i] = item(i)
     writer.done()
     writer.merge()
-    files = {path.name: path.read_bytes() for path in (tmp_path / "lit").iterdir()}
-    answer = register(service, "arrow-footer", put(moto, "arrow-footer", files))
-    assert answer.status_code == 422
-    assert "chunk-0-0.bin" in answer.json()["error"]["message"] and "Arrow" in answer.json()["error"]["message"]
+    return {path.name: path.read_bytes() for path in (tmp_path / name).iterdir()}
+
+
+@pytest.mark.parametrize("case, options, item, culprit", [
+    ("compressed", {"compression": "zstd"}, lambda i: {"text": "t" * i, "n": i}, "compressed record batches"),
+    ("booleans", {}, lambda i: {"text": "t" * i, "ok": i % 2 == 0}, "booleans"),
+    ("lists", {}, lambda i: {"text": "t" * i, "tags": ["a"] * i}, "nested values (list)"),
+    ("dicts", {}, lambda i: {"text": "t", "meta": {"n": i}}, "nested values (struct)"),
+    ("a key after the first item", {}, lambda i: {"text": "t", **({"late": i} if i > 2 else {})},
+     "not the items' leaves"),
+])
+def test_litdata_arrow_footers_whose_values_are_not_byte_ranges_are_refused_by_chunk(
+        service, moto, tmp_path, case, options, item, culprit):
+    """LitData writes items of plain values in an Arrow footer after empty records (served where a
+    value is a byte range: test_peer_layouts.py)."""
+    slug = "arrow-" + case.replace(" ", "-")
+    files = litdata_files(tmp_path, slug, item, **options)
+    assert files["chunk-0-0.bin"].endswith(b"LDARW01\0")
+    answer = register(service, slug, put(moto, slug, files))
+    assert answer.status_code == 422, answer.text
+    message = answer.json()["error"]["message"]
+    assert re.search(r"chunk-0-[01]\.bin: LitData's Arrow footer", message) and culprit in message, message
+
+
+def test_a_litdata_dataset_of_arrow_footers_and_records_is_refused_naming_both(service, moto, tmp_path):
+    files = litdata_files(tmp_path, "mixed", lambda i: {"text": "t" * i, "n": i})
+    records = [struct.pack("<II", i, 8) + b"t" * i + struct.pack("<q", i) for i in range(10, 20)]
+    offsets = 4 * (len(records) + 2) + np.cumsum([0, *map(len, records)])
+    files["chunk-0-1.bin"] = np.array([len(records), *offsets], "<u4").tobytes() + b"".join(records)  # as records
+    answer = register(service, "mixed", put(moto, "mixed", files))
+    assert answer.status_code == 422, answer.text
+    message = answer.json()["error"]["message"]
+    assert "chunk-0-0.bin holds its items in an Arrow footer, chunk-0-1.bin as records" in message, message
 
 
 def test_a_compressed_shard_whose_bytes_are_not_its_recorded_hash_fails_its_batch_never_decoded(

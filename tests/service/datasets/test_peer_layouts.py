@@ -1,7 +1,9 @@
 """Datasets in a peer's format served in place (layouts ``mds`` and ``litdata``): written by the
 peers' own writers with fields of every common encoding, put on SeaweedFS, served by the real
 service over ``serve --dataset`` and the one-line form, every field compared with the bytes the
-peer's own reader hands its decoders (and with the values they return)."""
+peer's own reader hands its decoders (and with the values they return); LitData's items of plain
+values, which it writes in Arrow footers, compared with what its serializers write of the values
+its reader returns."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from shardfeed.client import Client
 from shardfeed.client.torch import ShardfeedDataset
 from shardfeed.process import start_service
 
-from common.peerdatasets import PeerCannotDecode, PeerDataset, litdata_dataset, mds_dataset, upload
+from common.peerdatasets import PeerCannotDecode, PeerDataset, litdata_dataset, mds_dataset, plain_item, upload
 from common.s3 import point_aws_at
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("peer_layouts")]
@@ -31,8 +33,11 @@ DATASETS = {
     "litdata": lambda root: litdata_dataset(root),
     "litdata-framed": lambda root: litdata_dataset(root, layout="framed"),  # LitData's zstd default
     "litdata-whole": lambda root: litdata_dataset(root, layout="whole"),
+    # Arrow footers: chunks of 415, 289, 276 and 20 items, record batches of 256 rows.
+    "litdata-arrow": lambda root: litdata_dataset(root, samples=1000, chunk_bytes=3 << 13, item=plain_item),
 }
-"""Each peer's layouts: uncompressed, and compressed as its writer compresses."""
+"""Each peer's layouts: uncompressed, and compressed as its writer compresses; LitData's Arrow
+footers (items of plain values, a field now and then null: the sample lacks it)."""
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +61,11 @@ def raw_fields(sample: dict) -> dict[str, bytes]:
     return {f: bytes(v) for f, v in sample.items() if not f.startswith("__")}
 
 
+def peer_fields(peer: PeerDataset, i: int) -> dict[str, bytes]:
+    """Sample ``i``'s fields as the peer reads them (those it has)."""
+    return {f: peer.raw[(i, f)] for f in peer.fields if (i, f) in peer.raw}
+
+
 @pytest.mark.parametrize("name", DATASETS)
 def test_every_field_is_the_bytes_the_peers_reader_decodes_cold_and_warm_in_both_formats(service, written, name):
     peer = written[name]
@@ -67,11 +77,10 @@ def test_every_field_is_the_bytes_the_peers_reader_decodes_cold_and_warm_in_both
         for _ in range(2):  # cold, then from the cache
             for lo in range(0, peer.samples, 10):
                 batch = order[lo:lo + 10]
-                assert [raw_fields(s) for s in client.get_batch(name, batch)] == [
-                    {f: peer.raw[(i, f)] for f in peer.fields} for i in batch]
+                assert [raw_fields(s) for s in client.get_batch(name, batch)] == [peer_fields(peer, i) for i in batch]
                 table = client.get_batch_arrow(name, batch)
                 for field in peer.fields:
-                    assert table.column(field).to_pylist() == [peer.raw[(i, field)] for i in batch]
+                    assert table.column(field).to_pylist() == [peer.raw.get((i, field)) for i in batch]
 
 
 @pytest.mark.parametrize("name", DATASETS)
@@ -85,18 +94,28 @@ def test_a_field_alone_and_by_get(service, written, name):
     assert answer.status_code == 200 and answer.content == peer.raw[(3, field)]
 
 
-def test_getbatch_reads_a_field_of_a_record_by_its_shard_and_key(service, written):
-    peer = written["mds"]
-    shards = peer.index["shards"]
-    number = next(n for n, shard in enumerate(shards) if n and shard["samples"] > 2)
-    sample = sum(s["samples"] for s in shards[:number]) + 2
+def shards_of(peer: PeerDataset) -> list[tuple[str, int]]:
+    """Each shard's (or chunk's) file and samples, in the peer's order."""
+    index = peer.index
+    if "shards" in index:
+        return [(shard["raw_data"]["basename"], shard["samples"]) for shard in index["shards"]]
+    return [(chunk["filename"], chunk["chunk_size"]) for chunk in index["chunks"]]
+
+
+@pytest.mark.parametrize("name", ["mds", "litdata-arrow"])
+def test_getbatch_reads_a_field_of_a_sample_by_its_shard_and_key(service, written, name):
+    peer = written[name]
+    shards = shards_of(peer)
+    number = next(n for n, (_, samples) in enumerate(shards) if n and samples > 2)
+    sample = sum(samples for _, samples in shards[:number]) + 2
+    fields = list(peer_fields(peer, sample))[:3]
     with Client(service.url) as client:
-        key = client.get_batch("mds", [sample])[0]["__key__"]
+        key = client.get_batch(name, [sample])[0]["__key__"]
     ais = AisClient(service.url)
     batch = ais.batch(bucket=ais.bucket(BUCKET, provider="s3"))
-    for field in peer.fields[:3]:
-        batch.add(f"mds/{shards[number]['raw_data']['basename']}", archpath=f"{key}.{field}")
-    assert [data for _, data in batch.get()] == [peer.raw[(sample, f)] for f in peer.fields[:3]]
+    for field in fields:
+        batch.add(f"{name}/{shards[number][0]}", archpath=f"{key}.{field}")
+    assert [data for _, data in batch.get()] == [peer.raw[(sample, f)] for f in fields]
 
 
 def same(value, expected) -> bool:
@@ -109,7 +128,7 @@ def same(value, expected) -> bool:
     return value == expected and type(value) is type(expected)
 
 
-@pytest.mark.parametrize("name", ["mds-zstd", "litdata-framed"])
+@pytest.mark.parametrize("name", ["mds-zstd", "litdata-framed", "litdata-arrow"])
 def test_the_one_line_form_reads_a_peers_dataset_decoded_as_the_peer_decodes_it(
         seaweedfs, written, name, tmp_path, monkeypatch):
     point_aws_at(seaweedfs, monkeypatch)
@@ -119,14 +138,15 @@ def test_the_one_line_form_reads_a_peers_dataset_decoded_as_the_peer_decodes_it(
     try:
         ds = ShardfeedDataset(f"s3://{BUCKET}/{name}", decode=True)
         assert len(ds) == peer.samples
-        for i in (0, 5, peer.samples - 1):
+        for i in (0, 3, 5, peer.samples - 1):
             sample = ds[i]
-            for field in peer.fields:
+            assert {f for f in sample if not f.startswith("__")} == {f for f in peer.fields if (i, f) in peer.raw}
+            for field in sample.keys() & set(peer.fields):
                 expected = peer.decoded[(i, field)]
                 if not isinstance(expected, PeerCannotDecode):
                     assert same(sample[field], expected), (i, field, sample[field], expected)
         raw = ShardfeedDataset(f"s3://{BUCKET}/{name}")
-        assert raw_fields(raw[4]) == {f: peer.raw[(4, f)] for f in peer.fields}
+        assert raw_fields(raw[4]) == peer_fields(peer, 4)
     finally:
         for record in node.services():
             if not node.stop_service(record, timeout=20):
