@@ -38,11 +38,15 @@ def run(args: argparse.Namespace) -> int:
         async with open_store(args.url) as store:
             if args.objects:
                 index = await index_objects(store, progress=args.progress)
-            elif await _exists(store, PEER_INDEX):
-                raise IndexFormatError(f"{args.url} holds a MosaicML Streaming or LitData dataset ({PEER_INDEX}): "
-                                       "`shardfeed serve --dataset NAME=URL` serves it in place, with no index")
             else:
-                index = await index_shards(store, window=parse_size(args.window), progress=args.progress)
+                try:
+                    index = await index_shards(store, window=parse_size(args.window), progress=args.progress)
+                except IndexFormatError:
+                    if await _exists(store, PEER_INDEX):
+                        raise IndexFormatError(
+                            f"{args.url} holds a MosaicML Streaming or LitData dataset ({PEER_INDEX}): `shardfeed "
+                            "serve --dataset NAME=URL` serves it in place, with no index") from None
+                    raise
             # S3Store counts its requests: report what indexing cost.
             cost = (f", {store.requests} store requests, {format_size(store.bytes_read)} read"
                     if hasattr(store, "requests") else "")
