@@ -41,6 +41,7 @@ is measured and the script says so.
 
 from __future__ import annotations
 
+import fcntl
 import importlib
 import importlib.machinery
 import importlib.util
@@ -187,11 +188,25 @@ def ram_round(samples: int, sizes, seed: int) -> list[Epoch]:
     return _epochs(loader, sizes, "__index__")
 
 
+STREAMING_LOCK = Path(tempfile.gettempdir()) / "shardfeed-streaming-shm.lock"
+
+
+def streaming_dataset(streaming, *, clean: bool = False, **options):
+    """``streaming.StreamingDataset(**options)`` (after Streaming's leaked shared memory is
+    removed, with ``clean``), under a lock every process of the host takes: Streaming names its
+    shared memory by a prefix it finds free by trying names, and cleans by creating and removing
+    each, so two processes at it at once (tests on several workers, a benchmark beside them)
+    collide on a name (``FileExistsError``)."""
+    with open(STREAMING_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if clean:
+            streaming.base.util.clean_stale_shared_memory()
+        return streaming.StreamingDataset(**options)
+
+
 def streaming_round(remote: str, local: Path, sizes, seed: int) -> list[Epoch]:
-    streaming = import_streaming()
-    streaming.base.util.clean_stale_shared_memory()
-    dataset = streaming.StreamingDataset(remote=remote, local=str(local), shuffle=True, shuffle_seed=seed,
-                                         batch_size=BATCH)
+    dataset = streaming_dataset(import_streaming(), clean=True, remote=remote, local=str(local), shuffle=True,
+                                shuffle_seed=seed, batch_size=BATCH)
     loader = DataLoader(dataset, batch_size=BATCH, num_workers=LOADER_WORKERS, collate_fn=_collate)
     return _epochs(loader, sizes, "index")
 

@@ -74,6 +74,7 @@ from shardfeed.benchmarks.loaders import (
     _quiet,
     import_streaming,
     in_fresh_process,
+    streaming_dataset,
     write_mds,
 )
 from shardfeed.client.tensors import Batch
@@ -197,9 +198,8 @@ def stall_round(kind: str, source: str, local: str, samples: int, sizes, steps: 
     if kind == "ram":
         dataset = RamDataset(samples, sizes)
     elif kind == "streaming":
-        streaming = import_streaming()
-        streaming.base.util.clean_stale_shared_memory()
-        dataset = streaming.StreamingDataset(remote=source, local=local, shuffle=True, batch_size=BATCH)
+        dataset = streaming_dataset(import_streaming(), clean=True, remote=source, local=local, shuffle=True,
+                                    batch_size=BATCH)
     else:
         output, client_options = OUTPUTS[kind]
         dataset = ShardfeedDataset(source, "bench", output=output, **client_options)

@@ -84,7 +84,7 @@ from unittest import mock
 import numpy as np
 from PIL import Image
 
-from shardfeed.benchmarks.loaders import import_streaming
+from shardfeed.benchmarks.loaders import import_streaming, streaming_dataset
 from shardfeed.s3server import S3Server
 
 from common.datasets import s3_put
@@ -206,7 +206,7 @@ def _read_mds(streaming, root: Path, encodings: dict[str, str], samples: int) ->
 
     decode = reader.mds_decode
     with mock.patch.object(reader, "mds_decode", recording):
-        return _read_back(root, lambda local: streaming.StreamingDataset(local=local, batch_size=1, shuffle=False),
+        return _read_back(root, lambda local: streaming_dataset(streaming, local=local, batch_size=1, shuffle=False),
                           calls, encodings, samples)
 
 

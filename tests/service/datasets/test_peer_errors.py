@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import requests
 
-from shardfeed.benchmarks.loaders import import_streaming
+from shardfeed.benchmarks.loaders import import_streaming, streaming_dataset
 from shardfeed.client import Client
 from shardfeed.process import start_service
 
@@ -112,7 +112,7 @@ def test_a_shard_replaced_in_the_store_is_served_at_its_new_version(service, mot
     (tmp_path / "new").mkdir()
     for name, data in new.items():
         (tmp_path / "new" / name).write_bytes(data)
-    peer = streaming.StreamingDataset(local=str(tmp_path / "new"), shuffle=False, batch_size=1)
+    peer = streaming_dataset(streaming, local=str(tmp_path / "new"), shuffle=False, batch_size=1)
     assert [bytes(s["data"]) for s in after] == [peer[i]["data"] for i in range(40)]
     assert [bytes(s["data"]) for s in before] != [bytes(s["data"]) for s in after]
 
