@@ -11,8 +11,6 @@ import os
 import pickle
 import shutil
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from multiprocessing.reduction import ForkingPickler
 
 import httpx
@@ -32,6 +30,7 @@ from shardfeed.process import start_service
 from shardfeed.retry import Backoff
 
 from common.datasets import odd_tar_dataset
+from common.httpserver import LocalServer, QuietHandler
 from common.workers import routed_client
 
 SAMPLES = 60
@@ -139,30 +138,18 @@ def mapped_file(address: int) -> str:
     return ""
 
 
-class Relay(ThreadingHTTPServer):
+class Relay(LocalServer):
     """A real HTTP server in front of the service: answers POST /v1/batch with the service's
     answer, the first ``cut`` of them cut short (half its body, then the connection drops), or
     400 ``unsupported_format`` to a request for Arrow when ``refuse``; records each request's format."""
 
-    daemon_threads = True
-
     def __init__(self, upstream: str, cut: int = 0, refuse: bool = False):
         self.upstream, self.cut, self.refuse = upstream, cut, refuse
         self.formats: list[str] = []
-        super().__init__(("127.0.0.1", 0), _Relayed)
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
+        super().__init__(_Relayed)
 
 
-class _Relayed(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args) -> None:
-        pass
-
+class _Relayed(QuietHandler):
     def do_GET(self) -> None:
         answer = httpx.get(self.server.upstream + self.path)
         self.send(answer.status_code, answer.headers.get("content-type", ""), answer.content)

@@ -10,9 +10,8 @@ import multiprocessing
 import os
 import pickle
 import shutil
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
@@ -23,6 +22,7 @@ from shardfeed.process import free_port, start_service
 from shardfeed.retry import Backoff
 from shardfeed.seeds.synthetic import member_bytes
 
+from common.httpserver import LocalServer, QuietHandler
 from common.synthetic import FAST, SAMPLES, SIZES, expected, seed_synthetic, tar_of
 
 
@@ -254,29 +254,17 @@ def test_a_client_used_before_fork_or_pickled_works_in_a_child_process(client, m
 
 # -- failure modes on demand: a scripted server on a real socket ------------------------------
 
-class Scripted(ThreadingHTTPServer):
+class Scripted(LocalServer):
     """Answers each POST /v1/batch with the next scripted behaviour; records the bodies."""
-
-    daemon_threads = True
 
     def __init__(self, script: list[str]):
         self.script = list(script)
         self.bodies: list[dict] = []
         self.times: list[float] = []
-        super().__init__(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
+        super().__init__(Handler)
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args) -> None:
-        pass
-
+class Handler(QuietHandler):
     def do_POST(self) -> None:
         body, action = self.request_and_action("ok")
         if action in ("429", "503"):
