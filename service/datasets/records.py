@@ -22,6 +22,7 @@ bytes are the column's encoded bytes, what the peer's own decoder is given.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -48,22 +49,22 @@ class RecordFormat:
     layout: str
     columns: tuple[Column, ...]
 
-    @property
+    @cached_property
     def sized(self) -> np.ndarray:
         """bool per column: the record's header holds its size."""
         return np.array([c.size is None for c in self.columns], bool)
 
-    @property
+    @cached_property
     def header_bytes(self) -> int:
         """Bytes of a record's header."""
         return 4 * int(self.sized.sum())
 
-    @property
+    @cached_property
     def least_bytes(self) -> int:
         """Bytes of the smallest record: its header and its fixed-size columns."""
         return self.header_bytes + sum(c.size for c in self.columns if c.size is not None)
 
-    @property
+    @cached_property
     def encodings(self) -> dict[str, str]:
         return {c.name: c.encoding for c in self.columns}
 
