@@ -17,9 +17,9 @@ from common.synthetic import seed_synthetic
 from common.wait import wait_until
 
 
-def directory_dataset(root: Path, samples: int) -> tuple[str, dict]:
-    """A dataset of ``samples`` in shards of 20 in a local directory: its URL and its bytes."""
-    return root.as_uri(), make_dataset(dir_put(root), samples=samples, per_shard=20)
+def directory_dataset(root: Path, samples: int, per_shard: int = 20) -> tuple[str, dict]:
+    """A dataset of ``samples`` in shards of ``per_shard`` in a local directory: its URL and its bytes."""
+    return root.as_uri(), make_dataset(dir_put(root), samples=samples, per_shard=per_shard)
 
 
 def worker_urls(url: str) -> list[str]:
@@ -52,6 +52,16 @@ def owned_shards(url: str, worker_url: str, samples: int, dataset: str = "train"
     ends = table["starts"][1:] + [samples]
     return [list(range(start, end)) for start, end, owner in zip(table["starts"], ends, table["owner"])
             if table["urls"][owner] == worker_url]
+
+
+def each_workers_shards(url: str, worker_urls: list[str], samples: int, at_least: int = 1) -> list[list[list[int]]]:
+    """``owned_shards`` of every worker, once the routing table gives each ``at_least`` shards:
+    a worker not yet up owns none, its shards going to the live one."""
+    def listed() -> list[list[list[int]]] | None:
+        shards = [owned_shards(url, u, samples) for u in worker_urls]
+        return shards if all(len(s) >= at_least for s in shards) else None
+
+    return wait_until(listed, 60, f"the routing table giving every worker {at_least} shards")
 
 
 @contextmanager

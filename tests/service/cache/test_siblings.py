@@ -20,7 +20,7 @@ from shardfeed.service.observe.metrics import Metrics
 
 from common.reliability import damage_block_file, expected_members
 from common.service import fetch_batch, hops, metrics
-from common.workers import cached_blocks, directory_dataset, owned_shards, sibling_blocks, worker_urls
+from common.workers import cached_blocks, directory_dataset, each_workers_shards, sibling_blocks, worker_urls
 
 pytestmark = pytest.mark.slow  # starts several services, S3 servers or a browser; not in `make check`
 
@@ -115,8 +115,7 @@ def test_a_bad_or_evicted_sibling_block_is_not_served_and_its_owner_is_asked(dat
     # No RAM tier: the owner reads its disk again, so it also finds the damage and refetches.
     with start_service({"train": url}, cache_dir=cache, workers=2, args=[*ARGS, "--memory-cache", "0"]) as svc:
         urls = worker_urls(svc.url)
-        theirs = [i for shard in owned_shards(svc.url, urls[1], SAMPLES) for i in shard]
-        assert theirs and len(theirs) < SAMPLES
+        theirs = [i for shard in each_workers_shards(svc.url, urls, SAMPLES)[1] for i in shard]
         assert fetch_batch(urls[1], theirs) == expected_members(source, "train", theirs)  # worker 1 caches them
         rng = random.Random(5)
         damaged = sorted((cache / "worker-1").glob("*/*.blk"))

@@ -21,7 +21,8 @@ from shardfeed.process import child_pids, free_port, healthy, start_service, sto
 
 from common.reliability import expected_members
 from common.service import fetch_batch, metrics
-from common.workers import cached_blocks, directory_dataset, owned_shards, sibling_blocks, worker_pids, worker_urls
+from common.workers import (cached_blocks, directory_dataset, each_workers_shards, sibling_blocks, worker_pids,
+                            worker_urls)
 from common.wait import wait_until
 
 pytestmark = pytest.mark.slow  # starts several services, S3 servers or a browser; not in `make check`
@@ -32,7 +33,8 @@ ARGS = ["--block-size", "64KiB", "--peer-timeout", "5"]
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    return directory_dataset(tmp_path_factory.mktemp("restart-data"), SAMPLES)  # 12 shards
+    # 24 shards: each worker owns at least two but once in 300,000 placements.
+    return directory_dataset(tmp_path_factory.mktemp("restart-data"), SAMPLES, per_shard=10)
 
 
 def expected(source, indices):
@@ -147,8 +149,7 @@ def test_a_dead_workers_block_files_are_read_until_it_restarts_and_nothing_is_wr
     # A restart far away: the test reads while the worker is down.
     with start_service({"train": url}, cache_dir=cache, workers=2, args=[*ARGS, "--restart-pause", "600"]) as svc:
         urls = worker_urls(svc.url)
-        shards = [owned_shards(svc.url, u, SAMPLES) for u in urls]
-        assert all(len(s) >= 2 for s in shards)
+        shards = each_workers_shards(svc.url, urls, SAMPLES, at_least=2)
         warm = [[i for shard in s[:len(s) // 2] for i in shard] for s in shards]  # half of each worker's shards
         def settled(via: str, batch: list[int]) -> bool:
             """Whether a pass read nothing from the store and every block ``via`` fetched is on
