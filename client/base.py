@@ -17,7 +17,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -53,6 +53,16 @@ def as_indices(indices: Sequence[int]) -> list[int]:
         return [operator.index(i) for i in indices]
     except TypeError:
         raise TypeError(f"sample indices must be integers, got {indices!r:.80}") from None
+
+
+class Pick(NamedTuple):
+    """One dataset's samples in a batch of several datasets' (a mixture's, :mod:`.mixing`)."""
+
+    dataset: str
+    indices: list[int]
+    positions: list[int]
+    """Where each of ``indices`` goes in the batch."""
+    fields: Sequence[str] | None = None
 
 
 class BaseClient:

@@ -98,6 +98,12 @@ class EpochSampler:
             self.epoch = epoch
             self.consumed = 0
 
+    @property
+    def revision(self) -> tuple:
+        """What the rest of the epoch's order depends on beyond ``consumed`` (a mixture's weights
+        may change mid-epoch: ``mixing.MixtureSampler``)."""
+        return (self.epoch,)
+
     def order(self) -> np.ndarray:
         """The global order of the current epoch."""
         if self._order is None or self._order[0] != self.epoch:

@@ -14,7 +14,7 @@ import httpx
 from shardfeed.retry import retry_sync
 
 from .base import (
-    BATCH_PATH, ERROR_BODY_LIMIT, REGISTER_POLL, BaseClient, PartRequest, Registering, as_indices, checked,
+    BATCH_PATH, ERROR_BODY_LIMIT, REGISTER_POLL, BaseClient, PartRequest, Pick, Registering, as_indices, checked,
     dataset_path, parse_json, plan_path, routing_path, sample_parser, sample_path, settled, transport_error,
 )
 from .errors import ShardfeedError
@@ -168,6 +168,25 @@ class Client(BaseClient):
         return retry_sync(lambda: self._whole(requests, allocate, build), backoff=self.backoff,
                           retryable=self._verdict)
 
+    def get_mixed_batch(self, picks: Sequence[Pick], *, output: str = "samples", continue_on_error: bool = False,
+                        shared: bool = False) -> list[dict] | Batch:
+        """A batch of several datasets' samples (a mixture's, :mod:`.mixing`): each pick's samples
+        at its positions of the batch. One request per dataset (and per owner, with routing), sent
+        at once and merged as a routed batch's parts are. ``output``: ``"samples"``, the sample
+        dicts of :meth:`get_batch`; ``"tensors"``, one :class:`~.tensors.Batch` as
+        :meth:`get_batch_tensors` makes it (``shared`` as there), a dataset's missing fields
+        ``ABSENT`` in the other datasets' rows."""
+        if output == "samples":
+            requests = self._picked(picks, continue_on_error, whole=False)
+            return merged([r.part for r in requests], self._each_part(requests, lambda r: list(self._stream(r))))
+        if output != "tensors":
+            raise ValueError(f"a mixed batch's output is 'samples' or 'tensors', not {output!r}")
+        from .tensors import allocator, batch_of
+
+        requests = self._picked(picks, continue_on_error, whole=True)
+        return retry_sync(lambda: self._whole(requests, allocator(shared), batch_of), backoff=self.backoff,
+                          retryable=self._verdict)
+
     def load_routing(self, dataset: str) -> None:
         """Fetch ``dataset``'s routing table if one is due (the next batch would fetch it).
 
@@ -207,6 +226,15 @@ class Client(BaseClient):
         if indices:
             self.load_routing(dataset)
         return self._requests(dataset, indices, fields, continue_on_error, whole)
+
+    def _picked(self, picks: Sequence[Pick], continue_on_error: bool, whole: bool) -> list[PartRequest]:
+        """The requests of a mixed batch: each dataset's, their parts placed at the picks' positions."""
+        requests = []
+        for pick in picks:
+            for request in self._batch(pick.dataset, pick.indices, pick.fields, continue_on_error, whole):
+                request.part = request.part._replace(positions=[pick.positions[p] for p in request.part.positions])
+                requests.append(request)
+        return requests
 
     def _open(self, request: PartRequest, exact_head: bool = False) -> Response:
         """Send one try of ``request``; its answer once the head arrived, no body byte read

@@ -130,15 +130,17 @@ class Batch:
 
     ``len(batch)`` samples; ``keys`` (``None`` for a missing sample), ``indices`` (int64
     tensor), ``missing`` (bool tensor: samples the service could not serve, with
-    ``continue_on_error``), ``fields`` (names, in the order they came), ``shared``. ``batch[i]`` and
-    iteration give sample dicts, ``{"__key__", "__index__", "<field>": view}``, as the bytes
-    output does with ``bytes``. :meth:`pin_memory` and :meth:`to` move the buffer as one copy
+    ``continue_on_error``), ``fields`` (names, in the order they came), ``shared``; a mixture's
+    batch also ``streams`` (int64 tensor: each sample's stream, numbered as the mixture's streams
+    are; ``None`` otherwise). ``batch[i]`` and iteration give sample dicts, ``{"__key__",
+    "__index__", "<field>": view}`` (and ``"__stream__"`` in a mixture's), as the bytes output
+    does with ``bytes``. :meth:`pin_memory` and :meth:`to` move the buffer as one copy
     (``DataLoader(pin_memory=True)`` calls the former), the offsets staying on the host.
     """
 
     def __init__(self, buffer: torch.Tensor, keys: list[str | None], indices: np.ndarray, missing: np.ndarray,
                  offsets: dict[str, np.ndarray], lengths: dict[str, np.ndarray], lease: shm.Lease | None = None,
-                 pooled: bool = False):
+                 pooled: bool = False, streams: np.ndarray | None = None):
         self.buffer = buffer
         self._lease = lease
         self._pooled = pooled or lease is not None  # over a segment of a pool (shm.py), here or elsewhere
@@ -147,6 +149,7 @@ class Batch:
         self._missing = missing
         self._offsets = offsets
         self._lengths = lengths
+        self._streams = streams
 
     @classmethod
     def of(cls, buffer: torch.Tensor, columns: Columns, lease: shm.Lease | None = None) -> Batch:
@@ -160,8 +163,8 @@ class Batch:
         arrays = (self.keys, self._indices, self._missing, self._offsets, self._lengths)
         found = shm.reduce(self._lease) if self._lease is not None else None
         if found is not None:
-            return _attached_batch, (*found, *arrays)
-        return Batch, (self.buffer, *arrays)
+            return _attached_batch, (*found, self._streams, *arrays)
+        return _batch, (self.buffer, self._streams, *arrays)
 
     @property
     def shared(self) -> bool:
@@ -174,6 +177,16 @@ class Batch:
 
     indices = _as_tensor("_indices", "The samples' indices (int64).")
     missing = _as_tensor("_missing", "Which samples the service could not serve (bool).")
+
+    @property
+    def streams(self) -> torch.Tensor | None:
+        """In a mixture's batch, each sample's stream (int64); else ``None``."""
+        return None if self._streams is None else torch.from_numpy(self._streams)
+
+    def with_streams(self, streams: np.ndarray) -> Batch:
+        """This batch, its samples' streams told (a mixture's batch, made by ``client/torch.py``)."""
+        self._streams = streams
+        return self
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -190,6 +203,8 @@ class Batch:
 
     def _sample(self, i: int) -> dict:
         sample: dict[str, Any] = {"__key__": self.keys[i], "__index__": int(self._indices[i])}
+        if self._streams is not None:
+            sample["__stream__"] = int(self._streams[i])
         if self._missing[i]:
             sample["__missing__"] = True
             return sample
@@ -200,7 +215,8 @@ class Batch:
         return sample
 
     def _with(self, buffer: torch.Tensor) -> Batch:
-        return Batch(buffer, self.keys, self._indices, self._missing, self._offsets, self._lengths)
+        return Batch(buffer, self.keys, self._indices, self._missing, self._offsets, self._lengths,
+                     streams=self._streams)
 
     def pin_memory(self) -> Batch:
         """The batch in page-locked memory (one copy), for ``.to(device, non_blocking=True)``."""
@@ -215,9 +231,14 @@ class Batch:
                 f"on {self.buffer.device}{', shared' if self.shared else ''})")
 
 
-def _attached_batch(path: str, size: int, *arrays: Any) -> Batch:
+def _attached_batch(path: str, size: int, streams: np.ndarray | None, *arrays: Any) -> Batch:
     """A batch received from another process, over the pooled segment at ``path``."""
-    return Batch(shm.attach(path, size), *arrays, pooled=True)
+    return Batch(shm.attach(path, size), *arrays, pooled=True, streams=streams)
+
+
+def _batch(buffer: torch.Tensor, streams: np.ndarray | None, *arrays: Any) -> Batch:
+    """A batch received from another process, its buffer a tensor torch's pickler shared."""
+    return Batch(buffer, *arrays, streams=streams)
 
 
 def one_batch(batches: Sequence[Any], *, collate_fn_map: Any = None) -> Any:

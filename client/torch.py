@@ -27,19 +27,26 @@ byte of it (``batch["jpg"][i]`` is a view; :mod:`.tensors`). With ``output="arro
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import logging
 import queue
+import re
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate, get_worker_info
 
+from .base import Pick
 from .decode import Decoder, make_decoder
-from .node import is_dataset_url, node_dataset
-from .plans import PlanHandle
+from .errors import ShardfeedError
+from .mixing import IndexColumns, MixtureSampler, Stream, locate, offsets_of, pool_of, split_counts
+from .node import absolute_url, dataset_name, is_dataset_url, node_dataset
+from .plans import DatasetPlan, StreamPlans
 from .sampling import EpochSampler
 from .shuffles import LOCAL, cache_window, shard_samples
 from .sync import Client
@@ -84,6 +91,38 @@ class _Source:
         self.decoder = make_decoder(decode, self.info)  # MDS and LitData fields by the encodings the info names
         self.client.load_routing(dataset)
 
+    @property
+    def size(self) -> int:
+        """Its samples (``len`` of a map-style dataset)."""
+        return int(self.info["samples"])
+
+    @property
+    def label(self) -> str:
+        """How errors name what it reads."""
+        return repr(self.dataset)
+
+    def sampler(self, batch_size: int, *, seed: int, shuffle: bool | str | None, drop_last: bool, rank: int,
+                world_size: int, shard_window: int | None) -> EpochSampler:
+        """The sampler of a reader of this dataset; ``shuffle=None``: the best mixing its cache affords."""
+        if shuffle is None:  # the best mixing the service's cache affords
+            shuffle = True if cache_window(self.info) >= int(self.info["shards"]) else "windows"
+        locality = None
+        if shard_window is None and shuffle in LOCAL:
+            shard_window = cache_window(self.info)
+        if shard_window is not None:
+            locality = (shard_samples(self.info), shard_window)
+        return EpochSampler(self.size, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank,
+                            world_size=world_size, locality=locality)
+
+    def plans(self) -> DatasetPlan:
+        return DatasetPlan(self.client, self.dataset, self.fields)
+
+    def check_collatable(self) -> None:
+        """One dataset's samples always collate alike."""
+
+    def warn_unplanned(self) -> None:
+        _warn_unplanned(self.info)
+
     def fetch(self, indices: Sequence[int]) -> Any:
         """The samples at ``indices`` in one request, in the dataset's ``output``."""
         return OUTPUTS[self.output](self, indices)
@@ -119,6 +158,163 @@ OUTPUTS = {"samples": _Source.samples, "tensors": _Source.tensors, "arrow": _Sou
 :class:`~.tensors.Batch`, or one ``pyarrow.Table`` (:mod:`.arrow`)."""
 
 
+class _Streams:
+    """A mixture's streams as one source (:mod:`.mixing`): each stream's dataset (a ``_Source``),
+    its pool, and a batch of global sample numbers fetched as one batch of each stream's parts.
+
+    Every stream is read through one service: with ``url`` (a service), each stream names a
+    dataset served there; without, each is a dataset URL read through the node's service."""
+
+    def __init__(self, url: str | Sequence[str] | Client | None, streams: Sequence[Stream], epoch_size: int | None,
+                 fields: Sequence[str] | None, decode: bool | Mapping[str, Decoder],
+                 transform: Callable[[dict], Any] | None, continue_on_error: bool, output: str,
+                 client_options: dict):
+        if output == "arrow":
+            raise TypeError("output='arrow' is not offered for a mixture: use 'samples' or 'tensors'")
+        if not streams or not all(isinstance(s, Stream) for s in streams):
+            raise TypeError("streams must be a non-empty list of shardfeed.client.mixing.Stream")
+        self.streams = list(streams)
+        self.sources = [self._source(url, stream, fields, decode, transform, continue_on_error, output, client_options)
+                        for stream in streams]
+        self.client = self.sources[0].client
+        for stream, source in zip(streams, self.sources[1:]):
+            if source.client.urls != self.client.urls:
+                raise ValueError(f"stream {stream.label!r} is served by {source.client.urls}, the others by "
+                                 f"{self.client.urls}: a mixture is read through one service")
+        self.names = [stream.name or _stream_name(stream.url, source.dataset)
+                      for stream, source in zip(streams, self.sources)]
+        for name in self.names:
+            if not _STREAM_NAME.fullmatch(name):
+                raise ValueError(f"stream name {name!r}: 1-64 of A-Z a-z 0-9 . _ : / - (give name=)")
+        if len(set(self.names)) < len(self.names):
+            twice = next(n for n in self.names if self.names.count(n) > 1)
+            raise ValueError(f"two streams are named {twice!r}: give each its own name=")
+        self.pools = [pool_of(stream.subset, int(source.info["samples"]), lambda source=source: _columns(source),
+                              name) for stream, source, name in zip(streams, self.sources, self.names)]
+        self.sizes = [len(p) if p is not None else int(src.info["samples"]) for p, src in zip(self.pools, self.sources)]
+        self.offsets = offsets_of(self.sizes)
+        self.epoch_size = epoch_size
+        self.output = output
+        self.continue_on_error = continue_on_error
+
+    @staticmethod
+    def _source(url: Any, stream: Stream, fields: Sequence[str] | None, decode: Any, transform: Any,
+                continue_on_error: bool, output: str, client_options: dict) -> _Source:
+        fields = stream.fields if stream.fields is not None else fields
+        try:
+            if url is None:  # dataset URLs, through the node's service
+                return _Source(stream.url, None, fields, decode, transform, continue_on_error, output, client_options)
+            return _Source(url, stream.url, fields, decode, transform, continue_on_error, output, client_options)
+        except (ShardfeedError, ValueError, TypeError) as err:  # an unknown dataset among them: say which
+            raise (ValueError if isinstance(err, ShardfeedError) else type(err))(
+                f"stream {stream.label!r}: {err}") from err
+
+    def check_collatable(self) -> None:
+        """``ValueError`` unless every stream has the same fields (``default_collate`` needs them)."""
+        first = self._fields(0)
+        for s in range(1, len(self.sources)):
+            if self._fields(s) != first:
+                raise ValueError(f"streams {self.names[0]!r} and {self.names[s]!r} have different fields "
+                                 f"({sorted(first)} and {sorted(self._fields(s))}): default_collate needs the same; "
+                                 "give fields=, a collate_fn of your own, or output='tensors'")
+
+    def _fields(self, s: int) -> set[str]:
+        source = self.sources[s]
+        return set(source.fields if source.fields is not None else source.info.get("fields", []))
+
+    def sampler(self, batch_size: int, *, seed: int, shuffle: bool | str | None, drop_last: bool, rank: int,
+                world_size: int, shard_window: int | None) -> MixtureSampler:
+        """The mixture's sampler, each stream sized as it says and localised to its share of the cache."""
+        weighted = [s.weight is not None for s in self.streams]
+        if any(weighted) and not all(weighted):
+            bare = self.names[weighted.index(False)]
+            raise ValueError(f"stream {bare!r} has no weight: give weights to every stream or to none")
+        weights = [s.weight for s in self.streams] if all(weighted) else None
+        counts = None if weights else [s.choose if s.choose is not None else round((1 if s.repeat is None else
+                                                                                   s.repeat) * size)
+                                       for s, size in zip(self.streams, self.sizes)]
+        shares = split_counts(weights, 1 << 30) / (1 << 30) if weights else np.asarray(counts) / max(1, sum(counts))
+        byte_shares = self._byte_shares(shares)
+        windows = [shard_window or cache_window(_share_of_cache(src.info, share))
+                   for src, share in zip(self.sources, byte_shares)]
+        if shuffle is None:  # the best mixing the service's cache affords, as for one dataset
+            whole = all(w >= int(src.info["shards"]) for w, src in zip(windows, self.sources))
+            shuffle = True if whole and shard_window is None else "windows"
+        localities = [(max(1, round(shard_samples(src.info) * size / int(src.info["samples"]))), w)
+                      if shuffle in LOCAL or (shuffle is True and shard_window is not None) else None
+                      for src, size, w in zip(self.sources, self.sizes, windows)]
+        signature = [[name, size, _digest(pool), s.weight, s.repeat, s.choose]
+                     for name, size, pool, s in zip(self.names, self.sizes, self.pools, self.streams)]
+        return MixtureSampler(self.sizes, batch_size, names=self.names, weights=weights, counts=counts,
+                              epoch_size=self.epoch_size, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank,
+                              world_size=world_size, localities=localities, signature=signature)
+
+    @property
+    def size(self) -> int:
+        """The global index space's size: every stream's pool (``ds[i]`` of a map-style mixture)."""
+        return int(self.offsets[-1])
+
+    @property
+    def label(self) -> str:
+        return f"the mixture of {', '.join(map(repr, self.names))}"
+
+    def plans(self) -> StreamPlans:
+        return StreamPlans(self.client, [s.dataset for s in self.sources], [s.fields for s in self.sources],
+                           self.pools)
+
+    def warn_unplanned(self) -> None:
+        for source in self.sources:
+            source.warn_unplanned()
+
+    def _byte_shares(self, shares: np.ndarray) -> np.ndarray:
+        """Each stream's share of the epoch's bytes, from its share of the samples."""
+        mean = np.array([int(src.info["bytes"]) / max(1, int(src.info["samples"])) for src in self.sources])
+        weight = shares * mean
+        return weight / weight.sum() if weight.sum() else shares
+
+    def fetch(self, numbers: Sequence[int]) -> Any:
+        """The samples at global ``numbers``, in that order, in the dataset's ``output``."""
+        streams, positions = locate(self.offsets, np.asarray(numbers, dtype=np.int64))
+        picks = []
+        for s in np.unique(streams).tolist():
+            where = np.flatnonzero(streams == s)
+            pool = self.pools[s]
+            indices = positions[where] if pool is None else pool[positions[where]]
+            source = self.sources[s]
+            picks.append(Pick(source.dataset, indices.tolist(), where.tolist(), source.fields))
+        if self.output == "tensors":
+            return self.client.get_mixed_batch(picks, output="tensors", continue_on_error=self.continue_on_error,
+                                               shared=get_worker_info() is not None).with_streams(streams)
+        samples = self.client.get_mixed_batch(picks, continue_on_error=self.continue_on_error)
+        for sample, s in zip(samples, streams.tolist()):
+            sample["__stream__"] = self.names[s]
+        return [self.sources[s].finish(x) for x, s in zip(samples, streams.tolist())]
+
+
+_STREAM_NAME = re.compile(r"[A-Za-z0-9._:/-]{1,64}")
+
+
+def _stream_name(url: str, dataset: str) -> str:
+    """A stream's default name: its dataset's, or for a dataset URL the URL's last segment."""
+    return dataset_name(absolute_url(url)).rsplit("-", 1)[0] if dataset != url else dataset
+
+
+def _columns(source: _Source) -> IndexColumns:
+    client, dataset = source.client, source.dataset
+    return IndexColumns(lambda column: client.index_column(dataset, column), client.index_columns(dataset))
+
+
+def _share_of_cache(info: dict, share: float) -> dict:
+    """A dataset's description as if its cache were ``share`` of the one reported."""
+    cache = info.get("cache", {})
+    return {**info, "cache": {**cache, "bytes": int(cache.get("bytes", 0) * share)}}
+
+
+def _digest(pool: np.ndarray | None) -> str | None:
+    """What names a stream's subset in a saved state (``None``: every sample)."""
+    return None if pool is None else hashlib.sha1(pool.tobytes()).hexdigest()[:16]
+
+
 class ShardfeedDataset(Dataset):
     """Map-style dataset: ``ds[i]`` is sample ``i``; a DataLoader batch is one request.
 
@@ -146,11 +342,13 @@ class ShardfeedDataset(Dataset):
         **client_options: passed to ``Client`` (token, timeout, backoff, ...).
     """
 
-    def __init__(self, url: str | Sequence[str] | Client, dataset: str | None = None, *,
+    def __init__(self, url: str | Sequence[str] | Client | None = None, dataset: str | None = None, *,
+                 streams: Sequence[Stream] | None = None, epoch_size: int | None = None,
                  fields: Sequence[str] | None = None,
                  decode: bool | Mapping[str, Decoder] = False, transform: Callable[[dict], Any] | None = None,
                  continue_on_error: bool = False, output: str = "samples", **client_options: Any):
-        self.source = _Source(url, dataset, fields, decode, transform, continue_on_error, output, client_options)
+        self.source = _source(url, dataset, streams, epoch_size, fields, decode, transform, continue_on_error,
+                              output, client_options)
         self.planned = False
         """Whether a ``ShardfeedSampler`` orders it (and so tells the service its order)."""
         self._warned = False
@@ -159,13 +357,13 @@ class ShardfeedDataset(Dataset):
         if not self.planned and not self._warned and sys._getframe(1).f_globals.get("__name__", "").startswith(
                 "torch.utils.data"):  # sized by another sampler: PyTorch's order, which the service cannot know
             self._warned = True
-            _warn_unplanned(self.source.info)
-        return int(self.source.info["samples"])
+            self.source.warn_unplanned()
+        return self.source.size
 
     def __getitem__(self, index: int) -> Any:
         n = len(self)
         if not -n <= index < n:
-            raise IndexError(f"sample {index} is out of range: {self.source.dataset!r} has {n} samples")
+            raise IndexError(f"sample {index} is out of range: {self.source.label} has {n} samples")
         batch = self.source.fetch([index % n])
         return batch if self.source.output == "arrow" else batch[0]
 
@@ -201,11 +399,10 @@ class ShardfeedSampler(Sampler[int]):
         rank, world_size = _rank_and_world_size(rank, num_replicas)
         dataset.planned = plan
         # One sample per "batch": the batches go round-robin to the ranks, which is
-        # DistributedSampler's stride.
-        self.sampler = EpochSampler(len(dataset), 1, seed=seed, shuffle=shuffle, drop_last=drop_last,
-                                    rank=rank, world_size=world_size)
-        source = dataset.source
-        self.plan = PlanHandle(source.client, source.dataset, source.fields) if plan else None
+        # DistributedSampler's stride. A mixture's epoch is its order, each stream by its weight.
+        self.sampler = dataset.source.sampler(1, seed=seed, shuffle=bool(shuffle), drop_last=drop_last, rank=rank,
+                                              world_size=world_size, shard_window=None)
+        self.plan = dataset.source.plans() if plan else None
 
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
@@ -218,11 +415,12 @@ class ShardfeedSampler(Sampler[int]):
         if self.plan is None:
             yield from order
             return
-        self.plan.register(self.sampler.plan())
-        world_size = self.sampler.world_size
+        self.plan.register(self.sampler)
+        reached = copy.copy(self.sampler)  # the sampler as far as the DataLoader got, for a plan lost meanwhile
         for k, index in enumerate(order):
             if k % 64 == 63:  # refresh() itself asks the service only every CHECK_EVERY seconds
-                self.plan.refresh(lambda: {**self.sampler.plan(), "consumed": k * world_size})
+                reached.consumed = k * self.sampler.world_size
+                self.plan.refresh(reached)
             yield index
 
 
@@ -272,7 +470,8 @@ class ShardfeedIterableDataset(IterableDataset):
             its own, the warm epoch ran at two thirds of the rate).
     """
 
-    def __init__(self, url: str | Sequence[str] | Client, dataset: str | None = None, *, batch_size: int,
+    def __init__(self, url: str | Sequence[str] | Client | None = None, dataset: str | None = None, *,
+                 batch_size: int, streams: Sequence[Stream] | None = None, epoch_size: int | None = None,
                  seed: int = 0,
                  shuffle: bool | str | None = None, drop_last: bool = False, rank: int | None = None,
                  world_size: int | None = None, shard_window: int | None = None, plan: bool = True,
@@ -284,33 +483,28 @@ class ShardfeedIterableDataset(IterableDataset):
             raise ValueError(f"prefetch must not be negative, not {prefetch}")
         if output != "samples" and collate_fn not in (default_collate, None):
             raise TypeError(f"collate_fn applies to lists of sample dicts, not to output={output!r}")
-        self.source = _Source(url, dataset, fields, decode, transform, continue_on_error, output, client_options)
+        self.source = _source(url, dataset, streams, epoch_size, fields, decode, transform, continue_on_error,
+                              output, client_options)
+        if output == "samples" and collate_fn is default_collate:
+            self.source.check_collatable()
         rank, world_size = _rank_and_world_size(rank, world_size)
-        samples = int(self.source.info["samples"])
-        if shuffle is None:  # the best mixing the service's cache affords
-            shuffle = True if cache_window(self.source.info) >= int(self.source.info["shards"]) else "windows"
-        locality = None
-        if shard_window is None and shuffle in LOCAL:
-            shard_window = cache_window(self.source.info)
-        if shard_window is not None:
-            locality = (shard_samples(self.source.info), shard_window)
-        self.sampler = EpochSampler(samples, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last,
-                                    rank=rank, world_size=world_size, locality=locality)
+        self.sampler = self.source.sampler(batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank,
+                                           world_size=world_size, shard_window=shard_window)
         self.collate_fn = collate_fn if output == "samples" else None
         self.prefetch = prefetch
-        self.plan = PlanHandle(self.source.client, self.source.dataset, self.source.fields) if plan else None
+        self.plan = self.source.plans() if plan else None
 
     def announce(self) -> None:
         """Register the rest of this rank's epoch as a plan (replacing the previous one)."""
         if self.plan is not None:
-            self.plan.register(self.sampler.plan())
+            self.plan.register(self.sampler)
 
     def __iter__(self) -> Iterator[Any]:
         worker = get_worker_info()
         if self.plan is not None and (worker is None or worker.id == 0):
             # The plan comes with a plain DataLoader too: once per rank and pass, from its
             # first worker, unless this pass's was announced before the workers started.
-            self.plan.ensure(self.sampler.plan())
+            self.plan.ensure(self.sampler)
         batches = self.sampler.batches(*((worker.id, worker.num_workers) if worker else (0, 1)))
         depth = self.prefetch if self.prefetch is not None else (2 if worker is None else 0)
         return _prefetched(batches, self._fetch, depth)
@@ -330,6 +524,15 @@ class ShardfeedIterableDataset(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` (a no-op if already in it, so a resumed run keeps its place)."""
         self.sampler.set_epoch(epoch)
+
+    def set_weights(self, weights: Sequence[float]) -> None:
+        """A mixture's new weights, one per stream, from the step the run has reached to the end of
+        the epoch and for the epochs after (a curriculum; :mod:`.mixing`), kept in :meth:`state_dict`.
+        :class:`ShardfeedLoader` restarts its workers on the new order after the batch in hand
+        (through a plain DataLoader, call it between epochs, before iterating)."""
+        if not isinstance(self.sampler, MixtureSampler):
+            raise TypeError("set_weights weighs the streams of a mixture (streams=): this dataset has one")
+        self.sampler.set_weights(weights)
 
     def advance(self, batches: int = 1) -> None:
         """Record that the training loop took ``batches`` more batches (every rank alike).
@@ -385,14 +588,21 @@ class ShardfeedLoader:
         self.options = dataloader_options
 
     def __iter__(self) -> Iterator[Any]:
-        self.dataset.announce()
-        plan = self.dataset.plan
-        for batch in DataLoader(self.dataset, batch_size=None, **self.options):
-            self.dataset.advance(1)
-            if plan is not None:
-                plan.refresh(self.dataset.sampler.plan)
-            yield batch
-        if self.dataset.sampler.finished:
+        sampler, plan = self.dataset.sampler, self.dataset.plan
+        changed = True
+        while changed:  # a mixture's new weights: workers started afresh on the new order
+            self.dataset.announce()
+            revision = sampler.revision
+            changed = False
+            for batch in DataLoader(self.dataset, batch_size=None, **self.options):
+                self.dataset.advance(1)
+                if plan is not None:
+                    plan.refresh(sampler)
+                yield batch
+                if sampler.revision != revision:
+                    changed = True
+                    break
+        if sampler.finished:
             self.dataset.set_epoch(self.dataset.epoch + 1)
 
     def __len__(self) -> int:
@@ -407,6 +617,20 @@ class ShardfeedLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dataset.load_state_dict(state)
+
+
+def _source(url: str | Sequence[str] | Client | None, dataset: str | None, streams: Sequence[Stream] | None,
+            epoch_size: int | None, *options: Any) -> _Source | _Streams:
+    """What a dataset reads: one dataset, or a mixture of ``streams``."""
+    if streams is None:
+        if url is None:
+            raise TypeError("give a dataset URL, a service URL and a dataset name, or streams=")
+        if epoch_size is not None:
+            raise TypeError("epoch_size sizes a mixture's epoch (streams=), not one dataset's")
+        return _Source(url, dataset, *options)
+    if dataset is not None:
+        raise TypeError("give a dataset or streams, not both (a stream names its own dataset)")
+    return _Streams(url, streams, epoch_size, *options)
 
 
 def _as_made(batch: T) -> T:
