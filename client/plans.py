@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .base import plain_plan
 from .errors import ShardfeedError, ShardfeedHTTPError
 from .sync import Client
 
@@ -35,7 +36,8 @@ class PlanHandle:
         self._checked = 0.0
 
     def register(self, plan: dict[str, Any]) -> None:
-        """Announce ``plan`` (a body of ``POST /v1/datasets/{name}/plans``), replacing ours."""
+        """Announce ``plan`` (a body of ``POST /v1/datasets/{name}/plans``; ``indices`` may be a
+        numpy array, and a long plan goes in chunks: ``Client.register_plan``), replacing ours."""
         self.drop()
         try:
             self.id = self.client.register_plan(self.dataset, {**plan, "fields": self.fields})["id"]
@@ -75,5 +77,6 @@ class PlanHandle:
 
 
 def _order(plan: dict[str, Any]) -> dict[str, Any]:
-    """What names a plan's order: everything but how far its reader got."""
-    return {key: value for key, value in plan.items() if key != "consumed"}
+    """What names a plan's order: everything but how far its reader got (indices as plain ints,
+    so that a numpy array compares as its values)."""
+    return {key: value for key, value in plain_plan(plan).items() if key != "consumed"}
