@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import closing
+from contextlib import closing, suppress
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
@@ -20,7 +20,8 @@ from shardfeed.retry import retry_async
 
 from .base import (
     BATCH_PATH, ERROR_BODY_LIMIT, REGISTER_POLL, BaseClient, PartRequest, Registering, as_indices, checked,
-    dataset_path, parse_json, plan_path, routing_path, sample_parser, sample_path, settled, transport_error,
+    dataset_path, parse_json, plan_chunks, plan_indices, plan_path, routing_path, sample_parser, sample_path, settled,
+    transport_error,
 )
 from .errors import ShardfeedError
 from .routing import Via, merged
@@ -68,8 +69,22 @@ class AsyncClient(BaseClient):
         await self._call("DELETE", dataset_path(name), lambda r: None)
 
     async def register_plan(self, dataset: str, plan: dict) -> dict:
-        """``POST /v1/datasets/{name}/plans`` (see ``Client.register_plan``)."""
-        return await self._call("POST", plan_path(dataset), parse_json, json=plan)
+        """``POST /v1/datasets/{name}/plans``, a long ``indices`` plan in chunks (see ``Client.register_plan``)."""
+        first, chunks = plan_chunks(plan)
+        answer = await self._call("POST", plan_path(dataset), parse_json, json=first)
+        try:
+            for indices, complete in chunks:
+                answer = await self.extend_plan(dataset, answer["id"], indices, complete)
+        except BaseException:
+            with suppress(ShardfeedError):
+                await self.delete_plan(dataset, answer["id"])
+            raise
+        return answer
+
+    async def extend_plan(self, dataset: str, plan_id: str, indices: Sequence[int], complete: bool = True) -> dict:
+        """``POST /v1/datasets/{name}/plans/{id}``: the next chunk of a plan (see ``Client.extend_plan``)."""
+        return await self._call("POST", plan_path(dataset, plan_id), parse_json,
+                                json={"indices": plan_indices(indices), "complete": complete})
 
     async def plan(self, dataset: str, plan_id: str) -> dict:
         """``GET /v1/datasets/{name}/plans/{id}`` (see ``Client.plan``)."""

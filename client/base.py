@@ -45,6 +45,11 @@ TAR, ARROW = "tar", "arrow"
 """The batch answer's formats: a tar streams (sample dicts), Arrow states its layout first (whole answers)."""
 REGISTER_POLL = 1.0
 """Seconds between asking again whether a dataset being indexed is served yet."""
+PLAN_CHUNK = 100_000
+"""Positions of an ``indices`` plan sent in one request. A longer plan is registered with its
+first ``PLAN_CHUNK`` positions (``complete: false``) and extended a chunk at a time: at 11
+bytes a position at most (a 10-digit index and its comma) a chunk stays well within the
+service's 2 MiB body limit, which a whole plan passes from about 200,000 positions (413)."""
 
 
 def as_indices(indices: Sequence[int]) -> list[int]:
@@ -63,6 +68,31 @@ class Pick(NamedTuple):
     positions: list[int]
     """Where each of ``indices`` goes in the batch."""
     fields: Sequence[str] | None = None
+
+
+def plan_indices(indices: Sequence[int]) -> list[int]:
+    """A plan's indices as plain ints: a numpy array (or tensor) by its ``tolist``, any other
+    sequence as ``as_indices``."""
+    tolist = getattr(indices, "tolist", None)
+    return tolist() if tolist is not None else as_indices(indices)
+
+
+def plain_plan(plan: dict) -> dict:
+    """``plan`` (a body of ``POST /v1/datasets/{name}/plans``) with its indices, if any, as plain ints."""
+    return {**plan, "indices": plan_indices(plan["indices"])} if "indices" in plan else plan
+
+
+def plan_chunks(plan: dict) -> tuple[dict, list[tuple[Sequence[int], bool]]]:
+    """``plan`` as the body that registers it and the chunks that extend it, ``(indices,
+    complete)`` each: an ``indices`` plan longer than ``PLAN_CHUNK`` positions is registered
+    incomplete with its first chunk, and only its last chunk is complete (if the plan is)."""
+    indices = plan.get("indices")
+    if plan.get("kind") != "indices" or indices is None or len(indices) <= PLAN_CHUNK:
+        return plain_plan(plan), []
+    complete = plan.get("complete", True)
+    cuts = range(PLAN_CHUNK, len(indices), PLAN_CHUNK)
+    first = {**plan, "indices": plan_indices(indices[:PLAN_CHUNK]), "complete": False}
+    return first, [(indices[cut:cut + PLAN_CHUNK], complete and cut + PLAN_CHUNK >= len(indices)) for cut in cuts]
 
 
 class BaseClient:

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from .base import plain_plan
 from .errors import ShardfeedError, ShardfeedHTTPError
 from .mixing import MixtureSampler, locate
 from .sampling import EpochSampler
@@ -43,7 +44,8 @@ class PlanHandle:
         self._checked = 0.0
 
     def register(self, plan: dict[str, Any]) -> None:
-        """Announce ``plan`` (a body of ``POST /v1/datasets/{name}/plans``), replacing ours."""
+        """Announce ``plan`` (a body of ``POST /v1/datasets/{name}/plans``; ``indices`` may be a
+        numpy array, and a long plan goes in chunks: ``Client.register_plan``), replacing ours."""
         self.drop()
         try:
             self.id = self.client.register_plan(self.dataset, {**plan, "fields": self.fields})["id"]
@@ -137,7 +139,7 @@ class StreamPlans:
                 handle.drop()
                 continue
             indices = mine if self.pools[s] is None else self.pools[s][mine]
-            handle.register({"kind": "indices", "indices": indices.tolist(), "share": max(1e-6, float(shares[s]))})
+            handle.register({"kind": "indices", "indices": indices, "share": max(1e-6, float(shares[s]))})
         self.held = _reader(sampler)
 
     def ensure(self, sampler: MixtureSampler) -> None:
@@ -161,5 +163,6 @@ def _reader(sampler: MixtureSampler) -> tuple:
 
 
 def _order(plan: dict[str, Any]) -> dict[str, Any]:
-    """What names a plan's order: everything but how far its reader got."""
-    return {key: value for key, value in plan.items() if key != "consumed"}
+    """What names a plan's order: everything but how far its reader got (indices as plain ints,
+    so that a numpy array compares as its values)."""
+    return {key: value for key, value in plain_plan(plan).items() if key != "consumed"}

@@ -6,7 +6,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import closing
+from contextlib import closing, suppress
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
@@ -15,7 +15,8 @@ from shardfeed.retry import retry_sync
 
 from .base import (
     BATCH_PATH, ERROR_BODY_LIMIT, REGISTER_POLL, BaseClient, PartRequest, Pick, Registering, as_indices, checked,
-    dataset_path, parse_json, plan_path, routing_path, sample_parser, sample_path, settled, transport_error,
+    dataset_path, parse_json, plan_chunks, plan_indices, plan_path, routing_path, sample_parser, sample_path, settled,
+    transport_error,
 )
 from .errors import ShardfeedError
 from .routing import Via, merged
@@ -86,8 +87,27 @@ class Client(BaseClient):
         self._call("DELETE", dataset_path(name), lambda r: None)
 
     def register_plan(self, dataset: str, plan: dict) -> dict:
-        """``POST /v1/datasets/{name}/plans``: announce an upcoming order (see ``client/plans.py``)."""
-        return self._call("POST", plan_path(dataset), parse_json, json=plan)
+        """``POST /v1/datasets/{name}/plans``: announce an upcoming order (see ``client/plans.py``);
+        the plan as the service describes it. An ``indices`` plan's indices may be a numpy
+        array; beyond ``PLAN_CHUNK`` positions they go in chunks (``extend_plan``), and a plan
+        whose chunk fails is deleted before the error is raised."""
+        first, chunks = plan_chunks(plan)
+        answer = self._call("POST", plan_path(dataset), parse_json, json=first)
+        try:
+            for indices, complete in chunks:
+                answer = self.extend_plan(dataset, answer["id"], indices, complete)
+        except BaseException:
+            with suppress(ShardfeedError):
+                self.delete_plan(dataset, answer["id"])
+            raise
+        return answer
+
+    def extend_plan(self, dataset: str, plan_id: str, indices: Sequence[int], complete: bool = True) -> dict:
+        """``POST /v1/datasets/{name}/plans/{id}``: the next chunk of an ``indices`` plan registered
+        with ``complete: false`` (a list or numpy array of up to ``PLAN_CHUNK`` positions, which
+        fits the service's body limit); ``complete``: no chunk follows."""
+        return self._call("POST", plan_path(dataset, plan_id), parse_json,
+                          json={"indices": plan_indices(indices), "complete": complete})
 
     def plan(self, dataset: str, plan_id: str) -> dict:
         """``GET /v1/datasets/{name}/plans/{id}``: its length, position and time left."""

@@ -68,7 +68,7 @@ async def create_plan(name: str, request: Request, state: AppState) -> dict:
     check_order(dataset, order)
     state.plans.check_room(len(order))
     plan = await asyncio.to_thread(state.plans.build, dataset, kind, order, req.ttl,
-                                   getattr(req, "complete", True), fields, plan_id, owner)
+                                   getattr(req, "complete", True), fields, plan_id, owner, req.share)
     state.plans.insert(plan)
     state.prefetcher.wake()
     relayed = {PLAN_ID_HEADER: plan.id, PLAN_OWNER_HEADER: owner} if owner else {PLAN_ID_HEADER: plan.id}

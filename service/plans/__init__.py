@@ -19,6 +19,12 @@ What the service does with the plans it holds (``registry.Plans``):
   plans read before it would be evicted add up to half of it; for the others it reads
   just the samples' ranges (``ranges.py``) and caches nothing.
 
+A plan may hold only a ``share`` of its reader's reads (a stream of a mixture: each
+dataset of the mixture its own plan, 0.2 for a fifth of the mixture): its reader then
+moves ``share`` positions per read, and the service compares plans' distances (horizon,
+eviction, what to fetch whole, how far to read whole blocks ahead) in the reader's reads,
+a position counting ``1 / share`` of them.
+
 Without a plan the service behaves as before. Plans live in memory only, are bounded in
 number (``max_plans``) and size (``max_plan_samples``), and expire ``plan_ttl`` seconds
 after their last use: a client whose plan is gone registers it again.

@@ -4,7 +4,7 @@ Every process of a host holds every plan (``api/plans.py`` relays each registrat
 worker that restarts comes back with none, and its shards would be read with LRU until the
 readers register their next epoch. On start, a worker asks its siblings in turn for the
 plans they hold (``GET /v1/internal/plans``, then each plan's order as int64s) and holds
-the same ones, under the same ids, from the same positions. Best effort: when no sibling
+the same ones, under the same ids and shares, from the same positions. Best effort: when no sibling
 answers (they are all starting too) the worker starts with no plans, as a lone one does.
 """
 
@@ -61,7 +61,8 @@ async def _adopt_from(cluster: Cluster, node: int, plans: Plans, datasets: dict[
             check_order(dataset, order)
             plans.check_room(len(order))
             plan = await asyncio.to_thread(plans.build, dataset, entry["kind"], order, entry["ttl"],
-                                           entry["complete"], entry["fields"], entry["id"], entry.get("owner"))
+                                           entry["complete"], entry["fields"], entry["id"], entry.get("owner"),
+                                           entry["share"])
             plan.position = min(int(entry["position"]), len(order))
             plans.insert(plan)
         except ApiError as err:

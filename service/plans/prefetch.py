@@ -94,10 +94,12 @@ class Prefetcher:
             pieces = self._pieces(plan, first, last)
             self._ranges_ahead(plan, pieces, self.coalescer.whole_blocks_wanted(plan.dataset, pieces))
             plan.ahead_ranges = last
-        # Whole blocks only within half the horizon, where the decision is the reader's:
-        # ranges of the blocks now judged not worth it, if the first pass left them.
+        # Whole blocks only within half the horizon (in reads: ``share`` positions each), where
+        # the decision is the reader's: ranges of the blocks now judged not worth it, if the
+        # first pass left them.
         horizon = self.plans.horizon
-        stop = min(len(plan.order), reach if horizon == math.inf else plan.position + int(horizon / 2) + plan.batch)
+        stop = min(len(plan.order), reach if horizon == math.inf
+                   else plan.position + int(horizon * plan.share / 2) + plan.batch)
         start = max(plan.ahead_blocks, plan.position)
         for first in range(start, stop, step):
             last = min(stop, first + step)

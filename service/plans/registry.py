@@ -1,10 +1,13 @@
 """The plans a service holds, and what they say about blocks: next use, and whether a
 missing block is worth fetching whole.
 
-Positions are plan positions (one per sample read); distances from different plans are
-compared as they are, which assumes their readers move at about the same speed (ranks of
-one job do). Every query is a binary search in arrays built once per plan, so the
-eviction policy can rank all the cached blocks on each eviction.
+Positions are plan positions (one per sample of the plan read); distances from different
+plans are compared in their readers' reads, which assumes the readers move at about the
+same speed (ranks of one job do): a plan that holds a ``share`` of its reader's reads (a
+stream of a mixture, each dataset its own plan) moves ``share`` positions per read, so
+its distances count ``1 / share`` reads a position. Every query is a binary search in
+arrays built once per plan, so the eviction policy can rank all the cached blocks on
+each eviction.
 """
 
 from __future__ import annotations
@@ -95,6 +98,9 @@ class Plan:
     """The fields the reader asks for (all by default): what is read ahead."""
     owner: str | None = None
     """The name of the tenant that registered it (``api/tenants.py``; ``full-access`` without tokens)."""
+    share: float = 1.0
+    """The share of its reader's reads this order holds (``PlanRequest.share``): a position is
+    ``1 / share`` reads."""
     position: int = 0
     """The reader's place: the first position of the latest batch it was seen reading."""
     batch: int = 1
@@ -170,7 +176,7 @@ class Plan:
 
     def describe(self) -> dict:
         return {"id": self.id, "dataset": self.dataset.name, "owner": self.owner, "kind": self.kind,
-                "samples": len(self.order),
+                "samples": len(self.order), "share": self.share,
                 "complete": self.complete, "position": self.position, "ttl": self.ttl,
                 "expires_in": round(max(0.0, self.deadline - time.monotonic()), 3)}
 
@@ -190,7 +196,8 @@ class Plans:
         self._geometry: dict[tuple[str, str], Geometry] = {}  # by dataset id and version
         self._lock = threading.Lock()  # geometry is built in threads
         self.horizon = math.inf
-        """Plan positions ahead within which the cache can keep every block the plans read."""
+        """Reads ahead (of each plan's reader) within which the cache can keep every block the
+        plans read; ``horizon * plan.share`` positions of a plan."""
         self._horizon_at = 0.0
 
     # -- the registry --------------------------------------------------------------------
@@ -213,12 +220,13 @@ class Plans:
                              "plans or retry when one expires")
 
     def build(self, dataset: Dataset, kind: str, order: np.ndarray, ttl: float | None, complete: bool,
-              fields: list[str] | None, plan_id: str | None = None, owner: str | None = None) -> Plan:
+              fields: list[str] | None, plan_id: str | None = None, owner: str | None = None,
+              share: float = 1.0) -> Plan:
         """A new plan, not yet held (blocking: call in a thread, then ``insert``); ``plan_id``:
         the id another node gave it (a relayed copy), else a new one."""
         ttl = min(ttl or self.config.plan_ttl, self.config.plan_ttl)
         plan = Plan(plan_id or secrets.token_hex(8), dataset, kind, ttl, order, complete, self.geometry(dataset),
-                    fields, owner)
+                    fields, owner, share)
         plan.touch()
         return plan
 
@@ -315,7 +323,7 @@ class Plans:
             for plan in dataset_plans:
                 # A batch is read at once: its blocks are all needed now.
                 until = np.maximum(0, plan.next_use(plan.blocks, plan.position) - plan.position - plan.batch)
-                np.minimum.at(best, plan.blocks, until)
+                np.minimum.at(best, plan.blocks, until / plan.share)
             distances.append(best[best < np.inf])
         distances = np.concatenate(distances)
         if len(distances) <= capacity:
@@ -342,7 +350,7 @@ class Plans:
         for plan in plans:
             start = max(0, plan.position - plan.batch)  # reads of that batch may be in flight
             covered |= plan.next_use(gids, start) < math.inf
-            uses += plan.chain(gids, start, self.horizon + plan.batch)
+            uses += plan.chain(gids, start, self.horizon * plan.share + plan.batch)
         # A shard's last block is short: fetching it whole costs only what it holds.
         size = np.minimum(self.block_size, plan.dataset.extents[shards] - blocks * self.block_size)
         return ~covered | (uses * geometry.mean_bytes >= size * WHOLE_SHARE)
@@ -371,7 +379,7 @@ class Plans:
             until = np.full(len(gids), np.inf)
             for plan in groups[dataset_id]:
                 until = np.minimum(until, np.maximum(0, plan.next_use(gids_array, plan.position)
-                                                     - plan.position - plan.batch))
+                                                     - plan.position - plan.batch) / plan.share)
             for i, (key, d) in enumerate(zip(dataset_keys, until.tolist())):
                 if d == math.inf:
                     never.append(key)

@@ -11,6 +11,10 @@ class PlanRequest(BaseModel):
     ttl: float | None = Field(None, gt=0, description="Seconds the plan lives after its last use "
                                                      "(default and maximum: the service's --plan-ttl).")
     fields: list[str] | None = Field(None, description="Fields the reader asks for (default: all).")
+    share: float = Field(1.0, gt=0, le=1, description=(
+        "The share of its reader's reads this plan's order holds (a stream of a mixture: its part of the "
+        "mixture); the service compares plans' distances in the reader's reads, a plan position counting "
+        "1/share of them."))
 
 
 class Chunk(BaseModel):

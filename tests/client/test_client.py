@@ -13,17 +13,25 @@ import shutil
 import time
 from http.server import BaseHTTPRequestHandler
 
+import httpx
+import numpy as np
 import pytest
 
 from shardfeed.client import (
     MISSING, AsyncClient, Client, ShardfeedConnectionError, ShardfeedError, ShardfeedHTTPError,
 )
+from shardfeed.client.base import PLAN_CHUNK
+from shardfeed.client.plans import PlanHandle
 from shardfeed.process import free_port, start_service
 from shardfeed.retry import Backoff
 from shardfeed.seeds.synthetic import member_bytes
 
 from common.httpserver import LocalServer, QuietHandler
 from common.synthetic import FAST, SAMPLES, SIZES, expected, seed_synthetic, tar_of
+
+
+AUTH = {"Authorization": "Bearer sesame"}
+"""The service's token, for requests made without a client."""
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +152,40 @@ def test_both_clients_register_read_and_delete_a_plan(service, twin):
     with pytest.raises(ShardfeedHTTPError) as err:
         client.plan("train", plan["id"])
     assert err.value.status == 404
+
+
+def test_both_clients_register_an_indices_plan_too_long_for_one_body_in_chunks(service, twin):
+    client = twin(service.url, token="sesame", backoff=FAST)
+    # 3-digit indices, 4 bytes a position in JSON: 2.4 MB, past the service's 2 MiB body limit.
+    order = (np.arange(6 * PLAN_CHUNK) * 7) % 200 + 100
+    plans = f"{service.url}/v1/datasets/train/plans"
+    whole = httpx.post(plans, json={"kind": "indices", "indices": order.tolist()}, headers=AUTH, timeout=60)
+    assert whole.status_code == 413 and whole.json()["error"]["code"] == "body_too_large"
+    plan = client.register_plan("train", {"kind": "indices", "indices": order, "share": 0.5})
+    got = client.plan("train", plan["id"])
+    assert (got["samples"], got["complete"], got["share"]) == (len(order), True, 0.5)
+    held = httpx.get(f"{service.url}/v1/internal/plans/train/{plan['id']}/order", headers=AUTH, timeout=60)
+    assert np.array_equal(np.frombuffer(held.content, dtype="<i8"), order)  # every chunk, in order
+    client.delete_plan("train", plan["id"])
+    # A chunk the service refuses: the error is raised and the part registered is deleted.
+    def held_ids():
+        return {p["id"] for p in httpx.get(plans, headers=AUTH, timeout=10).json()}
+    before = held_ids()
+    with pytest.raises(ShardfeedHTTPError) as err:
+        client.register_plan("train", {"kind": "indices", "indices": [*order[:PLAN_CHUNK + 5].tolist(), SAMPLES]})
+    assert err.value.code == "sample_out_of_range"
+    assert held_ids() == before
+
+
+def test_a_plan_handle_registers_an_order_of_numpy_indices_once(client):
+    handle = PlanHandle(client, "train", ["cls"])
+    order = np.arange(SAMPLES)[::-1]
+    handle.ensure({"kind": "indices", "indices": order})
+    registered = handle.id
+    handle.ensure({"kind": "indices", "indices": order.copy()})  # the same order: nothing to send
+    assert handle.id == registered is not None
+    assert client.plan("train", registered)["samples"] == SAMPLES
+    handle.drop()
 
 
 def test_both_clients_read_a_batch_as_tensors_byte_for_byte(service, twin):

@@ -124,6 +124,8 @@ def test_plan_errors_are_4xx_json(dataset, moto, tmp_path):
             (plans, {"kind": "sampler", "batch_size": 4, "shuffle": "sideways"}, 400, "invalid_request"),
             (plans, {"kind": "indices", "indices": [1], "fields": ["nope"]}, 404, "unknown_field"),
             (plans, {"kind": "indices", "indices": [0] * 1001}, 413, "plan_too_large"),
+            *((plans, {"kind": "indices", "indices": [1], "share": share}, 400, "invalid_request")
+              for share in (0, -0.5, 1.5, "half", None)),
         ]
         for url, body, status, code in cases:
             resp = httpx.post(url, json=body)
@@ -133,13 +135,15 @@ def test_plan_errors_are_4xx_json(dataset, moto, tmp_path):
         for headers in ({"X-Shardfeed-Copy": "everyone"}, {"X-Shardfeed-Copy": "node", "X-Shardfeed-Plan-Id": "../x"}):
             resp = httpx.post(plans, json={"kind": "indices", "indices": [1]}, headers=headers)
             assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_request", resp.text
-        first = httpx.post(plans, json={"kind": "indices", "indices": [1, 2], "complete": False}).json()
-        httpx.post(plans, json={"kind": "indices", "indices": [3]}).raise_for_status()
+        first = httpx.post(plans, json={"kind": "indices", "indices": [1, 2], "complete": False, "share": 0.25}).json()
+        assert first["share"] == 0.25
+        assert httpx.post(plans, json={"kind": "indices", "indices": [3]}).json()["share"] == 1.0
         resp = httpx.post(plans, json={"kind": "indices", "indices": [4]})
         assert resp.status_code == 429 and resp.json()["error"]["code"] == "overloaded"
         # Chunks: the incomplete plan grows; a complete one refuses more.
         grown = httpx.post(f"{plans}/{first['id']}", json={"indices": [5, 6]}).json()
-        assert grown["samples"] == 4 and grown["complete"]
+        assert grown["samples"] == 4 and grown["complete"] and grown["share"] == 0.25
+        assert httpx.get(f"{plans}/{first['id']}").json()["share"] == 0.25
         resp = httpx.post(f"{plans}/{first['id']}", json={"indices": [7]})
         assert resp.status_code == 409 and resp.json()["error"]["code"] == "plan_complete"
         second = httpx.post(f"{plans}/{first['id']}", json={"indices": [1]})
@@ -207,7 +211,7 @@ def test_a_restarted_worker_takes_its_siblings_plans(dataset, moto, tmp_path):
                        args=["--block-size", BLOCK]) as svc:
         workers = worker_urls(svc.url)
         plans = [httpx.post(f"{svc.url}/v1/datasets/train/plans", json=body).json()
-                 for body in (_sampler_plan(sampler), {"kind": "indices", "indices": [5, 3, 1], "fields": ["cls"]})]
+                 for body in (_sampler_plan(sampler), {"kind": "indices", "indices": [5, 3, 1], "fields": ["cls"], "share": 0.25})]
         time.sleep(0.5)  # the supervisor has seen both serve
         first = worker_pids(svc)
         os.kill(first[1], signal.SIGKILL)
@@ -221,7 +225,8 @@ def test_a_restarted_worker_takes_its_siblings_plans(dataset, moto, tmp_path):
                 time.sleep(0.1)
             held = {p["id"]: p for p in httpx.get(f"{worker}/v1/datasets/train/plans", timeout=10).json()}
             assert sorted(held) == sorted(p["id"] for p in plans), worker
-            assert [held[p["id"]]["samples"] for p in plans] == [SAMPLES, 3]
+            assert [(held[p["id"]]["samples"], held[p["id"]]["share"]) for p in plans] == [(SAMPLES, 1.0),
+                                                                                            (3, 0.25)]
             order = httpx.get(f"{worker}/v1/internal/plans/train/{plans[1]['id']}/order", timeout=10).content
             assert np.frombuffer(order, dtype="<i8").tolist() == [5, 3, 1]
             inside = {p["id"]: p for p in httpx.get(f"{worker}/v1/internal/plans", timeout=10).json()}
