@@ -107,14 +107,15 @@ class AsyncClient(BaseClient):
         return await self._call("GET", sample_path(dataset, index), sample_parser(dataset, index), via=via)
 
     async def get_batch(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None = None,
-                        *, continue_on_error: bool = False) -> list[dict]:
+                        *, continue_on_error: bool = False, stream: str | None = None) -> list[dict]:
         """The samples at ``indices``, in order, in one request (see ``Client.get_batch``)."""
-        return [s async for s in self.iter_batch(dataset, indices, fields, continue_on_error=continue_on_error)]
+        return [s async for s in self.iter_batch(dataset, indices, fields, continue_on_error=continue_on_error,
+                                                 stream=stream)]
 
     async def iter_batch(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None = None,
-                         *, continue_on_error: bool = False) -> AsyncIterator[dict]:
+                         *, continue_on_error: bool = False, stream: str | None = None) -> AsyncIterator[dict]:
         """Yield the samples at ``indices`` as they arrive (see ``Client.iter_batch``)."""
-        requests = await self._batch(dataset, indices, fields, continue_on_error)
+        requests = await self._batch(dataset, indices, fields, continue_on_error, stream=stream)
         if len(requests) == 1:
             async for sample in self._stream(requests[0]):
                 yield sample
@@ -123,24 +124,26 @@ class AsyncClient(BaseClient):
             yield sample
 
     async def get_batch_tensors(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None = None,
-                                *, continue_on_error: bool = False, shared: bool = False) -> Batch:
+                                *, continue_on_error: bool = False, shared: bool = False,
+                                stream: str | None = None) -> Batch:
         """The samples at ``indices`` as one :class:`~.tensors.Batch` (see
         ``Client.get_batch_tensors``). Asyncio's streams read into a buffer of their own, so
         each piece of the answer is copied into the batch's buffer once as it arrives."""
         from .tensors import allocator, batch_of
 
-        requests = await self._batch(dataset, indices, fields, continue_on_error, whole=True)
+        requests = await self._batch(dataset, indices, fields, continue_on_error, whole=True, stream=stream)
         return await retry_async(lambda: self._whole(requests, allocator(shared), batch_of), backoff=self.backoff,
                                  retryable=self._verdict)
 
     async def get_batch_arrow(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None = None,
-                              *, continue_on_error: bool = False, shared: bool = False) -> pa.Table:
+                              *, continue_on_error: bool = False, shared: bool = False,
+                              stream: str | None = None) -> pa.Table:
         """The samples at ``indices`` as a ``pyarrow.Table`` over the buffer read (see
         ``Client.get_batch_arrow``)."""
         from .arrow import reading
 
         allocate, build = reading(shared)
-        requests = await self._batch(dataset, indices, fields, continue_on_error, whole=True)
+        requests = await self._batch(dataset, indices, fields, continue_on_error, whole=True, stream=stream)
         return await retry_async(lambda: self._whole(requests, allocate, build), backoff=self.backoff,
                                  retryable=self._verdict)
 
@@ -173,11 +176,11 @@ class AsyncClient(BaseClient):
     # -- a batch: its requests, each part's answer read as samples or into a tensor buffer --
 
     async def _batch(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None,
-                     continue_on_error: bool, whole: bool = False) -> list[PartRequest]:
+                     continue_on_error: bool, whole: bool = False, stream: str | None = None) -> list[PartRequest]:
         indices = as_indices(indices)
         if indices:
             await self.load_routing(dataset)
-        return self._requests(dataset, indices, fields, continue_on_error, whole)
+        return self._requests(dataset, indices, fields, continue_on_error, whole, stream)
 
     async def _open(self, request: PartRequest) -> AsyncResponse:
         """Send one try of ``request``; its answer once the head arrived (``Client._open``)."""

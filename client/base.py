@@ -239,11 +239,12 @@ class BaseClient:
         return None
 
     def _requests(self, dataset: str, indices: list[int], fields: Sequence[str] | None,
-                  continue_on_error: bool, whole: bool) -> list[PartRequest]:
+                  continue_on_error: bool, whole: bool, stream: str | None = None) -> list[PartRequest]:
         """A batch as its requests, one per owner of its samples (one, without routing; none
-        for no indices). The routing table is loaded first, if due (the twins' ``load_routing``).
-        ``whole``: each answer is read whole (and asked for as Arrow, see ``arrow``)."""
-        return [PartRequest(self, dataset, part, fields, continue_on_error, whole)
+        for no indices), each naming ``stream``. The routing table is loaded first, if due (the
+        twins' ``load_routing``). ``whole``: each answer is read whole (and asked for as Arrow,
+        see ``arrow``)."""
+        return [PartRequest(self, dataset, part, fields, continue_on_error, whole, stream)
                 for part in (self.router.split(dataset, indices) if indices else [])]
 
     def _to_owner(self, dataset: str, index: int) -> Via:
@@ -263,14 +264,16 @@ class PartRequest:
     means and how long to wait after a failed try are decided here, for both clients; they
     only send it and read the body, as samples or into one buffer. A whole answer is asked for
     in ``format`` Arrow while the client's ``arrow`` holds; it is read as the format its head
-    names (:meth:`columns`), so a node that answers tar regardless is read right too.
+    names (:meth:`columns`), so a node that answers tar regardless is read right too. Every try
+    names the batch's ``stream`` (a mixture's), under which the node that answers counts it.
     """
 
     def __init__(self, client: BaseClient, dataset: str, part: Part, fields: Sequence[str] | None,
-                 continue_on_error: bool, whole: bool = False):
+                 continue_on_error: bool, whole: bool = False, stream: str | None = None):
         self.part = part
         self.fields = fields
         self.continue_on_error = continue_on_error
+        self.stream = stream
         self.whole = whole
         self.format = ARROW if whole and client.arrow else TAR
         self.answer_format = TAR
@@ -291,7 +294,7 @@ class PartRequest:
         self.reader.restart(self.base + BATCH_PATH, self.whole)
         reader = self.reader
         return self.base, batch_body(reader.dataset, list(reader.remaining()), self.fields, self.continue_on_error,
-                                     self.format)
+                                     self.format, self.stream)
 
     def error(self, response: Any, body: bytes) -> ShardfeedHTTPError:
         """Our error for an answer with an error status (either transport's), ``body`` its start."""
@@ -412,12 +415,15 @@ def plan_path(dataset: str, plan_id: str | None = None) -> str:
 
 
 def batch_body(dataset: str, indices: list[int], fields: Sequence[str] | None,
-               continue_on_error: bool, format: str = TAR) -> bytes:
-    """JSON body of ``POST /v1/batch``, encoded."""
+               continue_on_error: bool, format: str = TAR, stream: str | None = None) -> bytes:
+    """JSON body of ``POST /v1/batch``, encoded (without ``stream`` when there is none: a
+    service that predates it refuses the field)."""
     body: dict[str, Any] = {"dataset": dataset, "indices": indices, "format": format,
                             "continue_on_error": continue_on_error}
     if fields is not None:
         body["fields"] = list(fields)
+    if stream is not None:
+        body["stream"] = stream
     return json.dumps(body, separators=(",", ":")).encode()
 
 

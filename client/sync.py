@@ -133,18 +133,20 @@ class Client(BaseClient):
                           via=self._via(dataset, index))
 
     def get_batch(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None = None,
-                  *, continue_on_error: bool = False) -> list[dict]:
+                  *, continue_on_error: bool = False, stream: str | None = None) -> list[dict]:
         """The samples at ``indices``, in that order, fetched with one ``POST /v1/batch``.
 
         ``fields`` limits the fields returned (default: all). With ``continue_on_error``
         a sample the service cannot serve comes back as
         ``{"__key__": None, "__index__": i, "__missing__": True}`` instead of failing
-        the whole batch.
+        the whole batch. ``stream`` names the stream of a mixture the batch belongs to (1 to
+        64 of ``A-Z a-z 0-9 . _ : / -``): the service counts what it serves under that name too
+        (``/v1/stats``' ``streams``, the ``shardfeed_stream_*`` metrics).
         """
-        return list(self.iter_batch(dataset, indices, fields, continue_on_error=continue_on_error))
+        return list(self.iter_batch(dataset, indices, fields, continue_on_error=continue_on_error, stream=stream))
 
     def iter_batch(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None = None,
-                   *, continue_on_error: bool = False) -> Iterator[dict]:
+                   *, continue_on_error: bool = False, stream: str | None = None) -> Iterator[dict]:
         """Like :meth:`get_batch`, but yields each sample as soon as it has arrived.
 
         If the connection breaks mid-stream, the samples not yet yielded are asked for
@@ -152,14 +154,15 @@ class Client(BaseClient):
         routing (see :class:`~shardfeed.client.routing.Router`), each owner's part of the
         batch is sent to it at once, and the samples are yielded in the order asked.
         """
-        requests = self._batch(dataset, indices, fields, continue_on_error)
+        requests = self._batch(dataset, indices, fields, continue_on_error, stream=stream)
         if len(requests) == 1:
             yield from self._stream(requests[0])
         else:
             yield from merged([r.part for r in requests], self._each_part(requests, lambda r: list(self._stream(r))))
 
     def get_batch_tensors(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None = None,
-                          *, continue_on_error: bool = False, shared: bool = False) -> Batch:
+                          *, continue_on_error: bool = False, shared: bool = False,
+                          stream: str | None = None) -> Batch:
         """The samples at ``indices`` as one :class:`~.tensors.Batch`: every byte in one
         ``torch.uint8`` buffer (in shared memory with ``shared``, as a DataLoader worker wants
         it), read there straight from the socket; ``batch["jpg"][i]`` is a view of it. Needs
@@ -168,12 +171,13 @@ class Client(BaseClient):
         """
         from .tensors import allocator, batch_of
 
-        requests = self._batch(dataset, indices, fields, continue_on_error, whole=True)
+        requests = self._batch(dataset, indices, fields, continue_on_error, whole=True, stream=stream)
         return retry_sync(lambda: self._whole(requests, allocator(shared), batch_of), backoff=self.backoff,
                           retryable=self._verdict)
 
     def get_batch_arrow(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None = None,
-                        *, continue_on_error: bool = False, shared: bool = False) -> pa.Table:
+                        *, continue_on_error: bool = False, shared: bool = False,
+                        stream: str | None = None) -> pa.Table:
         """The samples at ``indices`` as a ``pyarrow.Table``, a row per sample in order: ``__key__``,
         ``__index__``, then a large_binary column per field; its columns are views of the one buffer
         the answer was read into (:mod:`.arrow`: a routed batch's are chunked, a zero-copy slice per
@@ -184,7 +188,7 @@ class Client(BaseClient):
         from .arrow import reading
 
         allocate, build = reading(shared)
-        requests = self._batch(dataset, indices, fields, continue_on_error, whole=True)
+        requests = self._batch(dataset, indices, fields, continue_on_error, whole=True, stream=stream)
         return retry_sync(lambda: self._whole(requests, allocate, build), backoff=self.backoff,
                           retryable=self._verdict)
 
@@ -241,11 +245,11 @@ class Client(BaseClient):
     # -- a batch: its requests, each part's answer read as samples or into a tensor buffer --
 
     def _batch(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None,
-               continue_on_error: bool, whole: bool = False) -> list[PartRequest]:
+               continue_on_error: bool, whole: bool = False, stream: str | None = None) -> list[PartRequest]:
         indices = as_indices(indices)
         if indices:
             self.load_routing(dataset)
-        return self._requests(dataset, indices, fields, continue_on_error, whole)
+        return self._requests(dataset, indices, fields, continue_on_error, whole, stream)
 
     def _picked(self, picks: Sequence[Pick], continue_on_error: bool, whole: bool) -> list[PartRequest]:
         """The requests of a mixed batch: each dataset's, their parts placed at the picks' positions."""

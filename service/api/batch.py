@@ -69,6 +69,10 @@ class BatchRequest(BaseModel):
     continue_on_error: bool = Field(False, description="Serve a failed sample as a zero-length "
                                                        "__404__/<dataset>/<i> member (a row of nulls in "
                                                        "'arrow') instead of failing.")
+    stream: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:/-]+$",
+                               description="The stream of a mixture this batch belongs to: its samples and "
+                                           "bytes are also counted under this name (metrics "
+                                           "shardfeed_stream_*, /v1/stats 'streams').")
 
 
 FORMATS = {"tar": TAR, "arrow": ARROW}
@@ -85,6 +89,7 @@ class WantedBatch:
     continue_on_error: bool
     format: str
     framing: TarFraming | ArrowFraming
+    stream: str | None
 
 
 def wanted_batch(state: State, body: bytes, tenant: Tenant) -> WantedBatch:
@@ -120,7 +125,7 @@ def wanted_batch(state: State, body: bytes, tenant: Tenant) -> WantedBatch:
         raise ApiError(404, "unknown_field", f"sample {int(members.sample[row])} has no field "
                                              f"{dataset.index.fields[int(members.field[row])]!r}")
     framing = ArrowFraming(dataset, fields) if req.format == "arrow" else TarFraming()
-    return WantedBatch(dataset, indices, members, req.continue_on_error, req.format, framing)
+    return WantedBatch(dataset, indices, members, req.continue_on_error, req.format, framing, req.stream)
 
 
 @dataclass
@@ -185,7 +190,7 @@ class BatchEndpoint:
         del scope[DECIDED]
         framing = wanted.framing
         parts = [*framing.head(), *framing.held(held, 0, dataset, members, indices), framing.end()]
-        _served(state, dataset, indices)(len(indices), length - len(framing.end()))
+        _served(state, wanted)(len(indices), length - len(framing.end()))
         count_batch(state, "batch", "200", began)
         headers = [(b"content-type", FORMATS[wanted.format].encode()), (b"content-length", b"%d" % length)]
         headers += [(name.lower().encode(), value.encode())
@@ -222,7 +227,7 @@ class BatchEndpoint:
         dataset, members, indices = wanted.dataset, wanted.members, wanted.indices
         chunks = stream_batch(state.coalescer, dataset, members, indices,
                               continue_on_error=decision.wanted.continue_on_error, group_bytes=config.group_bytes,
-                              prefetch=config.prefetch_groups, on_served=_served(state, dataset, indices), held=held,
+                              prefetch=config.prefetch_groups, on_served=_served(state, wanted), held=held,
                               looked=True, framing=decision.wanted.framing)
         headers = _headers(state, dataset, indices)
         # Held: every byte is in RAM, the length is known, no chunked framing. Else the length if every
@@ -246,12 +251,13 @@ OPENAPI = {"/v1/batch": {"post": {
 """The endpoint's entry in the OpenAPI document (it is mounted in front of FastAPI's router)."""
 
 
-def _served(state: State, dataset: Dataset, indices: np.ndarray):
+def _served(state: State, wanted: WantedBatch):
     """The batch is being served: plans learn their position from it (and the prefetcher may
-    act on that); its samples and bytes are counted by the returned ``on_served``."""
-    state.plans.observe(dataset, indices)
+    act on that); its samples and bytes are counted by the returned ``on_served`` (under its
+    stream too)."""
+    state.plans.observe(wanted.dataset, wanted.indices)
     state.prefetcher.wake()
-    return served_metrics(state)
+    return served_metrics(state, wanted.stream)
 
 
 LENGTH_HEADER = "X-Shardfeed-Length"

@@ -223,11 +223,19 @@ def json_body(model: type[BaseModel]) -> dict:
         "schema": model.model_json_schema()}}}}
 
 
-def served_metrics(state: State) -> Callable[[int, int], None]:
-    """The ``on_served`` callback of ``stream_batch``: counts samples and bytes sent."""
+def served_metrics(state: State, stream: str | None = None) -> Callable[[int, int], None]:
+    """The ``on_served`` callback of ``stream_batch``: counts samples and bytes sent, under
+    ``stream`` too when the request named one. Only the node that answers the client counts:
+    what a sibling or replica reads for it (``/v1/internal/read``) is no sample served."""
+    metrics = state.metrics
+    counters = [(metrics.samples, metrics.bytes_served)]
+    if stream is not None:
+        counters.append(metrics.stream_counters(stream))
+
     def served(samples: int, nbytes: int) -> None:
-        state.metrics.samples.inc(samples)
-        state.metrics.bytes_served.inc(nbytes)
+        for samples_counter, bytes_counter in counters:
+            samples_counter.inc(samples)
+            bytes_counter.inc(nbytes)
 
     return served
 

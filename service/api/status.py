@@ -30,7 +30,7 @@ from starlette.responses import HTMLResponse, Response
 
 from shardfeed.service.api.common import Admission, AppState, State, on_public_port
 from shardfeed.service.cluster.hoststats import HostRecorder, host_plans, kept_values, sibling_figures
-from shardfeed.service.observe.stats import HIT_TIERS, RATES
+from shardfeed.service.observe.stats import HIT_TIERS, RATES, per_stream
 
 router = APIRouter(tags=["status"])
 
@@ -127,6 +127,7 @@ def document(state: State) -> dict:
         "interval_s": recorder.interval,
         "rates": _rates(recent),
         "totals": {name: values.get(sample) for name, sample in RATES.items()},
+        "streams": _streams(values, recent),
         "cache": {
             "bytes": values.get("shardfeed_cache_bytes"),
             "blocks": values.get("shardfeed_cache_blocks"),
@@ -183,6 +184,19 @@ def _rates(recent: tuple[dict[str, float], float] | None) -> dict:
     change, seconds = recent
     return {"span_s": round(seconds, 3),
             **{name: round(change.get(sample, 0.0) / seconds, 3) for name, sample in RATES.items()}}
+
+
+def _streams(values: dict[str, float], recent: tuple[dict[str, float], float] | None) -> dict[str, dict]:
+    """Per stream that batch requests named: samples and bytes per second over the same span
+    as ``_rates`` (None before there is one), and totals since start."""
+    grown = per_stream(recent[0]) if recent is not None else {}
+    out = {}
+    for name, total in sorted(per_stream(values).items()):
+        change = grown.get(name, {})
+        out[name] = {**{f"{what}_per_s": None if recent is None else round(change.get(what, 0.0) / recent[1], 3)
+                        for what in total},
+                     **{what: int(count) for what, count in total.items()}}
+    return out
 
 
 def _block_reads(values: dict[str, float]) -> dict[str, float]:

@@ -8,6 +8,14 @@ disable_created_metrics()  # the *_created series double the output and nobody r
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
+MAX_STREAMS = 64
+"""Stream names (``"stream"`` of a batch request) a process counts under their own label. The
+names are the clients' to choose: without a bound, every new name would add two series to every
+scrape, for good."""
+OTHER_STREAM = "(other)"
+"""The label the names after the first ``MAX_STREAMS`` count under (no stream name can be it:
+parentheses are not allowed in one)."""
+
 
 class Metrics:
     """Every metric the service exports, named ``shardfeed_*``."""
@@ -18,6 +26,13 @@ class Metrics:
                                 ["route", "status"], registry=r)
         self.samples = Counter("shardfeed_samples_served", "Samples served", registry=r)
         self.bytes_served = Counter("shardfeed_bytes_served", "Payload bytes served", registry=r)
+        self.stream_samples = Counter("shardfeed_stream_samples_served",
+                                      "Samples served to batch requests that named a stream, by stream",
+                                      ["stream"], registry=r)
+        self.stream_bytes = Counter("shardfeed_stream_bytes_served",
+                                    "Payload bytes served to batch requests that named a stream, by stream",
+                                    ["stream"], registry=r)
+        self._streams: set[str] | None = None  # the names counted under their own label
         self.batch_latency = Histogram("shardfeed_batch_seconds", "Batch request latency (to last byte)",
                                        buckets=_LATENCY_BUCKETS, registry=r)
         self.sample_latency = Histogram("shardfeed_sample_seconds", "Per-sample GET latency",
@@ -70,6 +85,19 @@ class Metrics:
                                        ["tenant", "status"], registry=r)
         self.tenant_batches = Gauge("shardfeed_tenant_inflight_batches", "Batch requests in flight by tenant",
                                     ["tenant"], registry=r)
+
+    def stream_counters(self, stream: str) -> tuple[Counter, Counter]:
+        """The samples and bytes counters of ``stream``: its own for the first ``MAX_STREAMS``
+        names, ``OTHER_STREAM``'s for the later ones."""
+        if self._streams is None:  # first use: a restarted worker's predecessor's names (``restore_series``) count
+            self._streams = {sample.labels["stream"] for family in self.stream_samples.collect()
+                             for sample in family.samples} - {OTHER_STREAM}
+        if stream not in self._streams:
+            if len(self._streams) >= MAX_STREAMS:
+                stream = OTHER_STREAM
+            else:
+                self._streams.add(stream)
+        return self.stream_samples.labels(stream), self.stream_bytes.labels(stream)
 
     def render(self) -> bytes:
         store_requests = self.store_requests._value.get()

@@ -48,8 +48,12 @@ RATES = {
 """Series of per-second rates: series name -> counter sample (summed over its labels, or of
 the labels given)."""
 
-_LABELLED = frozenset(sample.partition("{")[0] for sample in RATES.values() if "{" in sample)
-"""Counters whose samples ``read_registry`` also keeps label by label (those ``RATES`` name so)."""
+STREAMS = {"samples": "shardfeed_stream_samples_served_total", "bytes": "shardfeed_stream_bytes_served_total"}
+"""Counters labelled by ``stream`` (the name a batch request gave): per stream, its totals and rates."""
+
+_LABELLED = frozenset({*(sample.partition("{")[0] for sample in RATES.values() if "{" in sample), *STREAMS.values()})
+"""Counters whose samples ``read_registry`` also keeps label by label (those ``RATES`` name so,
+and the ``STREAMS``)."""
 
 HIT_TIERS = {"ram": "memory_hits", "disk": "cache_hits", "sibling": "sibling_hits", "replica": "replica_hits"}
 """Where a block a read needed came from without a store read of this node's, by tier: the
@@ -104,6 +108,18 @@ def read_registry(registry: CollectorRegistry) -> tuple[dict[str, float], dict[s
                     labelled = f"{sample.name}{{{labels}}}"
                     values[labelled] = values.get(labelled, 0.0) + sample.value
     return values, {k: tuple(v) for k, v in buckets.items()}, {k: tuple(v) for k, v in bounds.items()}
+
+
+def per_stream(values: dict[str, float]) -> dict[str, dict[str, float]]:
+    """The ``STREAMS`` counters in ``values`` (a reading's, or their growth), by stream:
+    ``{stream: {"samples": n, "bytes": n}}``."""
+    out: dict[str, dict[str, float]] = {}
+    for what, counter in STREAMS.items():
+        prefix = f'{counter}{{stream="'  # stream names need no escaping: none holds a quote or a backslash
+        for key, value in values.items():
+            if key.startswith(prefix):
+                out.setdefault(key[len(prefix):-2], dict.fromkeys(STREAMS, 0.0))[what] = value
+    return out
 
 
 def quantile(q: float, bounds: tuple[float, ...], counts: tuple[float, ...]) -> float | None:

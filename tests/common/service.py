@@ -6,6 +6,7 @@ import io
 import tarfile
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from shardfeed.process import hops  # noqa: F401  (re-exported for tests)
 from shardfeed.process import scrape_metrics as metrics
@@ -37,8 +38,21 @@ def wait_for_reading_after(url: str, moment: float, **kw) -> dict:
     return wait_until(newer, 30, "a new reading")
 
 
-def fetch_batch(url: str, indices, dataset: str = "train") -> list[tuple[str, bytes]]:
-    """``POST /v1/batch`` that must succeed: its tar members, in order."""
-    resp = httpx.post(f"{url}/v1/batch", json={"dataset": dataset, "indices": list(indices)}, timeout=60)
+def fetch_batch(url: str, indices, dataset: str = "train", stream: str | None = None) -> list[tuple[str, bytes]]:
+    """``POST /v1/batch`` that must succeed (naming ``stream``, if given): its tar members, in order."""
+    body = {"dataset": dataset, "indices": list(indices), **({"stream": stream} if stream is not None else {})}
+    resp = httpx.post(f"{url}/v1/batch", json=body, timeout=60)
     assert resp.status_code == 200, resp.text
     return tar_members(resp.content)
+
+
+def stream_counts(url: str) -> dict[str, dict[str, float]]:
+    """``shardfeed_stream_{samples,bytes}_served_total`` by stream, as a service's ``/metrics``
+    has them: ``{"a": {"samples": 30.0, "bytes": 61440.0}}``."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        what = {"shardfeed_stream_samples_served": "samples", "shardfeed_stream_bytes_served": "bytes"}.get(family.name)
+        for sample in family.samples if what else ():
+            out.setdefault(sample.labels["stream"], {"samples": 0.0, "bytes": 0.0})[what] = sample.value
+    return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import socket
 import tarfile
 import time
@@ -94,26 +95,30 @@ json_values = st.recursive(
 indices = st.lists(st.integers(-3, SAMPLES + 3), max_size=40) | st.lists(
     st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=4) | st.booleans() | st.none(), max_size=5)
 fields = st.none() | st.lists(st.sampled_from([*FIELDS, "BIN", "jpg", "", "../bin"]), max_size=4)
+streams = st.none() | st.sampled_from(["a", "web.v2/en:1-x", "x" * 64, "x" * 65, "", "a b", "(other)"]) | st.text(
+    max_size=70)
 bodies = st.fixed_dictionaries(
     {"dataset": st.sampled_from(["train", "nope", "", "../train", "train/../train"]) | st.text(max_size=300),
      "indices": indices},
     optional={"fields": fields, "format": st.sampled_from(["tar", "zip", ""]),
-              "continue_on_error": st.booleans(), "surprise": json_values})
+              "continue_on_error": st.booleans(), "stream": streams, "surprise": json_values})
 # Now and then a wrong type in any slot.
-bodies = bodies | st.dictionaries(st.sampled_from(["dataset", "indices", "fields", "format", "continue_on_error"]),
-                                  json_values) | json_values
+bodies = bodies | st.dictionaries(st.sampled_from(["dataset", "indices", "fields", "format", "continue_on_error",
+                                                   "stream"]), json_values) | json_values
 
 
 def valid_batch(body) -> bool:
     """Whether ``body`` is a batch this service must serve (per docs/architecture.md's contract)."""
-    if not isinstance(body, dict) or set(body) - {"dataset", "indices", "fields", "format", "continue_on_error"}:
+    if not isinstance(body, dict) or set(body) - {"dataset", "indices", "fields", "format", "continue_on_error",
+                                                  "stream"}:
         return False
-    idx, fld = body.get("indices"), body.get("fields")
+    idx, fld, stream = body.get("indices"), body.get("fields"), body.get("stream")
     return (body.get("dataset") == "train" and isinstance(idx, list) and len(idx) <= MAX_BATCH
             and all(type(i) is int and 0 <= i < SAMPLES for i in idx)
             and (fld is None or (isinstance(fld, list) and all(isinstance(f, str) and f.lower() in FIELDS
                                                                for f in fld)))
-            and body.get("format", "tar") == "tar" and type(body.get("continue_on_error", False)) is bool)
+            and body.get("format", "tar") == "tar" and type(body.get("continue_on_error", False)) is bool
+            and (stream is None or isinstance(stream, str) and re.fullmatch(r"[A-Za-z0-9._:/-]{1,64}", stream)))
 
 
 @FUZZ

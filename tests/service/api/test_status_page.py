@@ -28,7 +28,7 @@ from shardfeed.service.observe.stats import RATES
 
 from common import REPO
 from common.datasets import dir_put, make_dataset
-from common.service import metrics
+from common.service import metrics, stream_counts
 
 SAMPLES = 400
 ARTIFACTS = REPO / "tests" / "artifacts"
@@ -213,3 +213,46 @@ def test_with_tokens_the_page_asks_for_one_and_then_shows_the_figures(browser, d
         assert "train" in datasets and doc["datasets"][0]["version"] in datasets and " s ago)" in datasets
         assert watched.errors == []
         assert all("401" in line for line in watched.console), watched.console  # the refused tries
+
+
+def stream_rows(watched: Watched) -> tuple[float, dict[str, dict]]:
+    """The time of the document the page shows and its Streams table, read at one instant:
+    ``{stream: {field: (text, unit)}}``."""
+    shown, rows = watched.page.evaluate("""() => [Number(document.body.dataset.time),
+        [...document.querySelectorAll("#streams tr[data-stream]")].map((tr) => [tr.dataset.stream,
+            [...tr.querySelectorAll("td[data-field]")].map((td) => [td.dataset.field, td.textContent, td.dataset.unit])])]""")
+    return shown, {name: {field: (text, unit) for field, text, unit in cells} for name, cells in rows}
+
+
+def test_the_streams_table_shows_each_named_streams_figures_once_batches_name_them(browser, dataset, tmp_path):
+    with start_service({"train": dataset}, cache_dir=tmp_path / "cache", args=["--block-size", "64KiB"]) as svc:
+        watched = Watched(browser, svc.url)
+        watched.wait("document.body.dataset.connected === 'yes'")
+        assert not watched.page.is_visible("#streams-section")  # no stream named yet: no table
+        rng = random.Random(2)
+        with httpx.Client(timeout=30) as client:
+            for stream, batches in [("a", 3), ("b", 1), (None, 2)]:  # a: three of every four named samples
+                for _ in range(batches):
+                    body = {"dataset": "train", "indices": [rng.randrange(SAMPLES) for _ in range(64)]}
+                    assert client.post(f"{svc.url}/v1/batch", json={**body, **({"stream": stream} if stream else {})}
+                                       ).status_code == 200
+        watched.wait("document.querySelectorAll('#streams tr[data-stream]').length === 2")
+        # The page shows the figures of the document it rendered, the totals as /metrics has them.
+        moment = time.time()
+        watched.wait(f"Number(document.body.dataset.time) > {moment}")
+        shown, rows = stream_rows(watched)
+        doc = next(a.json() for a in reversed(watched.answers) if a.json()["time"] == shown)
+        assert sorted(rows) == ["a", "b"] and doc["streams"]["a"]["samples"] == 3 * 64
+        assert {name: figures["samples"] for name, figures in doc["streams"].items()} == {"a": 192, "b": 64}
+        prom = stream_counts(svc.url)
+        for name, cells in rows.items():
+            figures = {**doc["streams"][name], "share": doc["streams"][name]["samples"] / 256}
+            assert figures["samples"] == prom[name]["samples"] and figures["bytes"] == prom[name]["bytes"]
+            for field, (text, unit) in cells.items():
+                value, tolerance = parse(text, unit)
+                assert abs(value - figures[field]) <= tolerance, (name, field, text, figures[field])
+            assert figures["samples_per_s"] > 0 and figures["bytes_per_s"] > 0
+        assert rows["a"]["share"][0] == "75 %" and rows["b"]["share"][0] == "25 %"
+        assert "Streams" in watched.page.text_content("#streams-section")
+        watched.screenshot("status-page-streams.png")
+        assert watched.errors == [] and watched.console == []

@@ -17,8 +17,8 @@ from shardfeed.process import free_port, healthy, start_service
 
 from common.datasets import bucket_dataset
 from common.reliability import expected_members
-from common.service import fetch_batch, hops, metrics, wait_peers_up
-from common.workers import cached_blocks, worker_pids, worker_urls
+from common.service import fetch_batch, hops, metrics, stream_counts, wait_for_reading_after, wait_peers_up
+from common.workers import cached_blocks, each_workers_shards, worker_pids, worker_urls
 
 pytestmark = pytest.mark.slow  # starts several services, S3 servers or a browser; not in `make check`
 
@@ -110,6 +110,38 @@ def test_client_routing_sends_each_worker_its_own_part_with_no_hop(service, data
     per_worker = [metrics(url) for url in worker_urls(service.url)]
     assert all(m["shardfeed_samples_served_total"] > 0 for m in per_worker)
     assert sum(hops(url, "worker") for url in worker_urls(service.url)) == 0, "a part went to a non-owner"
+
+
+def test_a_batch_naming_a_stream_is_counted_once_whether_routed_or_relayed(service, dataset):
+    """Routed by the client (each owner its part) or relayed by the worker a plain request
+    reached (the sibling's shards read from it, ``/v1/internal/read``): each sample is counted
+    once, by the worker that served it to the client, and the public port sums the workers."""
+    _, source = dataset
+    urls = worker_urls(service.url)
+    each_workers_shards(service.url, urls, SAMPLES)  # both workers up, each owning shards
+    order = list(range(SAMPLES))
+    random.Random(6).shuffle(order)
+    relayed, routed = order[:100], order[100:]
+    assert fetch_batch(urls[0], relayed, stream="plain") == expected(source, relayed)  # its own port: w0 serves it
+    first = metrics(urls[0])
+    assert first.get("shardfeed_peer_requests_total", 0) + first.get("shardfeed_sibling_blocks_total", 0) > 0, \
+        "no sibling shard was relayed"
+    with Client(service.url) as client:
+        client.load_routing("train")
+        assert len({part.owner for part in client.router.split("train", routed)}) == 2
+        got = client.get_batch("train", routed, stream="mix")
+        assert [(s["__key__"], s["bin"]) for s in got] == [(f"sample{i:06d}", source[(i, "bin")]) for i in routed]
+    own = [stream_counts(url) for url in urls]
+    assert own[0]["plain"]["samples"] == 100 and "plain" not in own[1]
+    assert own[0]["mix"]["samples"] > 0 and own[1]["mix"]["samples"] > 0  # each owner its own part
+    host = stream_counts(service.url)
+    assert {name: c["samples"] for name, c in host.items()} == {"plain": 100, "mix": len(routed)}
+    for name in host:
+        assert host[name]["bytes"] == sum(c.get(name, {}).get("bytes", 0) for c in own) > 0
+    doc = wait_for_reading_after(service.url, httpx.get(f"{service.url}/v1/stats", timeout=10).json()["time"])
+    assert doc["workers_reporting"] == 2
+    assert {name: (s["samples"], s["bytes"]) for name, s in doc["streams"].items()} == \
+        {name: (c["samples"], c["bytes"]) for name, c in host.items()}
 
 
 def test_the_public_port_metrics_sum_every_worker_and_each_own_port_keeps_its_own(service, dataset):

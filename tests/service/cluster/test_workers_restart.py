@@ -29,6 +29,8 @@ pytestmark = pytest.mark.slow  # starts several services, S3 servers or a browse
 
 SAMPLES = 240
 ARGS = ["--block-size", "64KiB", "--peer-timeout", "5"]
+STREAM = "restart"
+"""The stream every batch of the counter test names: its counts must carry over too."""
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +52,13 @@ def wait_for(condition, what: str, service, timeout: float = 60):
 
 class CounterWatch:
     """Scrapes of the public port, checked as Prometheus would read them: no sample of a
-    counter or histogram, and no total of ``/v1/stats``, ever lower than before."""
+    counter or histogram (a stream's included), and no total of ``/v1/stats`` (a stream's
+    included), ever lower than before."""
 
     def __init__(self, url: str):
         self.url = url
         self.highest: dict[tuple, float] = {}
+        self.streams: dict[str, dict] = {}  # the last /v1/stats' figures by stream
 
     def scrape(self) -> dict[str, float]:
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
@@ -64,17 +68,27 @@ class CounterWatch:
                 totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
                 if family.type in ("counter", "histogram"):
                     self._check(("metrics", sample.name, tuple(sorted(sample.labels.items()))), sample.value)
-        for name, value in httpx.get(f"{self.url}/v1/stats", timeout=10).json()["totals"].items():
+        stats = httpx.get(f"{self.url}/v1/stats", timeout=10).json()
+        for name, value in stats["totals"].items():
             if value is not None:
                 self._check(("stats", name), value)
+        self.streams = stats["streams"]
+        for stream, figures in self.streams.items():
+            for name in ("samples", "bytes"):
+                self._check(("stats", stream, name), figures[name])
         return totals
 
     def _check(self, key: tuple, value: float) -> None:
         assert value >= self.highest.get(key, 0.0), f"{key} went down from {self.highest[key]} to {value}"
         self.highest[key] = value
 
-    def served(self) -> float:
-        return self.scrape()["shardfeed_samples_served_total"]
+    def served(self) -> float | None:
+        """Samples the host served, once its metrics and its status figures say the same of the
+        stream every batch named (None otherwise)."""
+        totals = self.scrape()
+        served = totals["shardfeed_samples_served_total"]
+        stream = (totals.get("shardfeed_stream_samples_served_total"), self.streams.get(STREAM, {}).get("samples"))
+        return served if stream == (served, served) else None
 
 
 def test_the_host_counters_never_go_down_while_a_worker_restarts_and_its_counts_carry_over(dataset, tmp_path):
@@ -89,7 +103,7 @@ def test_the_host_counters_never_go_down_while_a_worker_restarts_and_its_counts_
         def serve(via: str, n: int = 30) -> None:
             nonlocal served
             batch = rng.sample(range(SAMPLES), n)
-            assert fetch_batch(via, batch) == expected(source, batch)
+            assert fetch_batch(via, batch, stream=STREAM) == expected(source, batch)
             served += n
             watch.scrape()
 
@@ -123,7 +137,8 @@ def test_the_host_counters_never_go_down_while_a_worker_restarts_and_its_counts_
         # Counters, and gauges (the live processes': the successor's cache starts from what is
         # on disk), are the workers' own added up, once the last batches' counts have landed.
         names = ("shardfeed_samples_served_total", "shardfeed_bytes_served_total", "shardfeed_batch_seconds_count",
-                 "shardfeed_store_requests_total", "shardfeed_cache_bytes")
+                 "shardfeed_store_requests_total", "shardfeed_cache_bytes", "shardfeed_stream_samples_served_total",
+                 "shardfeed_stream_bytes_served_total")
 
         def consistent() -> bool:
             own = [metrics(u) for u in urls]
