@@ -68,6 +68,8 @@ class Pick(NamedTuple):
     positions: list[int]
     """Where each of ``indices`` goes in the batch."""
     fields: Sequence[str] | None = None
+    stream: str | None = None
+    """The stream these samples are of (the service counts what it serves by stream)."""
 
 
 def plan_indices(indices: Sequence[int]) -> list[int]:

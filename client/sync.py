@@ -255,7 +255,7 @@ class Client(BaseClient):
         """The requests of a mixed batch: each dataset's, their parts placed at the picks' positions."""
         requests = []
         for pick in picks:
-            for request in self._batch(pick.dataset, pick.indices, pick.fields, continue_on_error, whole):
+            for request in self._batch(pick.dataset, pick.indices, pick.fields, continue_on_error, whole, pick.stream):
                 request.part = request.part._replace(positions=[pick.positions[p] for p in request.part.positions])
                 requests.append(request)
         return requests

@@ -281,7 +281,7 @@ class _Streams:
             pool = self.pools[s]
             indices = positions[where] if pool is None else pool[positions[where]]
             source = self.sources[s]
-            picks.append(Pick(source.dataset, indices.tolist(), where.tolist(), source.fields))
+            picks.append(Pick(source.dataset, indices.tolist(), where.tolist(), source.fields, self.names[s]))
         if self.output == "tensors":
             return self.client.get_mixed_batch(picks, output="tensors", continue_on_error=self.continue_on_error,
                                                shared=get_worker_info() is not None).with_streams(streams)

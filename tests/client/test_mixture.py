@@ -10,6 +10,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from torch.utils.data import DataLoader
 
 from shardfeed.client.mixing import Stream
@@ -48,15 +49,24 @@ def checked(batch: list[dict]) -> list[tuple[str, int]]:
     return [(s["__stream__"], s["__index__"]) for s in batch]
 
 
+def served_by_stream(service) -> Counter:
+    """``shardfeed_stream_samples_served_total`` by stream, from /metrics."""
+    text = httpx.get(f"{service.url}/metrics").text
+    return Counter({s.labels["stream"]: int(s.value) for family in text_string_to_metric_families(text)
+                    for s in family.samples if s.name == "shardfeed_stream_samples_served_total"})
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_an_epoch_holds_each_streams_exact_count_and_every_byte_of_its_source(service, workers):
     ds = dataset(service)
+    before = served_by_stream(service)
     read = [pair for batch in ShardfeedLoader(ds, num_workers=workers) for pair in checked(batch)]
     epoch = ds.sampler.samples
     assert epoch == sum(SIZES.values())
     counts = Counter(name for name, _ in read[:epoch])
     assert [counts[n] for n in WEIGHTS] == [240, 144, 96]  # 480 split 0.5 / 0.3 / 0.2
     assert ds.epoch == 1 and len(read) == -(-epoch // 16) * 16
+    assert served_by_stream(service) - before == Counter(name for name, _ in read)  # the service counts by stream
 
 
 def test_a_resume_at_world_size_2_then_3_then_1_loses_and_repeats_nothing(service):
