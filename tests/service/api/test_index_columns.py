@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import json
 import struct
 from collections import defaultdict
 
@@ -108,8 +107,8 @@ def test_the_async_client_reads_the_same_columns(service):
 
     columns, keys, shards = asyncio.run(read())
     with Client(service.url) as client:
-        assert (columns, keys.tolist(), shards) == (client.index_columns("odd"), client.index_column("odd", "key")
-                                                    .tolist(), client.shard_names("odd"))
+        assert columns == client.index_columns("odd")
+        assert np.array_equal(keys, client.index_column("odd", "key")) and keys.dtype.itemsize > 100
     assert shards == ["shard-0.tar", "shard-1.tar"]
 
 
@@ -154,4 +153,4 @@ def test_a_record_layouts_bytes_are_its_records_and_it_has_no_field_columns(serv
     order = [entry["raw_data"]["basename"] for entry in peer.index["shards"]]
     assert sizes.tolist() == [size for name in order for size in records[name]]
     assert [names[s] for s in shard] == [name for name in order for _ in records[name]]
-    assert json.loads(httpx.get(f"{service.url}/v1/datasets/mds/index").text)["samples"] == peer.samples
+    assert httpx.get(f"{service.url}/v1/datasets/mds/index").json()["samples"] == peer.samples
