@@ -6,8 +6,9 @@
     GET /v1/datasets/{name}/index/shards    the shards' paths, a JSON list: the ``shard`` column's codes
 
 A column is a NumPy ``.npy`` file (``numpy.lib.format``'s header, then the values), streamed a
-chunk at a time as it is made, each chunk in a thread: the service never holds more than a
-chunk of it (``columns.CHUNK_BYTES``), however many samples the dataset has. Its
+chunk at a time as it is made, each chunk in a thread while the one before is sent: the service
+never holds more than two chunks of it (``columns.CHUNK_BYTES`` each), however many samples the
+dataset has. Its
 ``Content-Length`` is known before the first chunk is made. Each answer names the dataset
 version it describes in ``X-Shardfeed-Dataset-Version``: a subset chosen from it holds for
 that version.
