@@ -15,12 +15,14 @@ from contextlib import closing, suppress
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
+import numpy as np
 
 from shardfeed.retry import retry_async
 
 from .base import (
     BATCH_PATH, ERROR_BODY_LIMIT, REGISTER_POLL, BaseClient, PartRequest, Registering, as_indices, checked,
-    dataset_path, parse_json, plan_chunks, plan_indices, plan_path, routing_path, sample_parser, sample_path, settled,
+    dataset_path, index_path, parse_json, parse_npy, plan_chunks, plan_indices, plan_path, routing_path, sample_parser,
+    sample_path, settled,
     transport_error,
 )
 from .errors import ShardfeedError
@@ -53,6 +55,19 @@ class AsyncClient(BaseClient):
     async def info(self, dataset: str) -> dict:
         """``GET /v1/datasets/{name}`` (see ``Client.info``)."""
         return await self._call("GET", dataset_path(dataset), parse_json)
+
+    async def index_columns(self, dataset: str) -> list[str]:
+        """``GET /v1/datasets/{name}/index``: its columns' names (see ``Client.index_columns``)."""
+        return (await self._call("GET", index_path(dataset), parse_json))["columns"]
+
+    async def index_column(self, dataset: str, column: str) -> np.ndarray:
+        """``GET /v1/datasets/{name}/index/{column}``: one column of the index, a value per sample
+        (see ``Client.index_column``)."""
+        return await self._call("GET", index_path(dataset, column), parse_npy)
+
+    async def shard_names(self, dataset: str) -> list[str]:
+        """``GET /v1/datasets/{name}/index/shards``: the ``shard`` column's shards (see ``Client.shard_names``)."""
+        return await self._call("GET", index_path(dataset, "shards"), parse_json)
 
     async def register_dataset(self, name: str, url: str, *, on_progress: Callable[[dict], None] | None = None,
                                timeout: float | None = None) -> dict:

@@ -10,6 +10,7 @@ answer, asked for as Arrow where the service offers it (:mod:`.layout`).
 from __future__ import annotations
 
 import email.utils
+import io
 import json
 import operator
 import os
@@ -21,6 +22,7 @@ from typing import Any, NamedTuple, TypeVar
 from urllib.parse import quote
 
 import httpx
+import numpy as np
 
 from shardfeed.arrowipc import MEDIA_TYPE
 from shardfeed.retry import Backoff, next_wait
@@ -411,6 +413,12 @@ def dataset_path(dataset: str | None = None) -> str:
     return "/v1/datasets" if dataset is None else f"/v1/datasets/{quote(dataset, safe='')}"
 
 
+def index_path(dataset: str, column: str | None = None) -> str:
+    """Path of ``GET /v1/datasets/{name}/index`` or of one of its columns."""
+    path = f"{dataset_path(dataset)}/index"
+    return path if column is None else f"{path}/{quote(column, safe='')}"
+
+
 def plan_path(dataset: str, plan_id: str | None = None) -> str:
     path = f"{dataset_path(dataset)}/plans"
     return path if plan_id is None else f"{path}/{quote(plan_id, safe='')}"
@@ -459,6 +467,26 @@ def retry_after(value: str | None) -> float | None:
         return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
     except (TypeError, ValueError):
         return None
+
+
+NPY_HEADERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+"""How each ``.npy`` format version's header is read (the service writes 1.0)."""
+
+
+def parse_npy(response: httpx.Response) -> np.ndarray:
+    """The one-dimensional ``.npy`` body of a successful response as an array over the body's own
+    bytes (read-only: ``.copy()`` it to write to it), not a copy of them."""
+    body = response.content
+    try:
+        head = io.BytesIO(body)
+        shape, _, dtype = NPY_HEADERS[np.lib.format.read_magic(head)](head)
+        values = np.frombuffer(body, dtype, offset=head.tell())
+    except (ValueError, KeyError) as err:
+        raise ShardfeedError(f"malformed response from {response.url}: not a .npy column ({err})") from None
+    if shape != values.shape:
+        raise ShardfeedError(f"malformed response from {response.url}: {values.shape[0]} values of {dtype}, "
+                             f"its header says {shape}")
+    return values
 
 
 def parse_json(response: httpx.Response) -> Any:

@@ -10,12 +10,14 @@ from contextlib import closing, suppress
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
+import numpy as np
 
 from shardfeed.retry import retry_sync
 
 from .base import (
     BATCH_PATH, ERROR_BODY_LIMIT, REGISTER_POLL, BaseClient, PartRequest, Pick, Registering, as_indices, checked,
-    dataset_path, parse_json, plan_chunks, plan_indices, plan_path, routing_path, sample_parser, sample_path, settled,
+    dataset_path, index_path, parse_json, parse_npy, plan_chunks, plan_indices, plan_path, routing_path, sample_parser,
+    sample_path, settled,
     transport_error,
 )
 from .errors import ShardfeedError
@@ -69,6 +71,25 @@ class Client(BaseClient):
     def info(self, dataset: str) -> dict:
         """``GET /v1/datasets/{name}``: ``{"name", "url", "samples", "shards", "bytes", "fields"}``."""
         return self._call("GET", dataset_path(dataset), parse_json)
+
+    def index_columns(self, dataset: str) -> list[str]:
+        """``GET /v1/datasets/{name}/index``: the names of the columns :meth:`index_column` reads:
+        ``key``, ``shard``, ``bytes`` and a ``bytes.<field>`` per field (not for MDS or LitData)."""
+        return self._call("GET", index_path(dataset), parse_json)["columns"]
+
+    def index_column(self, dataset: str, column: str) -> np.ndarray:
+        """``GET /v1/datasets/{name}/index/{column}``: one column of the dataset's index, a value
+        per sample in sample order, to choose a subset of samples by (a key list, a predicate):
+        ``key`` (``S<longest key>``: UTF-8 bytes, ``np.char.decode`` makes them ``str``), ``shard``
+        (int32, a position in :meth:`shard_names`), ``bytes`` (int64, the sample's fields summed),
+        ``bytes.<field>`` (int64, 0 where the sample lacks the field). The array is a read-only view
+        of the answer's bytes. ``ShardfeedHTTPError`` 404 ``unknown_column`` names the columns."""
+        return self._call("GET", index_path(dataset, column), parse_npy)
+
+    def shard_names(self, dataset: str) -> list[str]:
+        """``GET /v1/datasets/{name}/index/shards``: the shards' paths in the dataset's root, in the
+        order the ``shard`` column numbers them."""
+        return self._call("GET", index_path(dataset, "shards"), parse_json)
 
     def register_dataset(self, name: str, url: str, *, on_progress: Callable[[dict], None] | None = None,
                          timeout: float | None = None) -> dict:

@@ -7,6 +7,7 @@
     getbatch   GET /v1/ml/moss, AIStore's GetBatch for the AIStore SDK
     internal   replica-to-replica and worker-to-worker member reads
     routing    /v1/datasets/{name}/routing, for client-side routing
+    index      /v1/datasets/{name}/index[/{column}]: the index's per-sample columns, for subsets
     status     GET /v1/stats and the status page at / and /ui
     plans      /v1/datasets/{name}/plans[/{id}]: announced orders (``service/plans/``)
     auth       the bearer-token middleware in front of them all: which scope each route needs
@@ -35,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp
 
-from shardfeed.service.api import batch, getbatch, internal, ops, routing, samples, status
+from shardfeed.service.api import batch, getbatch, index, internal, ops, routing, samples, status
 from shardfeed.service.api import datasets as dataset_routes
 from shardfeed.service.api import plans as plan_routes
 from shardfeed.service.api.auth import TokenAuth, guarded
@@ -58,7 +59,7 @@ from shardfeed.service.read.coalescer import Coalescer
 from shardfeed.service.read.samples import SampleBatcher
 from shardfeed.service.stores import Store
 
-ROUTERS = (ops.router, dataset_routes.router, routing.router, samples.router, getbatch.router,
+ROUTERS = (ops.router, dataset_routes.router, routing.router, index.router, samples.router, getbatch.router,
            internal.router, status.router, plan_routes.router)
 
 

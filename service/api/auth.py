@@ -8,8 +8,8 @@ What each route needs (``RULES``; any other route or method needs ``admin``):
     any token  /v1/stats, /metrics, /v1/cluster, the OpenAPI document; /v1/datasets (it lists
                the datasets the token may read); POST /v1/batch and GET /v1/ml/moss[/{bucket}],
                whose dataset and buckets the routes check once they have read the body
-    dataset    GET /v1/datasets/{name}, its routing table and samples; its plans (deleting or
-               extending another tenant's plan needs admin: ``plans.py`` checks the owner)
+    dataset    GET /v1/datasets/{name}, its routing table, index columns and samples; its plans
+               (deleting or extending another tenant's plan needs admin: ``plans.py`` checks the owner)
     admin      POST /v1/datasets, DELETE /v1/datasets/{name}, POST /v1/datasets/{name}/reload,
                /v1/internal/..., and any request relayed from another node (``peers.COPY_HEADER``)
 
@@ -60,7 +60,7 @@ RULES = (  # the hottest first
     _rule(_READ, r"/v1/ml/moss(/[^/]+)?", "any", batch=True),
     _rule(_READ, r"/v1/stats|/metrics|/v1/cluster|/v1/datasets|/openapi\.json|/docs(/oauth2-redirect)?|/redoc",
           "any"),
-    _rule(_READ, r"/v1/datasets/(?P<name>[^/]+)(/routing)?", "dataset"),
+    _rule(_READ, r"/v1/datasets/(?P<name>[^/]+)(/routing|/index(/[^/]+)?)?", "dataset"),
     _rule(f"{_READ} POST", r"/v1/datasets/(?P<name>[^/]+)/plans(/[^/]+)?", "dataset"),
     _rule("DELETE", r"/v1/datasets/(?P<name>[^/]+)/plans/[^/]+", "dataset"),
 )

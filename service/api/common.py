@@ -64,7 +64,7 @@ class ErrorBody(BaseModel):
 ERRORS = {status: {"model": ErrorBody, "description": text} for status, text in [
     (400, "Malformed or invalid request"), (401, "Missing or wrong bearer token"),
     (403, "The token lacks the scope the request needs"),
-    (404, "Unknown dataset, sample, field or route"), (408, "Request body not sent in time"),
+    (404, "Unknown dataset, sample, field, index column or route"), (408, "Request body not sent in time"),
     (413, "Too many items or body too large"),
     (422, "A shard disagrees with its dataset's index (MDS, LitData)"),
     (429, "Overloaded; retry after Retry-After seconds"),

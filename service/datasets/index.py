@@ -169,7 +169,7 @@ class Index:
         """The keys of many samples as one UTF-8 text and the 64-bit offsets of each in it (from 0,
         ``len(indices) + 1`` of them): gathered with numpy from the key column's own buffers, for
         a batch's few dozen keys several times quicker than ``take``."""
-        starts, text = self._key_buffers
+        starts, text = self.key_buffers
         first, last = starts[indices], starts[indices + 1]
         lengths = last - first
         offsets = np.zeros(len(indices) + 1, np.int64)
@@ -177,8 +177,9 @@ class Index:
         return offsets, text[np.repeat(first - offsets[:-1], lengths) + np.arange(int(offsets[-1]))]
 
     @cached_property
-    def _key_buffers(self) -> tuple[np.ndarray, np.ndarray]:
-        """The key column's offsets (int64, one per sample and one past the last) and text (uint8)."""
+    def key_buffers(self) -> tuple[np.ndarray, np.ndarray]:
+        """The key column's offsets (int64, one per sample and one past the last) and text (uint8):
+        sample ``i``'s key is ``text[offsets[i]:offsets[i + 1]]``, UTF-8."""
         keys = self._keys
         width = 8 if pa.types.is_large_string(keys.type) else 4
         _, offsets, text = keys.buffers()

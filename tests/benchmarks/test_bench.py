@@ -456,6 +456,15 @@ def test_the_index_reads_benchmark_counts_what_indexing_each_shape_reads():
 
 
 @pytest.mark.timeout(90)
+def test_the_index_columns_benchmark_times_every_column_checked():
+    out = run_benchmark("index_columns", "--samples", "30000", "--columns", "shard,bytes,bytes.cls,key",
+                        "--rounds", "1")
+    rows = re.findall(r"^(\S+) +(\d+) +(\d+\.\d{3}) +(\d+\.\d{3})$", out.stdout, re.M)
+    assert [r[0] for r in rows] == ["shard", "bytes", "bytes.cls", "key"], out.stdout
+    assert all(float(r[2]) > 0 for r in rows), rows
+
+
+@pytest.mark.timeout(90)
 def test_the_listing_benchmark_opens_a_dataset_with_one_listing():
     out = run_benchmark("listing", "--shards", "50", "--rounds", "1")
     assert re.search(r", 50 shards: opening sent 3 store requests \(a HEAD and a GET of index\.parquet, 1 LIST pages",
