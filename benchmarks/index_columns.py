@@ -8,7 +8,9 @@ A synthetic index of ``--samples`` samples (``scale.synthetic_index``: two field
 10,000 samples a shard, no shards written) is served by ``shardfeed serve`` from a local
 ``index.parquet``; ``Client.index_column`` fetches each column ``--rounds`` times. Per column:
 its bytes on the wire, the median seconds of a fetch, and that per 10^7 samples. Every value
-fetched is checked against the synthetic index's own definition.
+fetched is checked against the synthetic index's own definition. Then a mixture stream's subset is
+built from a predicate over the fetched ``shard`` column (``mixing.pool_of``: every other shard),
+the build timed apart from the fetch, and checked.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 from shardfeed.benchmarks.common import benchmark_parser, table
 from shardfeed.benchmarks.scale import KEY_DIGITS, MEMBER_BYTES, SHARD_SAMPLES, synthetic_index
 from shardfeed.client import Client
+from shardfeed.client.mixing import IndexColumns, pool_of
 from shardfeed.process import start_service
 from shardfeed.service.datasets.index import parquet_bytes
 from shardfeed.service.datasets.indexfile import INDEX_FILE
@@ -66,6 +69,17 @@ def main() -> None:
                 median = statistics.median(seconds)
                 rows.append((column, f"{samples * expected(column, 1).itemsize / 1e6:.0f}", f"{median:.3f}",
                              f"{median * 1e7 / samples:.3f}"))
+            shards = client.index_column("d", "shard")
+            columns = IndexColumns({"shard": shards}.__getitem__, ["shard"])
+            seconds = []
+            for _ in range(args.rounds):
+                began = time.perf_counter()
+                pool = pool_of(lambda index: index["shard"] % 2 == 0, samples, lambda: columns, "even shards")
+                seconds.append(time.perf_counter() - began)
+            if not np.array_equal(pool, np.flatnonzero(np.arange(samples) // SHARD_SAMPLES % 2 == 0)):
+                raise AssertionError("the predicate's subset is not every other shard's samples")
+            median = statistics.median(seconds)
+            rows.append(("subset by a predicate (build)", "", f"{median:.3f}", f"{median * 1e7 / samples:.3f}"))
     print(table(("column", "MB", "median s", "s per 1e7 samples"), rows))
 
 

@@ -20,10 +20,9 @@ import numpy as np
 from shardfeed.retry import retry_async
 
 from .base import (
-    BATCH_PATH, ERROR_BODY_LIMIT, REGISTER_POLL, BaseClient, PartRequest, Registering, as_indices, checked,
-    dataset_path, index_path, parse_json, parse_npy, plan_chunks, plan_indices, plan_path, routing_path, sample_parser,
-    sample_path, settled,
-    transport_error,
+    BATCH_PATH, ERROR_BODY_LIMIT, REGISTER_POLL, BaseClient, PartRequest, Pick, Registering, as_indices, checked,
+    dataset_path, index_path, parse_json, parse_npy, placed, plan_chunks, plan_indices, plan_path, routing_path,
+    sample_parser, sample_path, settled, transport_error,
 )
 from .errors import ShardfeedError
 from .routing import Via, merged
@@ -147,6 +146,21 @@ class AsyncClient(BaseClient):
         from .tensors import allocator, batch_of
 
         requests = await self._batch(dataset, indices, fields, continue_on_error, whole=True, stream=stream)
+        return await retry_async(lambda: self._whole(requests, allocator(shared), batch_of), backoff=self.backoff,
+                                 retryable=self._verdict)
+
+    async def get_mixed_batch(self, picks: Sequence[Pick], *, output: str = "samples",
+                              continue_on_error: bool = False, shared: bool = False) -> list[dict] | Batch:
+        """A batch of several datasets' samples, each pick's at its positions (see ``Client.get_mixed_batch``)."""
+        if output not in ("samples", "tensors"):
+            raise ValueError(f"a mixed batch's output is 'samples' or 'tensors', not {output!r}")
+        requests = [request for pick in picks for request in placed(
+            await self._batch(pick.dataset, pick.indices, pick.fields, continue_on_error, output == "tensors",
+                              pick.stream), pick.positions)]
+        if output == "samples":
+            return merged([r.part for r in requests], await self._each_part(requests, self._collect))
+        from .tensors import allocator, batch_of
+
         return await retry_async(lambda: self._whole(requests, allocator(shared), batch_of), backoff=self.backoff,
                                  retryable=self._verdict)
 

@@ -74,6 +74,13 @@ class Pick(NamedTuple):
     """The stream these samples are of (the service counts what it serves by stream)."""
 
 
+def placed(requests: list[PartRequest], positions: list[int]) -> list[PartRequest]:
+    """A pick's requests, their parts' positions moved to the pick's ``positions`` in the mixed batch."""
+    for request in requests:
+        request.part = request.part._replace(positions=[positions[p] for p in request.part.positions])
+    return requests
+
+
 def plan_indices(indices: Sequence[int]) -> list[int]:
     """A plan's indices as plain ints: a numpy array (or tensor) by its ``tolist``, any other
     sequence as ``as_indices``."""

@@ -16,9 +16,8 @@ from shardfeed.retry import retry_sync
 
 from .base import (
     BATCH_PATH, ERROR_BODY_LIMIT, REGISTER_POLL, BaseClient, PartRequest, Pick, Registering, as_indices, checked,
-    dataset_path, index_path, parse_json, parse_npy, plan_chunks, plan_indices, plan_path, routing_path, sample_parser,
-    sample_path, settled,
-    transport_error,
+    dataset_path, index_path, parse_json, parse_npy, placed, plan_chunks, plan_indices, plan_path, routing_path,
+    sample_parser, sample_path, settled, transport_error,
 )
 from .errors import ShardfeedError
 from .routing import Via, merged
@@ -274,12 +273,8 @@ class Client(BaseClient):
 
     def _picked(self, picks: Sequence[Pick], continue_on_error: bool, whole: bool) -> list[PartRequest]:
         """The requests of a mixed batch: each dataset's, their parts placed at the picks' positions."""
-        requests = []
-        for pick in picks:
-            for request in self._batch(pick.dataset, pick.indices, pick.fields, continue_on_error, whole, pick.stream):
-                request.part = request.part._replace(positions=[pick.positions[p] for p in request.part.positions])
-                requests.append(request)
-        return requests
+        return [request for pick in picks for request in placed(
+            self._batch(pick.dataset, pick.indices, pick.fields, continue_on_error, whole, pick.stream), pick.positions)]
 
     def _open(self, request: PartRequest, exact_head: bool = False) -> Response:
         """Send one try of ``request``; its answer once the head arrived, no body byte read

@@ -82,7 +82,8 @@ class Prefetcher:
         if self.coalescer.holds_all(plan.dataset):
             return
         geometry = plan.geometry
-        reach = plan.position + max(plan.batch, int(self.config.plan_ahead / geometry.mean_bytes))
+        # A mixture's stream reads ahead its share of the budget: a reader's streams together, all of it.
+        reach = plan.position + max(plan.batch, int(self.config.plan_ahead * plan.share / geometry.mean_bytes))
         stop = min(len(plan.order), reach)
         start = max(plan.ahead_ranges, plan.position)
         stop = self._within_memory(plan, start, stop) if stop > start else start

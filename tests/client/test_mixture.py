@@ -4,6 +4,7 @@ stream; errors named before the first batch."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 
 import httpx
@@ -173,3 +174,25 @@ def test_bad_streams_are_refused_before_the_first_batch_naming_the_stream(servic
     batch = next(iter(tensors))
     assert set(batch.fields) == {"bin", "cls", "json"} and torch.is_tensor(batch.streams)
     assert np.isin(batch.streams.numpy(), [0, 1]).all()
+
+
+def test_the_async_client_reads_a_mixed_batch_as_the_blocking_one_does(service):
+    from shardfeed.client import AsyncClient, Client
+    from shardfeed.client.base import Pick
+
+    picks = [Pick("web", [5, 399, 0], [0, 2, 4], FIELDS, "web"), Pick("books", [7, 1], [1, 3], FIELDS, "books")]
+    with Client(service.url) as client:
+        samples = client.get_mixed_batch(picks)
+        tensors = client.get_mixed_batch(picks, output="tensors")
+
+    async def read():
+        async with AsyncClient(service.url) as client:
+            return await client.get_mixed_batch(picks), await client.get_mixed_batch(picks, output="tensors")
+
+    async_samples, async_tensors = asyncio.run(read())
+    assert [s["__index__"] for s in samples] == [5, 7, 399, 1, 0] and samples == async_samples
+    checked([{**s, "__stream__": ""} for s in samples])
+    assert [bytes(b["bin"].numpy()) for b in async_tensors] == [s["bin"] for s in samples]
+    assert tensors.indices.tolist() == async_tensors.indices.tolist() == [5, 7, 399, 1, 0]
+    with Client(service.url) as client, pytest.raises(ValueError, match="'samples' or 'tensors'"):
+        client.get_mixed_batch(picks, output="arrow")
