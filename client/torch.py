@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, defa
 from .base import Pick
 from .decode import Decoder, make_decoder
 from .errors import ShardfeedError
-from .mixing import IndexColumns, MixtureSampler, Stream, locate, offsets_of, pool_of, split_counts
+from .mixing import IndexColumns, MixtureSampler, Stream, locate, offsets_of, pool_of
 from .node import absolute_url, dataset_name, is_dataset_url, node_dataset
 from .plans import DatasetPlan, StreamPlans
 from .sampling import EpochSampler
@@ -233,7 +233,8 @@ class _Streams:
         counts = None if weights else [s.choose if s.choose is not None else round((1 if s.repeat is None else
                                                                                    s.repeat) * size)
                                        for s, size in zip(self.streams, self.sizes)]
-        shares = split_counts(weights, 1 << 30) / (1 << 30) if weights else np.asarray(counts) / max(1, sum(counts))
+        sizes = np.asarray(weights if weights else counts, dtype=np.float64)
+        shares = sizes / max(sizes.sum(), 1e-300)
         byte_shares = self._byte_shares(shares)
         windows = [shard_window or cache_window(_share_of_cache(src.info, share))
                    for src, share in zip(self.sources, byte_shares)]

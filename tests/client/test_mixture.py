@@ -85,7 +85,7 @@ def test_a_resume_at_world_size_2_then_3_then_1_loses_and_repeats_nothing(servic
         return out, ranks[0].state_dict()
 
     whole, _ = read(1, None, None, 0)
-    first, state = read(2, None, 7, 2)
+    first, state = read(2, None, 7, 4)
     second, state = read(3, state, 5, 0)
     rest, _ = read(1, state, None, 2)
     assert (first + second + rest)[:len(whole) - 8] == whole[:len(whole) - 8]  # all but the padded end
