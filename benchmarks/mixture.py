@@ -296,6 +296,7 @@ def side_by_side(args, server: S3Server, kinds: list[str], streaming, tmp: Path)
 
 def print_side_by_side(results: dict[str, list[list[Epoch] | None]], names: Sequence[str],
                        expected: Sequence[int]) -> None:
+    """Part 1's tables: the medians and ratios to Streaming, each loader's counts, the target."""
     done = {k: [r for r in v if r is not None] for k, v in results.items()}
     done = {k: v for k, v in done.items() if v}  # a loader with no round left has no median
     medians = {k: [statistics.median(r[e].rate for r in v) for e in range(len(COLD_WARM))] for k, v in done.items()}
@@ -308,8 +309,8 @@ def print_side_by_side(results: dict[str, list[list[Epoch] | None]], names: Sequ
                   f"{cold / base[0]:.2f}x / {warm / base[1]:.2f}x" if base and kind != "streaming" else "",
                   paired_ratios(results[kind], results["streaming"]) if base and kind != "streaming" else "")
                  for kind, (cold, warm) in medians.items()]))
-    print(f"\nsamples of each stream per epoch (round 1 of each loader; shardfeed's checked equal to the "
-          f"documented counts in every epoch of every round):")
+    print("\nsamples of each stream per epoch (round 1 of each loader; shardfeed's checked equal to the "
+          "documented counts in every epoch of every round):")
     counts = [(kind, when, *e.counts, sum(e.counts)) for kind, rounds in done.items()
               for when, e in zip(COLD_WARM, rounds[0])]
     print(table(["loader", "epoch", *names, "total"],
@@ -365,6 +366,7 @@ def _held(epoch: Epoch, datasets: Sequence[Seeded], shards: Mapping[str, int], d
 
 def print_small_cache(results: dict[str, list[list[Epoch]]], datasets: Mapping[str, Sequence[Seeded]],
                       shards: Mapping[str, int], cache_share: float) -> None:
+    """Part 2's table (medians) and its two targets."""
     rate = {k: [statistics.median(r[e].rate for r in v) for e in range(2)] for k, v in results.items()}
     share = {(k, distinct): [statistics.median(r[e].store_bytes / _held(r[e], datasets[k], shards, distinct)
                                                for r in v) for e in range(2)]
