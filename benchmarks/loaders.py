@@ -62,7 +62,15 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from shardfeed.benchmarks.common import BENCH_DATA, benchmark_parser, load_note, seeded_s3, seeded_s3_arguments, upload
+from shardfeed.benchmarks.common import (
+    BENCH_DATA,
+    WrongBytes,
+    benchmark_parser,
+    load_note,
+    seeded_s3,
+    seeded_s3_arguments,
+    upload,
+)
 from shardfeed.benchmarks.serverside import tree_cpu
 from shardfeed.client.torch import ShardfeedDataset, ShardfeedIterableDataset, ShardfeedLoader
 from shardfeed.process import scrape_metrics, start_service
@@ -219,6 +227,20 @@ def in_fresh_process(round_, *args) -> list[Epoch]:
         return process.submit(round_, *args).result()
 
 
+def peer_round(label: str, round_, *args) -> list | None:
+    """``in_fresh_process(round_, *args)`` for a peer's round, or ``None`` where the peer failed on
+    its own: a finding, not the end of the run (printed after ``label``, left out of the medians).
+    A wrong byte still ends the run."""
+    try:
+        return in_fresh_process(round_, *args)
+    except WrongBytes:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the peer's own failure
+        last = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ""
+        print(f"{label} failed, left out of the medians: {type(exc).__name__}: {last}", flush=True)
+        return None
+
+
 def _platform_start_method() -> None:
     """A spawned process would spawn its own children too (the DataLoader workers, each then
     importing torch anew): give it the platform's default, as a training script has."""
@@ -231,14 +253,19 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore", message="This DataLoader will create")
 
 
-def write_mds(streaming, server, samples: int, sizes, shard_size: int, tmp: Path) -> str:
-    out = tmp / "mds"
-    with streaming.MDSWriter(out=str(out), columns={"index": "int", "bin": "bytes", "cls": "bytes"},
-                             size_limit=shard_size) as writer:
+def write_mds(streaming, server, samples: int, sizes, shard_size: int, tmp: Path, *, seed: int = 0,
+              url: str = "s3://bench/mds", stream: int | None = None) -> str:
+    """The synthetic dataset ``seed`` as Streaming's MDS shards (``index``, ``bin``, ``cls``), at ``url``;
+    with ``stream``, a column ``stream`` holding it in every sample (a mixture's, ``mixture.py``)."""
+    out = tmp / url.removeprefix("s3://").replace("/", "-")
+    tagged = {"stream": stream} if stream is not None else {}
+    columns = {"index": "int", "bin": "bytes", "cls": "bytes", **{column: "int" for column in tagged}}
+    with streaming.MDSWriter(out=str(out), columns=columns, size_limit=shard_size) as writer:
         for i in range(samples):
-            writer.write({"index": i, "bin": member_bytes(0, i, "bin", sizes), "cls": member_bytes(0, i, "cls", sizes)})
-    upload(server, out, "s3://bench/mds")
-    return "s3://bench/mds"
+            writer.write({"index": i, "bin": member_bytes(seed, i, "bin", sizes),
+                          "cls": member_bytes(seed, i, "cls", sizes), **tagged})
+    upload(server, out, url)
+    return url
 
 
 def main(argv=None) -> int:

@@ -74,6 +74,7 @@ from shardfeed.benchmarks.loaders import (
     _quiet,
     import_streaming,
     in_fresh_process,
+    peer_round,
     streaming_dataset,
     write_mds,
 )
@@ -241,15 +242,11 @@ def run_size(size: str, samples: int, kinds: list[str], steps_ms: list[float] | 
                                                   svc.process.pid, limit)
                 else:  # its own local directory each round: its first epoch is cold too
                     local = tmp / f"local-{size}-{r}"
-                    try:
-                        epochs = in_fresh_process(stall_round, kind, remote, str(local), samples, sizes, steps,
-                                                  None, limit)
-                    except Exception as exc:  # a peer's own failure is a finding, not the end of the run
-                        print(f"round {r + 1} {size:>7} {kind}: failed, left out of the medians: "
-                              f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}", flush=True)
+                    epochs = peer_round(f"round {r + 1} {size:>7} {kind}:", stall_round, kind, remote, str(local),
+                                        samples, sizes, steps, None, limit)
+                    shutil.rmtree(local, ignore_errors=True)
+                    if epochs is None:
                         continue
-                    finally:
-                        shutil.rmtree(local, ignore_errors=True)
                 runs[kind].append(epochs)
                 _report(Result.of(kind, size, epochs), f"round {r + 1}")
     return [Result.of(kind, size, _medians(done)) for kind, done in runs.items() if done]
