@@ -47,6 +47,9 @@ class S3ServerError(OSError):
     """The S3 server is not installed or did not start (an OSError, as a failed exec is); the message says
     what to do."""
 
+    crashed = False
+    """It exited while starting with a crash (a Go panic, a port taken), which another try may not meet."""
+
 
 @dataclass
 class S3Server:
@@ -170,19 +173,38 @@ def start_seaweedfs(directory: str | os.PathLike | None = None, *, s3_port: int 
     # weed mini saves its options to mini.options and loads them on the next start: a directory
     # from an earlier (or crashed) run would bring back that run's ports, so it is dropped.
     (data / "mini.options").unlink(missing_ok=True)
-    s3_port = s3_port or free_port()
-    ports = {flag: free_port() for flag in (
-        "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
-        "s3.port.grpc", "admin.port", "admin.port.grpc")}
-    argv = [weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", *SEAWEEDFS_FLAGS,
-            f"-s3.port={s3_port}", *(f"-{flag}={port}" for flag, port in ports.items())]
     secret_key = secret_key or secrets.token_hex(16)
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(AWS_ACCESS_KEY_ID=access_key, AWS_SECRET_ACCESS_KEY=secret_key)
     log_path = data / "weed.log"
-    server = S3Server("seaweedfs", f"http://127.0.0.1:{s3_port}", access_key, secret_key,
-                      _spawn(argv, env, log_path), log_path=log_path, owned_dir=owned)
-    return ready_or_stopped(server, lambda: _wait_ready(server, timeout), server.stop)
+    for attempt in range(1, START_ATTEMPTS + 1):
+        data.mkdir(parents=True, exist_ok=True)  # a failed try's stop() removes a directory of its own
+        port = s3_port or free_port()
+        ports = {flag: free_port() for flag in (
+            "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
+            "s3.port.grpc", "admin.port", "admin.port.grpc")}
+        argv = [weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", *SEAWEEDFS_FLAGS,
+                f"-s3.port={port}", *(f"-{flag}={number}" for flag, number in ports.items())]
+        server = S3Server("seaweedfs", f"http://127.0.0.1:{port}", access_key, secret_key,
+                          _spawn(argv, env, log_path), log_path=log_path, owned_dir=owned)
+        try:
+            return ready_or_stopped(server, lambda: _wait_ready(server, timeout), server.stop)
+        except S3ServerError as err:
+            if attempt == START_ATTEMPTS or not err.crashed:
+                raise
+            (data / "mini.options").unlink(missing_ok=True)  # this try's ports: the next draws its own
+
+
+START_ATTEMPTS = 3
+"""Starts of ``weed mini`` tried when one crashes while starting: with many servers starting at
+once (a test suite on every core), one of its ten ports may be taken between drawing and binding."""
+
+
+def _crashed(log_path: Path) -> bool:
+    """Whether the log of a ``weed mini`` that exited shows a crash (a Go panic, a port taken),
+    not a refusal that another try would meet again (a bad ``-dir``)."""
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    return any(sign in text for sign in ("panic:", "goroutine ", "address already in use", "Port allocation failed"))
 
 
 def _wait_ready(server: S3Server, timeout: float) -> None:
@@ -192,8 +214,10 @@ def _wait_ready(server: S3Server, timeout: float) -> None:
     while True:
         if server.process.poll() is not None:
             where = f": {_last_line(server.log_path)} (log: {server.log_path})" if server.log_path else ""
-            raise S3ServerError(f"{server.kind} exited with status {server.process.returncode} while "
-                                f"starting{where}")
+            error = S3ServerError(f"{server.kind} exited with status {server.process.returncode} while "
+                                  f"starting{where}")
+            error.crashed = server.log_path is not None and _crashed(server.log_path)
+            raise error
         try:
             client.list_buckets()
             return

@@ -76,3 +76,20 @@ def test_seaweedfs_that_exits_while_starting_is_an_error_with_its_last_log_line(
     with pytest.raises(S3ServerError, match=r"^seaweedfs exited with status 3 while starting: cannot open -dir="):
         start_seaweedfs(tmp_path / "data", timeout=30)
     assert time.monotonic() - began < 30
+
+
+def test_seaweedfs_that_crashes_on_a_port_taken_while_it_started_is_started_again_on_others(tmp_path, monkeypatch):
+    """What a suite on every core meets: a port drawn free is bound by another server before weed
+    binds it. The crash is tried again with fresh ports; a refusal (above) is not."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = [busy.getsockname()[1]]
+        draw = s3server.free_port
+        monkeypatch.setattr(s3server, "free_port", lambda: taken.pop() if taken else draw())
+        server = start_seaweedfs(tmp_path / "data", timeout=60)
+    try:
+        server.create_bucket("after-a-crash")
+        assert "after-a-crash" in [b["Name"] for b in server.client().list_buckets()["Buckets"]]
+    finally:
+        server.stop()
