@@ -20,9 +20,9 @@ import numpy as np
 from shardfeed.retry import retry_async
 
 from .base import (
-    BATCH_PATH, ERROR_BODY_LIMIT, REGISTER_POLL, BaseClient, PartRequest, Pick, Registering, as_indices, checked,
-    dataset_path, index_path, parse_json, parse_npy, placed, plan_chunks, plan_indices, plan_path, routing_path,
-    sample_parser, sample_path, settled, transport_error,
+    BATCH_PATH, ERROR_BODY_LIMIT, REGISTER_POLL, BaseClient, PartRequest, PartsRefused, Pick, Registering, as_indices,
+    checked, dataset_path, grouped, index_path, parse_json, parse_npy, placed, plan_chunks, plan_indices, plan_path,
+    routing_path, sample_parser, sample_path, settled, transport_error,
 )
 from .errors import ShardfeedError
 from .routing import Via, merged
@@ -161,7 +161,7 @@ class AsyncClient(BaseClient):
             return merged([r.part for r in requests], await self._each_part(requests, self._collect))
         from .tensors import allocator, batch_of
 
-        return await retry_async(lambda: self._whole(requests, allocator(shared), batch_of), backoff=self.backoff,
+        return await retry_async(lambda: self._mixed(requests, allocator(shared), batch_of), backoff=self.backoff,
                                  retryable=self._verdict)
 
     async def get_batch_arrow(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None = None,
@@ -255,6 +255,14 @@ class AsyncClient(BaseClient):
             for response in responses:
                 response.close()
         return build(requests, regions)
+
+    async def _mixed(self, requests: list[PartRequest], allocate: Allocate,
+                     build: Callable[[list[PartRequest], Regions], T]) -> T:
+        """One try of a mixed batch read whole, a request per owner (see ``Client._mixed``)."""
+        try:
+            return await self._whole(grouped(self, requests), allocate, build)
+        except PartsRefused:
+            return await self._whole(requests, allocate, build)
 
     async def _each_part(self, parts: Sequence[P], work: Callable[[P], Awaitable[T]],
                          undo: Callable[[T], object] = lambda _: None) -> list[T]:

@@ -4,7 +4,8 @@ The two clients (:mod:`.sync`, :mod:`.aio`) differ only in how they wait for the
 what to send, what an answer means and whether to try again is decided here, and where
 to send it in :mod:`.routing`. A batch request (:class:`PartRequest`) is the same for both
 clients and for every output: sample dicts stream a tar; tensors and Arrow tables read a whole
-answer, asked for as Arrow where the service offers it (:mod:`.layout`).
+answer, asked for as Arrow where the service offers it (:mod:`.layout`). A mixed batch read whole
+sends each owner one request of its datasets' parts (:class:`PartsRequest`, :func:`grouped`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import io
 import json
 import operator
 import os
+import re
 import ssl
 import threading
 import time
@@ -180,6 +182,10 @@ class BaseClient:
         """Whether whole answers are asked for as Arrow (``batch_format``): False too once a service
         refused the format (one predating it), so this client asks it, and the others, for tar
         from then on."""
+        self.parts = True
+        """Whether a mixed batch read whole goes to each owner as one request of several datasets'
+        parts (:class:`PartsRequest`): False once a service refused parts (one predating them), so
+        this client asks one request per dataset from then on."""
         self._session_lock = threading.Lock()
 
     def __getstate__(self) -> dict:
@@ -350,6 +356,92 @@ class PartRequest:
         return wait
 
 
+MAX_PARTS = 64
+"""Parts one request carries at most (the service's bound); an owner of more gets several requests."""
+
+
+class PartsRefused(ShardfeedHTTPError):
+    """A service predating ``parts`` refused a request of several parts (400 ``invalid_request``
+    naming them): the batch is asked again at once, one request per dataset."""
+
+
+class PartsRequest:
+    """One ``POST /v1/batch`` of several datasets' parts (a mixed batch's, all of one owner): the
+    ``requests`` of each dataset, sent together as ``parts``. It answers the interface
+    :class:`PartRequest` gives the whole outputs (``next_try``, ``error``, ``refused``, ``answered``,
+    ``columns``, ``part``), so a batch reads it as it reads a plain one; its answer is each part's
+    Arrow stream in turn, read into its columns and joined in part order (:meth:`Columns.of_arrows
+    <.layout.Columns.of_arrows>`). Its tries go where its first request's would (they share their owner)."""
+
+    def __init__(self, client: BaseClient, requests: list[PartRequest]):
+        self.requests = requests
+        self._client = client
+        self.base = ""
+        self.url = ""
+        self.arrow = False
+        """Whether the last answer's head named Arrow (a request of parts is answered as nothing else)."""
+        parts = [r.part for r in requests]
+        self.part = Part(parts[0].owner, [p for part in parts for p in part.positions],
+                         [i for part in parts for i in part.indices])
+        """The positions and indices of every request's part, in turn."""
+
+    def next_try(self) -> tuple[str, bytes]:
+        """The base URL of the next try and its body, asking for every part whole."""
+        self.base = self.requests[0].via.pick()
+        self.url = self.base + BATCH_PATH
+        for request in self.requests:
+            request.reader.restart(self.url, whole=True)
+        return self.base, parts_body(self.requests)
+
+    def error(self, response: Any, body: bytes) -> ShardfeedHTTPError:
+        """Our error for an answer with an error status: :class:`PartsRefused` for a node predating
+        parts (it names the field it does not know, as pydantic's ``extra`` check does)."""
+        error = status_error(response.status, response.headers, body, self.url)
+        if error.status == 400 and error.code == "invalid_request" and re.search(r"\bparts\b", error.message):
+            return PartsRefused(error.status, error.code, error.message, error.url, error.retry_after)
+        return error
+
+    def refused(self, error: ShardfeedHTTPError) -> bool:
+        """False: parts are Arrow only, never asked for again as tar. A refusal of parts (a node
+        predating them, :class:`PartsRefused`) turns them off in the client, its datasets' requests
+        going to the same node next; the batch raises it and is asked again, a request per dataset."""
+        if isinstance(error, PartsRefused):
+            self._client.parts = False
+            for request in self.requests:
+                request.via.again(self.base)
+        return False
+
+    def answered(self, headers: Mapping[str, str]) -> None:
+        """An answer's head arrived: note the routing version the node named for each part's dataset
+        (one per part, comma-separated)."""
+        versions = [v.strip() or None for v in headers.get(ROUTING_HEADER, "").split(",")]
+        for request, version in zip(self.requests, versions + [None] * len(self.requests)):
+            request.router.saw(request.reader.dataset, version, self.base)
+        media = headers.get("content-type", "").split(";")[0].strip().lower()
+        self.arrow = media == MEDIA_TYPE
+
+    def columns(self, body: memoryview) -> Columns:
+        """The layout of the whole answer held in ``body``: each part's Arrow stream in turn, its
+        rows in part order (as :attr:`part` lists them)."""
+        if not self.arrow:
+            raise ShardfeedError(f"malformed batch response from {self.url}: a request of parts answered "
+                                 f"other than as Arrow")
+        return Columns.of_arrows(body, [r.part.indices for r in self.requests], self.url)
+
+
+def grouped(client: BaseClient, requests: list[PartRequest]) -> list[PartRequest | PartsRequest]:
+    """A mixed batch's requests read whole (one per dataset and owner) as one request per owner
+    (several when it has more than ``MAX_PARTS``), owners in the order they first come; an owner of
+    one keeps its plain request. Unchanged while the client asks for tar or its service refused parts."""
+    if not (client.parts and client.arrow):
+        return list(requests)
+    owners: dict[str | None, list[PartRequest]] = {}
+    for request in requests:
+        owners.setdefault(request.part.owner, []).append(request)
+    chunks = [mine[at:at + MAX_PARTS] for mine in owners.values() for at in range(0, len(mine), MAX_PARTS)]
+    return [chunk[0] if len(chunk) == 1 else PartsRequest(client, chunk) for chunk in chunks]
+
+
 class Registering:
     """``POST /v1/datasets`` until the dataset is served: a 202 says it is being indexed."""
 
@@ -433,15 +525,27 @@ def plan_path(dataset: str, plan_id: str | None = None) -> str:
 
 def batch_body(dataset: str, indices: list[int], fields: Sequence[str] | None,
                continue_on_error: bool, format: str = TAR, stream: str | None = None) -> bytes:
-    """JSON body of ``POST /v1/batch``, encoded (without ``stream`` when there is none: a
-    service that predates it refuses the field)."""
-    body: dict[str, Any] = {"dataset": dataset, "indices": indices, "format": format,
-                            "continue_on_error": continue_on_error}
-    if fields is not None:
-        body["fields"] = list(fields)
-    if stream is not None:
-        body["stream"] = stream
+    """JSON body of ``POST /v1/batch``, encoded."""
+    body = {**_part(dataset, indices, fields, stream), "format": format, "continue_on_error": continue_on_error}
     return json.dumps(body, separators=(",", ":")).encode()
+
+
+def parts_body(requests: Sequence[PartRequest]) -> bytes:
+    """JSON body of ``POST /v1/batch`` asking for each request's part whole, as ``parts`` (Arrow only)."""
+    parts = [_part(r.reader.dataset, r.part.indices, r.fields, r.stream) for r in requests]
+    body = {"parts": parts, "format": ARROW, "continue_on_error": requests[0].continue_on_error}
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _part(dataset: str, indices: list[int], fields: Sequence[str] | None, stream: str | None) -> dict[str, Any]:
+    """What a batch asks of one dataset: without ``fields`` or ``stream`` when there are none (a
+    service that predates ``stream`` refuses the field)."""
+    part: dict[str, Any] = {"dataset": dataset, "indices": indices}
+    if fields is not None:
+        part["fields"] = list(fields)
+    if stream is not None:
+        part["stream"] = stream
+    return part
 
 
 def transport_error(url: str, exc: httpx.HTTPError) -> ShardfeedConnectionError:

@@ -11,7 +11,8 @@ NumPy only.
 - An Arrow answer (``"format": "arrow"``, :mod:`shardfeed.arrowipc`) states its layout
   before its data: :meth:`Columns.of_arrow` reads each record batch's offsets buffer as one
   array and its validity bitmap as another, nothing per member (a key is a slice of the key
-  column's text).
+  column's text). An answer of several datasets' parts is their streams one after the other
+  (:meth:`Columns.of_arrows`).
 
 A batch read in parts (routing) joins its parts' columns with :meth:`Columns.merged`, in
 the order the samples were asked for, an array operation per part and field.
@@ -74,8 +75,31 @@ class Columns:
         A stream cut short (no end-of-stream marker, or fewer rows than asked) raises
         :class:`ShardfeedConnectionError`, as a cut tar answer does; anything else that is not
         the batch asked for, :class:`ShardfeedError`."""
+        return cls.of_arrows(body, [indices], url)
+
+    @classmethod
+    def of_arrows(cls, body: memoryview, parts: Sequence[Sequence[int]], url: str) -> Columns:
+        """The columns of an answer of several parts held whole in ``body``: an Arrow stream per part,
+        one after the other, part ``p``'s asking for ``parts[p]``; the rows in part order. Errors as
+        :meth:`of_arrow`'s (bytes after the last stream too)."""
+        columns, at = [], 0
+        for indices in parts:
+            part, at = cls._of_stream(body, at, indices, url)
+            columns.append(part)
+        if at != len(body):
+            raise ShardfeedError(f"malformed batch response from {url}: {len(body) - at} bytes after its "
+                                 f"{len(parts)} Arrow stream{'s' if len(parts) > 1 else ''}")
+        if len(columns) == 1:
+            return columns[0]
+        bounds = np.cumsum([0, *(len(indices) for indices in parts)]).tolist()
+        return cls.merged(columns, [0] * len(columns), [range(a, b) for a, b in zip(bounds, bounds[1:])])
+
+    @classmethod
+    def _of_stream(cls, body: memoryview, start: int, indices: Sequence[int], url: str) -> tuple[Columns, int]:
+        """The columns of the Arrow stream at ``start`` in ``body``, which asked for ``indices``
+        (offsets in ``body``), and where the stream ends."""
         try:
-            stream = arrowipc.read_stream(body)
+            stream = arrowipc.read_stream(body, start)
         except arrowipc.ArrowFormatError as exc:
             raise ShardfeedError(f"malformed batch response from {url}: {exc}") from None
         if not stream.ended or stream.total < len(indices):
@@ -101,7 +125,7 @@ class Columns:
             keys = _keys(*stream.spans(body, 0), present, body)
         except arrowipc.ArrowFormatError as exc:
             raise ShardfeedError(f"malformed batch response from {url}: {exc}") from None
-        return cls(keys, index, ~present, offsets, lengths)
+        return cls(keys, index, ~present, offsets, lengths), stream.end
 
     @classmethod
     def merged(cls, parts: Sequence[Columns], starts: Sequence[int], positions: Sequence[Sequence[int]]) -> Columns:

@@ -15,9 +15,9 @@ import numpy as np
 from shardfeed.retry import retry_sync
 
 from .base import (
-    BATCH_PATH, ERROR_BODY_LIMIT, REGISTER_POLL, BaseClient, PartRequest, Pick, Registering, as_indices, checked,
-    dataset_path, index_path, parse_json, parse_npy, placed, plan_chunks, plan_indices, plan_path, routing_path,
-    sample_parser, sample_path, settled, transport_error,
+    BATCH_PATH, ERROR_BODY_LIMIT, REGISTER_POLL, BaseClient, PartRequest, PartsRefused, Pick, Registering, as_indices,
+    checked, dataset_path, grouped, index_path, parse_json, parse_npy, placed, plan_chunks, plan_indices, plan_path,
+    routing_path, sample_parser, sample_path, settled, transport_error,
 )
 from .errors import ShardfeedError
 from .routing import Via, merged
@@ -215,11 +215,12 @@ class Client(BaseClient):
     def get_mixed_batch(self, picks: Sequence[Pick], *, output: str = "samples", continue_on_error: bool = False,
                         shared: bool = False) -> list[dict] | Batch:
         """A batch of several datasets' samples (a mixture's, :mod:`.mixing`): each pick's samples
-        at its positions of the batch. One request per dataset (and per owner, with routing), sent
-        at once and merged as a routed batch's parts are. ``output``: ``"samples"``, the sample
-        dicts of :meth:`get_batch`; ``"tensors"``, one :class:`~.tensors.Batch` as
+        at its positions of the batch, sent at once and merged as a routed batch's parts are.
+        ``output``: ``"samples"``, the sample dicts of :meth:`get_batch`, a request per dataset (and
+        per owner, with routing); ``"tensors"``, one :class:`~.tensors.Batch` as
         :meth:`get_batch_tensors` makes it (``shared`` as there), a dataset's missing fields
-        ``ABSENT`` in the other datasets' rows."""
+        ``ABSENT`` in the other datasets' rows, one request per owner carrying every dataset's part
+        (a request per dataset from a service that predates parts)."""
         if output == "samples":
             requests = self._picked(picks, continue_on_error, whole=False)
             return merged([r.part for r in requests], self._each_part(requests, lambda r: list(self._stream(r))))
@@ -228,7 +229,7 @@ class Client(BaseClient):
         from .tensors import allocator, batch_of
 
         requests = self._picked(picks, continue_on_error, whole=True)
-        return retry_sync(lambda: self._whole(requests, allocator(shared), batch_of), backoff=self.backoff,
+        return retry_sync(lambda: self._mixed(requests, allocator(shared), batch_of), backoff=self.backoff,
                           retryable=self._verdict)
 
     def load_routing(self, dataset: str) -> None:
@@ -338,6 +339,15 @@ class Client(BaseClient):
             for response in responses:
                 response.close()
         return build(requests, regions)
+
+    def _mixed(self, requests: list[PartRequest], allocate: Allocate,
+               build: Callable[[list[PartRequest], Regions], T]) -> T:
+        """One try of a mixed batch read whole: its requests (one per dataset and owner) sent as
+        one per owner (``grouped``); from a service that refuses parts, again at once as they are."""
+        try:
+            return self._whole(grouped(self, requests), allocate, build)
+        except PartsRefused:
+            return self._whole(requests, allocate, build)
 
     def _each_part(self, parts: Sequence[P], work: Callable[[P], T],
                    undo: Callable[[T], object] = lambda _: None) -> list[T]:

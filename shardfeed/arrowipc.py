@@ -284,6 +284,9 @@ class Stream:
     nulls: np.ndarray
     buffers: np.ndarray
     ended: bool
+    end: int = 0
+    """Where the stream ended in the buffer read: after its end-of-stream marker (where the next
+    stream of an answer of several parts starts), or where the buffer ends when it was cut short."""
 
     @property
     def total(self) -> int:
@@ -416,11 +419,13 @@ def _record_batch(message: _Table, columns: int, buffers: int) -> tuple[int, int
     return batch.scalar(0, _I64), nodes[0], buffers_at[0]
 
 
-def read_stream(buf: bytes | memoryview) -> Stream:
-    """The messages of a stream held whole in ``buf``. A stream cut short returns what it holds so far
-    with ``ended`` False; anything else malformed raises ``ArrowFormatError``."""
+def read_stream(buf: bytes | memoryview, start: int = 0) -> Stream:
+    """The messages of a stream held whole in ``buf`` from byte ``start`` on (its places are counted
+    from the start of ``buf``; it ends at its end-of-stream marker, ``Stream.end``, whatever follows).
+    A stream cut short returns what it holds so far with ``ended`` False; anything else malformed
+    raises ``ArrowFormatError``."""
     buf = memoryview(buf).cast("B")
-    end, at = len(buf), 0
+    end, at = len(buf), start
     columns: list[Column] | None = None
     width = 0  # buffers per record batch, once the schema says
     batches: list[tuple[int, int, int, int, int]] = []  # rows, nodes at, buffers at, body at, body length
@@ -432,7 +437,7 @@ def read_stream(buf: bytes | memoryview) -> Stream:
             else:  # the format before 0.15: no continuation marker
                 at += 4
             if size == 0:
-                return _stream(buf, columns or [], batches, True)
+                return _stream(buf, columns or [], batches, True, at)
             if size < 0 or at + size > end:
                 break
             ours = _ours(buf, at) if columns is not None else None
@@ -461,11 +466,11 @@ def read_stream(buf: bytes | memoryview) -> Stream:
                 raise ArrowFormatError(f"a message of a kind this reader does not handle ({kind})")
     except struct.error:
         raise ArrowFormatError("a message's metadata points outside the stream") from None
-    return _stream(buf, columns or [], batches, False)
+    return _stream(buf, columns or [], batches, False, end)
 
 
 def _stream(buf: memoryview, columns: list[Column], batches: list[tuple[int, int, int, int, int]],
-            ended: bool) -> Stream:
+            ended: bool, end: int = 0) -> Stream:
     """The stream of ``batches`` (each as :func:`read_stream` found it): every record batch's nodes
     and buffers read, and checked, at once."""
     width = sum(c.buffers for c in columns)
@@ -479,7 +484,7 @@ def _stream(buf: memoryview, columns: list[Column], batches: list[tuple[int, int
         raise ArrowFormatError("a record batch's buffer lies past its body")
     places = buffers.copy()  # a view of the stream's own bytes, which stay as they came
     places[:, :, 0] += body[:, None]
-    return Stream(columns, rows, nodes[:, :, 1], places, ended)
+    return Stream(columns, rows, nodes[:, :, 1], places, ended, end)
 
 
 # -- an IPC file's footer and record batches -------------------------------------------------
