@@ -1,13 +1,18 @@
 """``POST /v1/batch``: samples as one ordered stream (a tar, or an Arrow IPC stream with
-``"format": "arrow"``), through one endpoint, ``BatchEndpoint``.
+``"format": "arrow"``), through one endpoint, ``BatchEndpoint``; or several datasets' samples in
+one request (``parts``), each part's Arrow stream after the other's.
+
+A plain batch is its own one part: every step below serves a list of parts, each exactly as a
+plain batch of it is served (validated, observed by plans, counted under its stream, read from
+its owners), one after the other.
 
 Its steps, in the order a request meets them:
 
 1. **authenticate**: the request's tenant (``auth.py``: ``TokenAuth`` in front of the app, ``guarded``
    in front of the protocol's offer; without tokens, everyone may read everything);
 2. **validate and look up, once**: ``wanted_batch`` checks the body and looks every member up in the
-   dataset's index (a ``WantedBatch``), and ``held_group`` finds whether every block is in RAM
-   (a ``Decision``);
+   dataset's index (a ``WantedBatch`` per part), and ``held_group`` finds whether every block is in
+   RAM (a ``Decision``);
 3. **admit**: a batch slot (``Admission``, 429 beyond);
 4. **held or streamed**: a held batch is framed from RAM as it is sent; any other is read group by
    group through the coalescer (``read/stream.py``), its store reads planned at once;
@@ -27,9 +32,13 @@ new version (a second change: 409). A streamed answer states its expected length
 
 from __future__ import annotations
 
+import asyncio
 import time
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Annotated
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
@@ -39,14 +48,14 @@ from starlette.responses import Response
 from shardfeed.service.api.auth import tenant_of
 from shardfeed.arrowipc import MEDIA_TYPE as ARROW
 from shardfeed.service.api.common import (
-    ERRORS, TAR, State, answer_changed_once, count_batch, json_body, located_members, parse_json, read_body,
+    ERRORS, TAR, State, answer_changed_once, count_batch, located_members, parse_json, read_body,
     served_metrics, tar_stream_response,
 )
 from shardfeed.service.api.routing import ROUTING_HEADER, routing_version
 from shardfeed.service.api.tenants import Tenant
 from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.datasets.index import Members, SampleOutOfRange, UnknownField
-from shardfeed.service.http.errors import ApiError
+from shardfeed.service.http.errors import ApiError, InvalidRequest
 from shardfeed.service.http.protocol import INSTANT_BYTES
 from shardfeed.service.read.arrow import ArrowFraming
 from shardfeed.service.read.fields import placed_from_ram
@@ -54,25 +63,59 @@ from shardfeed.service.read.framing import TarFraming
 from shardfeed.service.read.stream import batch_groups, stream_batch
 from shardfeed.service.read.warm import HeldGroup, held_group
 
-class BatchRequest(BaseModel):
-    """Body of ``POST /v1/batch``."""
+MAX_PARTS = 64
+"""The most parts one batch of several datasets' samples has (``parts``)."""
+
+DatasetName = Annotated[str, Field(min_length=1, max_length=256)]
+# Strict: "1", 1.5 or true is not a sample number.
+SampleNumbers = Annotated[list[StrictInt], Field(
+    description="Sample numbers, in the order they are wanted; repeats allowed.",
+    json_schema_extra={"items": {"type": "integer", "minimum": 0}})]
+
+
+class BatchPart(BaseModel):
+    """One dataset's samples: what a plain batch names at its top, and each of ``parts``."""
 
     model_config = ConfigDict(extra="forbid")
-    dataset: str = Field(min_length=1, max_length=256)
-    # Strict: "1", 1.5 or true is not a sample number.
-    indices: list[StrictInt] = Field(description="Sample numbers, in the order they are wanted; repeats allowed.",
-                                     json_schema_extra={"items": {"type": "integer", "minimum": 0}})
+    dataset: DatasetName
+    indices: SampleNumbers
     fields: list[str] | None = Field(None, description="Fields per sample, in order; default: all fields.")
+    stream: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:/-]+$",
+                               description="The stream of a mixture this batch belongs to: its samples and "
+                                           "bytes are also counted under this name (metrics "
+                                           "shardfeed_stream_*, /v1/stats 'streams').")
+
+
+class BatchRequest(BatchPart):
+    """Body of ``POST /v1/batch``: one dataset's samples, named at the top (a plain batch, its own
+    one part), or several datasets' samples as its ``parts`` (answered as Arrow); one or the other
+    (``batch_parts``)."""
+
+    dataset: DatasetName | None = None
+    indices: SampleNumbers | None = None
+    parts: list[BatchPart] | None = Field(None, min_length=1, max_length=MAX_PARTS,
+                                          description="Several datasets' samples in one request, in place of "
+                                                      "dataset, indices, fields and stream: each part's Arrow "
+                                                      "stream after the other's (format 'arrow' only).")
     format: str = Field("tar", description="'tar' (members <key>.<field>) or 'arrow' (an Arrow IPC stream, a row "
                                            "per sample: __key__, __index__, a binary column per field).",
                         json_schema_extra={"enum": ["tar", "arrow"]})
     continue_on_error: bool = Field(False, description="Serve a failed sample as a zero-length "
                                                        "__404__/<dataset>/<i> member (a row of nulls in "
                                                        "'arrow') instead of failing.")
-    stream: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:/-]+$",
-                               description="The stream of a mixture this batch belongs to: its samples and "
-                                           "bytes are also counted under this name (metrics "
-                                           "shardfeed_stream_*, /v1/stats 'streams').")
+
+    def batch_parts(self) -> list[BatchPart]:
+        """The parts to serve: ``parts``, or the request itself (a plain batch); a 400 naming the
+        fields when it gives both, or neither."""
+        top = [name for name in BatchPart.model_fields if name in self.model_fields_set]
+        if self.parts is not None and not top:
+            return self.parts
+        if "parts" not in self.model_fields_set and self.dataset is not None and self.indices is not None:
+            return [self]
+        given = [f"{name}=null" if getattr(self, name) is None else name
+                 for name in [*top, "parts"] if name in self.model_fields_set]
+        raise InvalidRequest("invalid request: a batch names its samples by dataset and indices (and fields, "
+                             f"stream) or by parts, one or the other; given: {', '.join(given) or 'neither'}")
 
 
 FORMATS = {"tar": TAR, "arrow": ARROW}
@@ -81,7 +124,7 @@ FORMATS = {"tar": TAR, "arrow": ARROW}
 
 @dataclass
 class WantedBatch:
-    """A valid ``POST /v1/batch``: what to serve, looked up in the dataset's index."""
+    """A valid ``POST /v1/batch``'s part: what to serve, looked up in the dataset's index."""
 
     dataset: Dataset
     indices: np.ndarray
@@ -92,28 +135,57 @@ class WantedBatch:
     stream: str | None
 
 
-def wanted_batch(state: State, body: bytes, tenant: Tenant) -> WantedBatch:
-    """``body`` checked and looked up; an ``ApiError`` for anything the batch cannot serve,
-    or ``tenant`` may not read."""
+def wanted_batch(state: State, body: bytes, tenant: Tenant) -> list[WantedBatch]:
+    """``body`` checked and looked up, a ``WantedBatch`` per part (a plain batch: one); an
+    ``ApiError`` for anything the batch cannot serve, or ``tenant`` may not read, naming the
+    part when the request has ``parts``."""
     config = state.config
     req = parse_json(body, BatchRequest)
-    tenant.check_dataset(req.dataset)
+    parts = req.batch_parts()
+    for number, part in enumerate(parts):
+        with _naming(req, number, part):
+            tenant.check_dataset(part.dataset)
     if req.format not in FORMATS:
         raise ApiError(400, "unsupported_format",
                        f"format {req.format!r} is not supported (supported: {', '.join(FORMATS)})")
-    if len(req.indices) > config.max_batch:
-        raise ApiError(413, "too_many_items", f"{len(req.indices)} samples requested; the limit is "
+    if req.parts is not None and req.format != "arrow":
+        raise ApiError(400, "unsupported_format", f"format {req.format!r}: parts are answered as Arrow only "
+                                                  '("format": "arrow")')
+    samples = sum(len(part.indices) for part in parts)
+    if samples > config.max_batch:
+        raise ApiError(413, "too_many_items", f"{samples} samples requested; the limit is "
                                               f"{config.max_batch} per batch")
-    dataset = state.dataset(req.dataset)
+    wanted = []
+    for number, part in enumerate(parts):
+        with _naming(req, number, part):
+            wanted.append(_wanted_part(state, part, req))
+    return wanted
+
+
+@contextmanager
+def _naming(req: BatchRequest, number: int, part: BatchPart):
+    """An ``ApiError`` about a request's ``parts[number]`` says which part (a plain batch's, as it is)."""
+    try:
+        yield
+    except ApiError as err:
+        if req.parts is None:
+            raise
+        raise ApiError(err.status, err.code, f"part {number} (dataset {part.dataset[:200]!r}): {err.message}",
+                       err.headers) from None
+
+
+def _wanted_part(state: State, part: BatchPart, req: BatchRequest) -> WantedBatch:
+    """One part looked up in its dataset's index, to be served as ``req`` asks."""
+    dataset = state.dataset(part.dataset)
     n = len(dataset.index)
-    if req.indices and (min(req.indices) < 0 or max(req.indices) >= n):
-        bad = next(i for i in req.indices if i < 0 or i >= n)
+    if part.indices and (min(part.indices) < 0 or max(part.indices) >= n):
+        bad = next(i for i in part.indices if i < 0 or i >= n)
         if bad < 0:
             raise ApiError(400, "invalid_index", f"sample index {bad} is negative")
         raise ApiError(404, "sample_out_of_range", f"sample {bad} is out of range: dataset "
                                                    f"{dataset.name!r} has {n} samples")
-    indices = np.asarray(req.indices, dtype=np.int64)
-    fields = [f.lower() for f in req.fields] if req.fields is not None else None
+    indices = np.asarray(part.indices, dtype=np.int64)
+    fields = [f.lower() for f in part.fields] if part.fields is not None else None
     try:
         members = dataset.index.lookup(indices, fields)
     except UnknownField as err:
@@ -125,27 +197,49 @@ def wanted_batch(state: State, body: bytes, tenant: Tenant) -> WantedBatch:
         raise ApiError(404, "unknown_field", f"sample {int(members.sample[row])} has no field "
                                              f"{dataset.index.fields[int(members.field[row])]!r}")
     framing = ArrowFraming(dataset, fields) if req.format == "arrow" else TarFraming()
-    return WantedBatch(dataset, indices, members, req.continue_on_error, req.format, framing, req.stream)
+    return WantedBatch(dataset, indices, members, req.continue_on_error, req.format, framing, part.stream)
 
 
 @dataclass
-class Decision:
-    """What ``BatchEndpoint.decide`` found for a request: the batch to serve and whether every block
-    of it is in RAM, or the error to answer."""
+class DecidedPart:
+    """A part of a request (a plain batch's one) as ``BatchEndpoint.decide`` found it: what to serve and
+    whether every block of it is in RAM."""
 
-    body: bytes
-    wanted: WantedBatch | None = None
-    held: HeldGroup | None = None
-    error: ApiError | None = None
-    group_bytes: int = 0
+    wanted: WantedBatch
+    held: HeldGroup | None
+    group_bytes: int
 
     @cached_property
     def length(self) -> int:
-        """The answer's length: exact when every block is held, else as the index describes it
+        """Its stream's length: exact when every block is held, else as the index describes it
         (once, whether the protocol's offer or the ASGI call asks first)."""
         wanted = self.wanted
         groups = batch_groups(wanted.members, len(wanted.indices), self.group_bytes, self.held is not None)
         return wanted.framing.length(wanted.dataset, wanted.members, wanted.indices, self.held, groups)
+
+
+@dataclass
+class Decision:
+    """What ``BatchEndpoint.decide`` found for a request: its parts, or the error to answer."""
+
+    body: bytes
+    parts: list[DecidedPart] = field(default_factory=list)
+    error: ApiError | None = None
+
+    @property
+    def held(self) -> bool:
+        """Whether every block of every part is in RAM."""
+        return self.error is None and all(part.held is not None for part in self.parts)
+
+    @property
+    def length(self) -> int:
+        """The answer's length: its parts' streams, one after the other."""
+        return sum(part.length for part in self.parts)
+
+    @property
+    def media_type(self) -> str:
+        """The answer's (every part has the request's format)."""
+        return FORMATS[self.parts[0].wanted.format]
 
 
 DECIDED = "shardfeed.batch"
@@ -165,12 +259,15 @@ class BatchEndpoint:
             wanted = wanted_batch(self.state, body, tenant_of(scope))
         except ApiError as err:
             return Decision(body, error=err)
+        return Decision(body, [self._decide_part(part) for part in wanted])
+
+    def _decide_part(self, wanted: WantedBatch) -> DecidedPart:
+        group_bytes = self.state.config.group_bytes
         members = placed_from_ram(self.state.coalescer, wanted.dataset, wanted.members)
         if members is None:  # records whose headers are not in RAM: streamed, placed first
-            return Decision(body, wanted, group_bytes=self.state.config.group_bytes)
+            return DecidedPart(wanted, None, group_bytes)
         wanted.members = members
-        return Decision(body, wanted, held_group(self.state.coalescer, wanted.dataset, members),
-                        group_bytes=self.state.config.group_bytes)
+        return DecidedPart(wanted, held_group(self.state.coalescer, wanted.dataset, members), group_bytes)
 
     def instant(self, scope, body: bytes) -> tuple[list[tuple[bytes, bytes]], list] | None:
         """The protocol's offer (``protocol.InstantAnswerer``): the 200's headers and parts of a batch
@@ -180,21 +277,23 @@ class BatchEndpoint:
             return None
         began = time.perf_counter()
         decision = scope[DECIDED] = self.decide(scope, body)
-        wanted, held = decision.wanted, decision.held
-        if held is None or not wanted.members.found.all() or state.admission.full("batch"):
+        if not decision.held or state.admission.full("batch") or \
+                not all(part.wanted.members.found.all() for part in decision.parts):
             return None
-        dataset, members, indices = wanted.dataset, wanted.members, wanted.indices
         length = decision.length
         if length > INSTANT_BYTES:
             return None
         del scope[DECIDED]
-        framing = wanted.framing
-        parts = [*framing.head(), *framing.held(held, 0, dataset, members, indices), framing.end()]
-        _served(state, wanted)(len(indices), length - len(framing.end()))
+        parts = []
+        for part in decision.parts:
+            wanted, framing = part.wanted, part.wanted.framing
+            dataset, members, indices = wanted.dataset, wanted.members, wanted.indices
+            parts += [*framing.head(), *framing.held(part.held, 0, dataset, members, indices), framing.end()]
+            _served(state, wanted)(len(indices), part.length - len(framing.end()))
         count_batch(state, "batch", "200", began)
-        headers = [(b"content-type", FORMATS[wanted.format].encode()), (b"content-length", b"%d" % length)]
+        headers = [(b"content-type", decision.media_type.encode()), (b"content-length", b"%d" % length)]
         headers += [(name.lower().encode(), value.encode())
-                    for name, value in _headers(state, dataset, indices).items()]
+                    for name, value in _headers(state, [part.wanted for part in decision.parts]).items()]
         return headers, parts
 
     async def __call__(self, scope, receive, send) -> None:
@@ -214,35 +313,79 @@ class BatchEndpoint:
         def answer():  # the first try from the decision; after a change in the store, from a new one
             return self.stream(first.pop() if first else self.decide(scope, decision.body))
 
-        return await answer_changed_once(answer, lambda: self.state.datasets.reload(decision.wanted.dataset.name))
+        # Which part's dataset changed is not told: each is reopened (an unchanged one stays as it is).
+        names = dict.fromkeys(part.wanted.dataset.name for part in decision.parts)
+        return await answer_changed_once(
+            answer, lambda: asyncio.gather(*(self.state.datasets.reload(name) for name in names)))
 
     async def stream(self, decision: Decision) -> Response:
-        """Steps 3 to 5: admitted (``tar_stream_response``), held or streamed, framed."""
+        """Steps 3 to 5: admitted (``tar_stream_response``), held or streamed, framed: part after part."""
         if decision.error is not None:
             raise decision.error
-        state, config = self.state, self.state.config
-        held, wanted = decision.held, decision.wanted
-        if held is None:
-            wanted.members = await located_members(state, wanted.dataset, wanted.members)
-        dataset, members, indices = wanted.dataset, wanted.members, wanted.indices
-        chunks = stream_batch(state.coalescer, dataset, members, indices,
-                              continue_on_error=decision.wanted.continue_on_error, group_bytes=config.group_bytes,
-                              prefetch=config.prefetch_groups, on_served=_served(state, wanted), held=held,
-                              looked=True, framing=decision.wanted.framing)
-        headers = _headers(state, dataset, indices)
+        state = self.state
+        for part in decision.parts:  # every part placed before the first byte
+            if part.held is None:
+                part.wanted.members = await located_members(state, part.wanted.dataset, part.wanted.members)
+        streams = [self._part_stream(part) for part in decision.parts]
+        wanted = [part.wanted for part in decision.parts]
+        headers = _headers(state, wanted)
         # Held: every byte is in RAM, the length is known, no chunked framing. Else the length if every
         # sample is served as the index says: a tensor client sizes its buffer by it.
-        headers["Content-Length" if held is not None else LENGTH_HEADER] = str(decision.length)
-        return await tar_stream_response(state, "batch", chunks, media_type=FORMATS[decision.wanted.format],
+        headers["Content-Length" if decision.held else LENGTH_HEADER] = str(decision.length)
+        return await tar_stream_response(state, "batch", _in_turn(streams), media_type=decision.media_type,
                                          headers=headers,
-                                         what=f"batch dataset={dataset.name} samples={len(indices)}",
-                                         in_memory=held is not None)
+                                         what=f"batch dataset={','.join(w.dataset.name for w in wanted)} "
+                                              f"samples={sum(len(w.indices) for w in wanted)}",
+                                         in_memory=decision.held)
+
+    def _part_stream(self, part: DecidedPart) -> AsyncIterator[list]:
+        """A part's stream, as a plain batch of it is sent (plans observe it now)."""
+        state, config, wanted = self.state, self.state.config, part.wanted
+        return stream_batch(state.coalescer, wanted.dataset, wanted.members, wanted.indices,
+                            continue_on_error=wanted.continue_on_error, group_bytes=config.group_bytes,
+                            prefetch=config.prefetch_groups, on_served=_served(state, wanted), held=part.held,
+                            looked=True, framing=wanted.framing)
+
+
+async def _in_turn(streams: list[AsyncIterator[list]]) -> AsyncIterator[list]:
+    """The parts' streams one after the other. Every part's first group is read at once, together,
+    before the first is yielded: before the status line (``tar_stream_response``), so a store failure
+    or a change there is answered as a plain batch's first group's is (the first part's in part
+    order), not as a truncated 200; and the parts' first reads overlap."""
+    try:
+        firsts = await asyncio.gather(*(anext(stream) for stream in streams), return_exceptions=True)
+        for first in firsts:
+            if isinstance(first, BaseException):
+                raise first
+        for stream, first in zip(streams, firsts):
+            yield first
+            async for parts in stream:
+                yield parts
+    finally:
+        for stream in streams:
+            await stream.aclose()
+
+
+def _request_schema() -> dict:
+    """``BatchRequest``'s schema as ``batch_parts`` reads it: a plain batch (a part's fields at the
+    top) or ``parts`` (with format 'arrow'), one or the other."""
+    part, answer = BatchPart.model_json_schema(), BatchRequest.model_json_schema()["properties"]
+    plain = {**part, "title": "Batch", "description": "One dataset's samples.",
+             "properties": {**part["properties"], "format": answer["format"],
+                            "continue_on_error": answer["continue_on_error"]}}
+    parts = {"title": "BatchOfParts", "type": "object", "additionalProperties": False, "required": ["parts", "format"],
+             "properties": {"parts": {"type": "array", "items": part, "minItems": 1, "maxItems": MAX_PARTS,
+                                      "description": answer["parts"]["description"]},
+                            "format": {"type": "string", "enum": ["arrow"]},
+                            "continue_on_error": answer["continue_on_error"]}}
+    return {"oneOf": [plain, parts]}
 
 
 OPENAPI = {"/v1/batch": {"post": {
     "tags": ["samples"], "summary": "Batch", "operationId": "batch_v1_batch_post",
-    "description": "Samples, in the order asked, as one tar stream (or an Arrow IPC stream: `format`).",
-    **json_body(BatchRequest),
+    "description": "Samples, in the order asked, as one tar stream (or an Arrow IPC stream: `format`); "
+                   "several datasets' samples (`parts`) as each part's Arrow IPC stream in turn.",
+    "requestBody": {"required": True, "content": {"application/json": {"schema": _request_schema()}}},
     "responses": {"200": {"description": "The samples, as an ordered tar stream or Arrow IPC stream.",
                           "content": {media_type: {} for media_type in FORMATS.values()}},
                   **{str(status): {"description": error["description"], "content": {"application/json": {
@@ -267,8 +410,11 @@ VERSION_HEADER = "X-Shardfeed-Dataset-Version"
 """The version of the dataset (``Dataset.version``) every sample of the answer was read from."""
 
 
-def _headers(state: State, dataset: Dataset, indices: np.ndarray) -> dict[str, str]:
-    headers = {"X-Shardfeed-Samples": str(len(indices)), VERSION_HEADER: dataset.version}
+def _headers(state: State, parts: list[WantedBatch]) -> dict[str, str]:
+    """The answer's headers: its samples, and per part (comma-separated, in part order) the dataset's
+    version and (in a cluster) its routing table's."""
+    headers = {"X-Shardfeed-Samples": str(sum(len(part.indices) for part in parts)),
+               VERSION_HEADER: ",".join(part.dataset.version for part in parts)}
     if state.cluster is not None:
-        headers[ROUTING_HEADER] = routing_version(state.cluster, dataset)
+        headers[ROUTING_HEADER] = ",".join(routing_version(state.cluster, part.dataset) for part in parts)
     return headers

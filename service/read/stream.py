@@ -113,11 +113,11 @@ async def stream_batch(coalescer: Coalescer, dataset: Dataset, members: Members,
     head = framing.head()
 
     def sent(parts: list, served: int, last: bool) -> list:
-        if on_served is not None:
-            on_served(served, sum(map(len, parts)))
         if head:
             parts[:0] = head
             head.clear()
+        if on_served is not None:  # the head counted as sent, as an instant answer counts it
+            on_served(served, sum(map(len, parts)))
         if last:
             parts.append(framing.end())
         return parts

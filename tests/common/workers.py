@@ -54,11 +54,12 @@ def owned_shards(url: str, worker_url: str, samples: int, dataset: str = "train"
             if table["urls"][owner] == worker_url]
 
 
-def each_workers_shards(url: str, worker_urls: list[str], samples: int, at_least: int = 1) -> list[list[list[int]]]:
-    """``owned_shards`` of every worker, once the routing table gives each ``at_least`` shards:
-    a worker not yet up owns none, its shards going to the live one."""
+def each_workers_shards(url: str, worker_urls: list[str], samples: int, at_least: int = 1,
+                        dataset: str = "train") -> list[list[list[int]]]:
+    """``owned_shards`` of ``dataset`` for every worker, once the routing table gives each ``at_least``
+    shards: a worker not yet up owns none, its shards going to the live one."""
     def listed() -> list[list[list[int]]] | None:
-        shards = [owned_shards(url, u, samples) for u in worker_urls]
+        shards = [owned_shards(url, u, samples, dataset) for u in worker_urls]
         return shards if all(len(s) >= at_least for s in shards) else None
 
     return wait_until(listed, 60, f"the routing table giving every worker {at_least} shards")
