@@ -132,7 +132,7 @@ class Columns:
         """One batch of its parts' columns: part ``p``'s answer at ``starts[p]`` in the buffer, its
         rows at ``positions[p]`` of the batch (:class:`~.routing.Part`). Fields are those of any
         part, in the order they first came; a part without a field has it ``ABSENT``."""
-        if len(parts) == 1:  # the whole batch, in order: nothing to move
+        if len(parts) == 1 and np.array_equal(positions[0], np.arange(len(parts[0]))):  # the batch, in order
             part, start = parts[0], int(starts[0])
             return cls(part.keys, part.indices, part.missing, {k: v + start for k, v in part.offsets.items()},
                        part.lengths)

@@ -99,7 +99,9 @@ class Field:
         they start at a multiple of its size in the buffer: always in a tar answer (members
         start 512-byte aligned), in an Arrow answer when the samples before it in its record
         batch are whole multiples of it (a column's values start 64-byte aligned, then each
-        sample's bytes follow the last's); else that sample's bytes are copied first."""
+        sample's bytes follow the last's; 8-byte aligned in a mixed batch's later datasets, whose
+        streams follow the one before's 8-byte end marker in their owner's answer); else that
+        sample's bytes are copied first."""
         size = torch.empty(0, dtype=dtype).element_size()
         return [None if v is None else (v if v.storage_offset() % size == 0 else v.clone()).view(dtype)
                 for v in self]
