@@ -175,18 +175,23 @@ class EpochSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from ``state_dict()`` output (batch size, ranks and workers may differ)."""
+        self.epoch, self.consumed = self.progress(state, ("seed", "samples", "shuffle", "locality"), "sampler")
+
+    def progress(self, state: dict[str, Any], matching: tuple[str, ...], kind: str) -> tuple[int, int]:
+        """``state``'s ``(epoch, consumed)``, once its version and ``matching`` keys say it describes
+        this order (``ValueError`` naming what differs); ``kind`` names the state in errors."""
         try:
             version, epoch, consumed = state["version"], int(state["epoch"]), int(state["consumed"])
-            expected = {k: state[k] for k in ("seed", "samples", "shuffle", "locality")}
+            expected = {k: state[k] for k in matching}
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"not a shardfeed sampler state (bad or missing {exc})") from None
+            raise ValueError(f"not a shardfeed {kind} state (bad or missing {exc})") from None
         if version != STATE_VERSION:
-            raise ValueError(f"sampler state version {version} is not supported (expected {STATE_VERSION})")
+            raise ValueError(f"{kind} state version {version} is not supported (expected {STATE_VERSION})")
         mine = self.state_dict()
         for key, value in expected.items():
             if value != mine[key]:
-                raise ValueError(f"sampler state was saved with {key}={value!r}, but this dataset "
+                raise ValueError(f"{kind} state was saved with {key}={value!r}, but this one "
                                  f"has {key}={mine[key]!r}: the order would differ")
         if not 0 <= consumed <= self.samples:
-            raise ValueError(f"sampler state has consumed={consumed}, outside [0, {self.samples}]")
-        self.epoch, self.consumed = epoch, consumed
+            raise ValueError(f"{kind} state has consumed={consumed}, outside [0, {self.samples}]")
+        return epoch, consumed
