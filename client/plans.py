@@ -1,7 +1,7 @@
 """Keeping a plan registered: the service reads ahead along it and evicts by next use.
 
 A reader of one dataset holds a :class:`DatasetPlan`, a reader of a mixture :class:`StreamPlans`
-(one plan per stream); both answer ``register``, ``ensure``, ``refresh`` and ``drop`` for the
+(one plan per stream); both answer ``register``, ``ensure`` and ``refresh`` for the
 reader's sampler.
 
 A plan is only advice to the service: if registering fails (an older service, too many
@@ -112,9 +112,6 @@ class DatasetPlan:
     def refresh(self, sampler: EpochSampler) -> None:
         self.handle.refresh(sampler.plan)
 
-    def drop(self) -> None:
-        self.handle.drop()
-
 
 class StreamPlans:
     """The plans of one reader (a rank) of a mixture: one per stream, of kind ``indices``, holding the
@@ -152,10 +149,6 @@ class StreamPlans:
         a stream's plan."""
         if any(handle.lost() for handle in self.handles):
             self.register(sampler)
-
-    def drop(self) -> None:
-        for handle in self.handles:
-            handle.drop()
 
 
 def _reader(sampler: MixtureSampler) -> tuple:

@@ -181,8 +181,8 @@ class _Streams:
             if source.client.urls != self.client.urls:
                 raise ValueError(f"stream {stream.label!r} is served by {source.client.urls}, the others by "
                                  f"{self.client.urls}: a mixture is read through one service")
-        self.names = [stream.name or _stream_name(stream.url, source.dataset)
-                      for stream, source in zip(streams, self.sources)]
+        # By default a stream is called as its dataset is on the service, or by its URL's last segment.
+        self.names = [stream.name or (stream.url if url is not None else _url_name(stream.url)) for stream in streams]
         for name in self.names:
             if not _STREAM_NAME.fullmatch(name):
                 raise ValueError(f"stream name {name!r}: 1-64 of A-Z a-z 0-9 . _ : / - (give name=)")
@@ -295,9 +295,9 @@ class _Streams:
 _STREAM_NAME = re.compile(r"[A-Za-z0-9._:/-]{1,64}")
 
 
-def _stream_name(url: str, dataset: str) -> str:
-    """A stream's default name: its dataset's, or for a dataset URL the URL's last segment."""
-    return dataset_name(absolute_url(url)).rsplit("-", 1)[0] if dataset != url else dataset
+def _url_name(url: str) -> str:
+    """A dataset URL's last segment, made a valid name (as the node's service names it, less its digest)."""
+    return dataset_name(absolute_url(url)).rsplit("-", 1)[0]
 
 
 def _columns(source: _Source) -> IndexColumns:

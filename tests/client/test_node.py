@@ -152,3 +152,21 @@ def test_ps_lists_and_stop_stops_the_nodes_services(unindexed, run_dir):
     assert f"stopped {record.pid}" in ok("stop")
     assert not record.alive and node.services() == []
     assert "no node service runs" in ok("stop")
+
+
+def test_a_mixture_of_dataset_urls_alone_reads_every_stream_through_the_one_node_service(unindexed, run_dir,
+                                                                                        tmp_path):
+    from shardfeed.client.mixing import Stream
+
+    root, source = unindexed
+    other = tmp_path / "other-set"
+    other_source = make_dataset(dir_put(other), samples=40, per_shard=20, sizes=(100, 3000))
+    ds = ShardfeedIterableDataset(streams=[Stream(str(root), repeat=1), Stream(other.as_uri(), choose=10)],
+                                  batch_size=10, collate_fn=None)
+    assert ds.source.names == [root.name, "other-set"]  # the URLs' last segments
+    read = [sample for batch in ds for sample in batch]
+    assert len(read) == SAMPLES + 10
+    for sample in read:
+        want = expected(source if sample["__stream__"] == root.name else other_source, sample["__index__"])
+        assert {k: v for k, v in sample.items() if not k.startswith("__")} == want
+    assert len(node.services()) == 1
