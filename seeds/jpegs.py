@@ -99,9 +99,9 @@ def _pool(seed: int) -> tuple[Image.Image, ...]:
     return tuple(_base(seed, b) for b in range(_BASES))
 
 
-def sample_image(seed: int, i: int) -> Image.Image:
-    """The pixels of sample ``i`` (RGB, :func:`image_size`) before they are encoded."""
-    width, height = image_size(seed, i)
+def sample_image(seed: int, i: int, size: tuple[int, int] | None = None) -> Image.Image:
+    """The pixels of sample ``i`` (RGB, :func:`image_size` or ``size``) before they are encoded."""
+    width, height = size or image_size(seed, i)
     rng = _rng(seed, i, 3)
     base = _pool(seed)[int(rng.integers(_BASES))]
     x, y = int(rng.integers(0, _BASE_SIDE - width + 1)), int(rng.integers(0, _BASE_SIDE - height + 1))
@@ -123,10 +123,10 @@ def _encode(image: Image.Image, quality: int) -> bytes:
     return buffer.getvalue()
 
 
-def sample_jpeg(seed: int, i: int) -> bytes:
-    """The ``jpg`` member of sample ``i``: at ``QUALITY``, or the first quality that brings it within
-    ``FILE_SIZES``."""
-    image = sample_image(seed, i)
+def sample_jpeg(seed: int, i: int, size: tuple[int, int] | None = None) -> bytes:
+    """The ``jpg`` member of sample ``i`` (or, with ``size``, its image at that size): at ``QUALITY``, or
+    the first quality that brings it within ``FILE_SIZES``."""
+    image = sample_image(seed, i, size)
     data = _encode(image, QUALITY)
     low, high = FILE_SIZES
     for quality in _QUALITIES if len(data) < low else _LOWER if len(data) > high else ():
