@@ -47,18 +47,21 @@ def best_ms(works: list[Callable[[object], object]], items: list, rounds: int) -
     return [seconds / len(items) * 1000 for seconds in best]
 
 
-def pillow(data: bytes) -> Image.Image:
-    return Image.open(io.BytesIO(data)).convert("RGB")
-
-
-def pillow_draft(data: bytes) -> Image.Image:
+def pillow(data: bytes) -> tuple[Image.Image, tuple[int, int]]:
     image = Image.open(io.BytesIO(data))
-    image.draft("RGB", resized_size(*image.size))
-    return image.convert("RGB")
+    return image.convert("RGB"), image.size
 
 
-def simple(data: bytes) -> Image.Image:
-    return Image.fromarray(simplejpeg.decode_jpeg(data, colorspace="RGB"))
+def pillow_draft(data: bytes) -> tuple[Image.Image, tuple[int, int]]:
+    image = Image.open(io.BytesIO(data))
+    size = image.size
+    image.draft("RGB", resized_size(*size))
+    return image.convert("RGB"), size
+
+
+def simple(data: bytes) -> tuple[Image.Image, tuple[int, int]]:
+    pixels = simplejpeg.decode_jpeg(data, colorspace="RGB")
+    return Image.fromarray(pixels), pixels.shape[1::-1]
 
 
 DECODERS = [("Pillow", pillow), ("simplejpeg", simple), ("Pillow draft", pillow_draft)]
@@ -82,7 +85,7 @@ def main() -> None:
     print("decode, ms per image")
     print(table(["decoder", *names], rows(DECODERS, lambda method, data: method(data))))
     print(f"\nprepare: decode + resize to a short side of {SHORT_SIDE}, ms per image")
-    print(table(["decoder", *names], rows(PREPARERS, lambda method, data: resize_short(method(data)))))
+    print(table(["decoder", *names], rows(PREPARERS, lambda method, data: resize_short(*method(data)))))
 
     train, evaluate = imagenet_train(), imagenet_eval()
     stages = []
@@ -90,7 +93,7 @@ def main() -> None:
         images = [decode(data) for data in sets[size]]
         prepared = list(enumerate(train.prepare({"jpg": data, "cls": b"0"}) for data in sets[size]))
         decoding, = best_ms([decode], sets[size], args.rounds)
-        resizing, = best_ms([resize_short], images, args.rounds)
+        resizing, = best_ms([lambda decoded: resize_short(*decoded)], images, args.rounds)
         crops = best_ms([lambda ip, t=t: apply(t, ip[1], 0, 0, ip[0]) for t in (train, evaluate)], prepared,
                         args.rounds)
         stages.append([f"{ms:.2f}" for ms in (decoding, resizing, *crops)])

@@ -59,34 +59,38 @@ def _dct_scale(width: int, height: int, wanted: tuple[int, int]) -> int:
     return next(s for s in (8, 4, 2, 1) if scale >= s)
 
 
-def _decode_jpeg(data: bytes, short_side: int) -> Image.Image:
+def _decode_jpeg(data: bytes, short_side: int) -> tuple[Image.Image, tuple[int, int]]:
     # CMYK and YCCK JPEGs go to Pillow: libjpeg-turbo's conversion of them to RGB is not Pillow's.
     header = None if simplejpeg is None else simplejpeg.decode_jpeg_header(data)
     if header is None or header[2] not in _SIMPLE_COLOURS:
         image = Image.open(io.BytesIO(data))
-        image.draft("RGB", resized_size(*image.size, short_side))
-        return image.convert("RGB")
+        size = image.size
+        image.draft("RGB", resized_size(*size, short_side))
+        return image.convert("RGB"), size
     height, width = header[:2]
     scale = _dct_scale(width, height, resized_size(width, height, short_side))
-    return Image.fromarray(simplejpeg.decode_jpeg(data, colorspace="RGB", min_width=-(-width // scale),
-                                                  min_height=-(-height // scale)))
+    pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", min_width=-(-width // scale),
+                                    min_height=-(-height // scale))
+    return Image.fromarray(pixels), (width, height)
 
 
-def decode(data: bytes, short_side: int = SHORT_SIDE) -> Image.Image:
-    """An encoded image as an RGB Pillow image; a JPEG maybe DCT-shrunk, never below what a resize to
-    ``short_side`` needs. ``ValueError`` if it is not a whole image Pillow or simplejpeg can read."""
+def decode(data: bytes, short_side: int = SHORT_SIDE) -> tuple[Image.Image, tuple[int, int]]:
+    """An encoded image as an RGB Pillow image, and the ``(width, height)`` it was encoded at: a JPEG may
+    come DCT-shrunk, never below what a resize to ``short_side`` needs. ``ValueError`` if it is not a
+    whole image Pillow or simplejpeg can read."""
     try:
         if data[:3] == _JPEG:
             return _decode_jpeg(data, short_side)
         with Image.open(io.BytesIO(data)) as image:
-            return image.convert("RGB")
+            return image.convert("RGB"), image.size
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
         raise ValueError(f"not a decodable image ({len(data)} bytes): {err}") from None
 
 
-def resize_short(image: Image.Image, short_side: int = SHORT_SIDE) -> np.ndarray:
-    """``image`` resized to ``short_side`` (antialiased bilinear, as torchvision on PIL), uint8 ``(H, W, 3)``."""
-    return np.asarray(image.resize(resized_size(*image.size, short_side), Image.BILINEAR))
+def resize_short(image: Image.Image, size: tuple[int, int], short_side: int = SHORT_SIDE) -> np.ndarray:
+    """``image`` (decoded from one of ``size``, maybe shrunk) resized to the short side ``short_side`` of
+    ``size`` (antialiased bilinear, as torchvision on PIL), uint8 ``(H, W, 3)``."""
+    return np.asarray(image.resize(resized_size(*size, short_side), Image.BILINEAR))
 
 
 def random_resized_crop_box(height: int, width: int, rng: np.random.Generator, scale: tuple[float, float] = SCALE,
@@ -169,7 +173,7 @@ class ImageNet(Transform):
         """The image decoded and resized to a short side of 256, uint8 ``(H, W, 3)``; its label."""
         field, data = self._image(sample)
         try:
-            pixels = resize_short(decode(data))
+            pixels = resize_short(*decode(data))
         except ValueError as err:
             raise ValueError(f"field {field!r}: {err}") from None
         return {"image": pixels, "label": np.array(self._label(sample), dtype=np.int64)}
