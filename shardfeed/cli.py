@@ -39,7 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 EXTRAS = {
     "fastapi": "server", "uvicorn": "server", "aiohttp": "server", "botocore": "server", "boto3": "server",
     "pyarrow": "server", "tqdm": "server", "prometheus_client": "server",
-    "sklearn": "demo", "matplotlib": "demo", "torch": "torch", "moto": "test",
+    "sklearn": "demo", "matplotlib": "demo", "torch": "torch", "moto": "test", "PIL": "image", "simplejpeg": "image",
 }
 
 

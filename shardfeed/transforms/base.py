@@ -130,7 +130,8 @@ def checked(transform: Transform, arrays: Mapping[str, np.ndarray]) -> dict[str,
     out = {}
     for name, output in transform.outputs.items():
         array = np.asarray(arrays[name])
-        if array.dtype != np.dtype(output.dtype):
+        # Either byte order passes: the array is made little-endian below.
+        if array.dtype.newbyteorder("<") != np.dtype(output.dtype).newbyteorder("<"):
             raise TransformError(f"output {name!r} is {array.dtype.name}, declared {output.dtype}")
         if array.ndim != len(output.shape) or any(d is not None and d != n for d, n in zip(output.shape, array.shape)):
             raise TransformError(f"output {name!r} has shape {tuple(array.shape)}, declared {output.shape}")
