@@ -229,3 +229,12 @@ def test_a_bad_transform_is_a_one_line_usage_error(given, said, tmp_path):
     assert done.returncode == 2
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("shardfeed serve: error: argument --transform") and said in last, done.stderr
+
+
+def test_two_workers_each_transform_the_batches_they_receive(data, tmp_path):
+    root, sources = data
+    indices = list(range(0, SAMPLES, 4))
+    with start_service({"train": (root / "train").as_uri()}, cache_dir=tmp_path / "cache", env=ENV, workers=2,
+                       args=["--transform", f"digest={MODULE}:digest", "--transform-processes", "2"]) as svc:
+        for _ in range(4):  # the port is shared: the batches reach one worker or the other
+            check(batch(svc.url, indices, seed=9), sources["train"], indices, 9, 0)
