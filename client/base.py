@@ -29,10 +29,10 @@ import numpy as np
 from shardfeed.arrowipc import MEDIA_TYPE
 from shardfeed.retry import Backoff, next_wait
 
-from shardfeed.transforms import Output, TransformError
+from shardfeed.transforms import Output, TransformError, output_columns
 
 from .errors import ShardfeedConnectionError, ShardfeedError, ShardfeedHTTPError
-from .layout import Columns, output_fields
+from .layout import Columns
 from .routing import Endpoints, Part, Router, Via, parse_urls
 from .samples import BatchReader
 
@@ -391,7 +391,8 @@ class PartRequest:
     def columns(self, body: memoryview) -> Columns:
         """The layout of the whole answer held in ``body``, read as the format its head named;
         raises as a cut or malformed answer does (:class:`ShardfeedConnectionError`: ask again).
-        A transform's answer is Arrow, its fields the declared outputs' (:func:`.layout.output_fields`)."""
+        A transform's answer is Arrow, its fields the declared outputs' columns
+        (:func:`shardfeed.transforms.output_columns`)."""
         if self.answer_format == ARROW:
             columns = Columns.of_arrow(body, self.part.indices, self.reader.url)
         elif self.transform is None:
@@ -399,9 +400,9 @@ class PartRequest:
         else:
             raise ShardfeedError(f"malformed batch response from {self.reader.url}: a transform's answer "
                                  f"other than as Arrow")
-        if self.declared is not None and list(columns.offsets) != output_fields(self.declared):
+        if self.declared is not None and list(columns.offsets) != output_columns(self.declared):
             raise ShardfeedError(f"malformed batch response from {self.reader.url}: its fields are "
-                                 f"{list(columns.offsets)}, its declared outputs' {output_fields(self.declared)}")
+                                 f"{list(columns.offsets)}, its declared outputs' {output_columns(self.declared)}")
         return columns
 
     def wait(self, exc: Exception) -> float:

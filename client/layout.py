@@ -19,32 +19,23 @@ the order the samples were asked for, an array operation per part and field.
 
 A transform's answer (``"transform"`` on the request) is an Arrow answer like any other: its
 fields are the transform's outputs, each followed by its ``<name>.shape`` where its shape varies
-(:func:`output_fields`); :attr:`.tensors.Batch.outputs` reads them as typed tensors.
+(:func:`shardfeed.transforms.output_columns`); :attr:`.tensors.Batch.outputs` reads them typed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from shardfeed import arrowipc
 from shardfeed.arrowipc import INDEX, KEY
-from shardfeed.transforms import Output
 
 from .errors import ShardfeedConnectionError, ShardfeedError
 
 ABSENT = -1
 """The length of a field a sample lacks (or of every field of a missing sample)."""
-SHAPE = ".shape"
-"""The suffix of the field that holds a varying output's shape (its dims, int64 little-endian)."""
-
-
-def output_fields(outputs: Mapping[str, Output]) -> list[str]:
-    """The fields of a transform's answer, in order: each declared output, and right after one
-    whose shape varies, its ``<name>.shape``."""
-    return [f for name, output in outputs.items() for f in ([name] if output.fixed else [name, name + SHAPE])]
 
 
 @dataclass

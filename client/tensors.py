@@ -43,13 +43,13 @@ import numpy as np
 import torch
 from torch.utils.data._utils.collate import default_collate_fn_map
 
-from shardfeed.transforms import Output
+from shardfeed.transforms import SHAPE, Output
 
 from . import shm
 from .answers import Allocate, Regions
 from .errors import ShardfeedError
 from .base import outputs_of
-from .layout import ABSENT, SHAPE, Columns
+from .layout import ABSENT, Columns
 
 if TYPE_CHECKING:
     from .base import PartRequest
@@ -151,8 +151,9 @@ class Batch:
     batch also ``streams`` (int64 tensor: each sample's stream, numbered as the mixture's streams
     are; ``None`` otherwise). ``batch[i]`` and iteration give sample dicts, ``{"__key__",
     "__index__", "<field>": view}`` (and ``"__stream__"`` in a mixture's), as the bytes output
-    does with ``bytes`` (a transform's batch: with its outputs, typed). :meth:`pin_memory` and :meth:`to` move the buffer as one copy
-    (``DataLoader(pin_memory=True)`` calls the former), the offsets staying on the host.
+    does with ``bytes`` (a transform's batch: its outputs, typed). :meth:`pin_memory` and
+    :meth:`to` move the buffer as one copy (``DataLoader(pin_memory=True)`` calls the former),
+    the offsets staying on the host.
     A transform's batch also has ``declared`` (its outputs' dtypes and shapes, ``None`` for
     another batch) and :attr:`outputs`, them as typed tensors.
     """

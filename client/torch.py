@@ -123,7 +123,8 @@ class _Source:
         if isinstance(transform, str):
             served = {t["name"]: t for t in self.client.transforms()}
             if transform not in served:
-                raise ValueError(f"the service runs no transform {transform!r} (it runs: {', '.join(served) or 'none'})")
+                raise ValueError(f"the service runs no transform {transform!r} "
+                                 f"(it runs: {', '.join(served) or 'none'})")
             self.fields = served[transform]["fields"]  # what it reads (the plan's)
 
     @property

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from shardfeed.arrowipc import aligned
-from shardfeed.transforms import Transform, TransformError, apply
+from shardfeed.transforms import SHAPE, Transform, TransformError, apply
 
-from .layout import ABSENT, SHAPE, Columns
+from .layout import ABSENT, Columns
 from .samples import MISSING
 from .tensors import Batch, allocator
 
@@ -57,9 +57,9 @@ def outputs(transform: Transform, sample: dict, seed: int, epoch: int, continue_
 def lay_out(transform: Transform, keys: list[str | None], indices: np.ndarray, rows: list[Row | None],
             shared: bool) -> Batch:
     """The rows' outputs in one buffer as an Arrow answer holds them: a field per output and per
-    varying output's shape (:func:`.layout.output_fields`), each starting 64-byte aligned, its
-    samples one after the other (a fixed output's ``(n, *shape)`` is then a view); a missing row
-    ``ABSENT`` in every field."""
+    varying output's shape (:func:`shardfeed.transforms.output_columns`), each starting 64-byte
+    aligned, its samples one after the other (a fixed output's ``(n, *shape)`` is then a view); a
+    missing row ``ABSENT`` in every field."""
     cells: dict[str, list[np.ndarray | None]] = {}
     for name, output in transform.outputs.items():
         cells[name] = [None if row is None else row[name] for row in rows]
