@@ -215,6 +215,9 @@ class _Streams:
     Every stream is read through one service: with ``url`` (a service), each stream names a
     dataset served there; without, each is a dataset URL read through the node's service."""
 
+    preprocess = None
+    """A mixture runs no transform (:attr:`_Source.preprocess`)."""
+
     def __init__(self, url: str | Sequence[str] | Client | None, streams: Sequence[Stream], epoch_size: int | None,
                  fields: Sequence[str] | None, decode: bool | Mapping[str, Decoder],
                  transform: Callable[[dict], Any] | None, continue_on_error: bool, output: str | None,
