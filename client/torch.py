@@ -23,6 +23,9 @@ one :class:`~.tensors.Batch` instead: every byte in one uint8 tensor, in shared 
 DataLoader worker, which the DataLoader passes to the training process without pickling a
 byte of it (``batch["jpg"][i]`` is a view; :mod:`.tensors`). With ``output="arrow"`` a batch is a
 ``pyarrow.Table`` over such a buffer, sent the same way (:mod:`.arrow`, :mod:`.arrowshared`).
+With ``transform=`` a transform's name (the service runs it) or a ``shardfeed.transforms.Transform``
+(the DataLoader workers run it, :mod:`.transformed`), a batch is such a ``Batch`` of its outputs,
+``batch.outputs`` them typed, augmented for the seed and epoch each sample was drawn with.
 """
 
 from __future__ import annotations
