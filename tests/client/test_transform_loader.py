@@ -6,7 +6,6 @@ another world size gives the uninterrupted run's tensors; another epoch gives ot
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -82,7 +81,9 @@ def test_map_style_through_dataloader_workers_is_byte_identical_either_way(serve
         runs[way] = []
         for epoch in (0, 1):
             sampler.set_epoch(epoch)
-            runs[way].append(outputs_by_index(list(loader)))
+            batches = list(loader)
+            assert all(batch.shared for batch in batches)  # from the workers in shared memory, either way
+            runs[way].append(outputs_by_index(batches))
     assert runs["service"] == runs["client"]
     first, second = runs["service"]
     assert sorted(first) == sorted(second) == list(range(SAMPLES))
