@@ -1,11 +1,12 @@
-"""Preprocessing in the service: the operator's transforms, run in a process pool.
+"""Preprocessing: the served transforms run off the event loop, their ``prepare`` outputs cached.
 
-    registry    the served transforms (``serve --transform NAME=MODULE:FACTORY``), loaded and described
-    pool        the process pool that runs them (``TransformPool``), bounded, with a deadline per sample
-    prepared    ``prepare``'s outputs, cached in the block cache under keys of their own
-    batch       the transformed batch (``POST /v1/batch`` with ``"transform"``): cache, reads, pool, answer
-    arrow       its answer: an Arrow IPC stream, a row per sample, a column per output
+    pool.py       ``TransformPool``: the processes that load every served transform and run its jobs,
+                  each job's deadline, a dead process replaced and its job retried once
+    registry.py   the served transforms by name (``--transform NAME=package.module:factory``)
+    prepared.py   the prepared cache: ``prepare``'s packed arrays in the block cache
+    batch.py      a transformed batch: samples read, prepared or taken from the cache, run in the pool
+    arrow.py      its answer: an Arrow IPC stream, a row per sample, a column per output
 
-May import ``read``, ``datasets``, ``cache``, ``stores``, ``observe``, ``http`` and ``config``, and
-the shared ``shardfeed.transforms`` and ``shardfeed.arrowipc``.
+May import every room below it: ``plans``, ``read``, ``cluster``, ``datasets``, ``cache``, ``stores``,
+``observe``, ``http``, ``config``; and ``shardfeed.transforms``, which the client shares.
 """

@@ -29,8 +29,8 @@ from common.sample_transforms import Digest
 
 SAMPLES, PER_SHARD = 60, 20
 MODULE = "common.sample_transforms"
-TRANSFORMS = ["--transform", f"digest={MODULE}:digest", "--transform", f"raising={MODULE}:raising",
-              "--transform", f"hanging={MODULE}:hanging"]
+TRANSFORMS = ["--transform", f"digest={MODULE}:digest", "--transform", f"raising={MODULE}:digest_raising",
+              "--transform", f"hanging={MODULE}:digest_hanging"]
 TIMEOUT = 1.0
 TENANTS = """
 [all]
