@@ -20,9 +20,9 @@ import numpy as np
 from shardfeed.retry import retry_async
 
 from .base import (
-    BATCH_PATH, ERROR_BODY_LIMIT, REGISTER_POLL, BaseClient, PartRequest, PartsRefused, Pick, Registering, as_indices,
-    checked, dataset_path, grouped, index_path, parse_json, parse_npy, placed, plan_chunks, plan_indices, plan_path,
-    routing_path, sample_parser, sample_path, settled, transport_error,
+    BATCH_PATH, ERROR_BODY_LIMIT, REGISTER_POLL, TRANSFORMS_PATH, BaseClient, PartRequest, PartsRefused, Pick,
+    Registering, as_indices, checked, dataset_path, grouped, index_path, parse_json, parse_npy, placed, plan_chunks,
+    plan_indices, plan_path, routing_path, sample_parser, sample_path, settled, transform_of, transport_error,
 )
 from .errors import ShardfeedError
 from .routing import Via, merged
@@ -54,6 +54,10 @@ class AsyncClient(BaseClient):
     async def info(self, dataset: str) -> dict:
         """``GET /v1/datasets/{name}`` (see ``Client.info``)."""
         return await self._call("GET", dataset_path(dataset), parse_json)
+
+    async def transforms(self) -> list[dict]:
+        """``GET /v1/transforms`` (see ``Client.transforms``)."""
+        return (await self._call("GET", TRANSFORMS_PATH, parse_json))["transforms"]
 
     async def index_columns(self, dataset: str) -> list[str]:
         """``GET /v1/datasets/{name}/index``: its columns' names (see ``Client.index_columns``)."""
@@ -139,13 +143,15 @@ class AsyncClient(BaseClient):
 
     async def get_batch_tensors(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None = None,
                                 *, continue_on_error: bool = False, shared: bool = False,
-                                stream: str | None = None) -> Batch:
+                                stream: str | None = None, transform: str | None = None, seed: int = 0,
+                                epoch: int = 0) -> Batch:
         """The samples at ``indices`` as one :class:`~.tensors.Batch` (see
-        ``Client.get_batch_tensors``). Asyncio's streams read into a buffer of their own, so
+        ``Client.get_batch_tensors``, ``transform`` included). Asyncio's streams read into a buffer of their own, so
         each piece of the answer is copied into the batch's buffer once as it arrives."""
         from .tensors import allocator, batch_of
 
-        requests = await self._batch(dataset, indices, fields, continue_on_error, whole=True, stream=stream)
+        requests = await self._batch(dataset, indices, fields, continue_on_error, whole=True, stream=stream,
+                                     transform=transform_of(transform, seed, epoch, fields))
         return await retry_async(lambda: self._whole(requests, allocator(shared), batch_of), backoff=self.backoff,
                                  retryable=self._verdict)
 
@@ -205,11 +211,12 @@ class AsyncClient(BaseClient):
     # -- a batch: its requests, each part's answer read as samples or into a tensor buffer --
 
     async def _batch(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None,
-                     continue_on_error: bool, whole: bool = False, stream: str | None = None) -> list[PartRequest]:
+                     continue_on_error: bool, whole: bool = False, stream: str | None = None,
+                     transform: dict | None = None) -> list[PartRequest]:
         indices = as_indices(indices)
         if indices:
             await self.load_routing(dataset)
-        return self._requests(dataset, indices, fields, continue_on_error, whole, stream)
+        return self._requests(dataset, indices, fields, continue_on_error, whole, stream, transform)
 
     async def _open(self, request: PartRequest) -> AsyncResponse:
         """Send one try of ``request``; its answer once the head arrived (``Client._open``)."""

@@ -29,6 +29,8 @@ import numpy as np
 from shardfeed.arrowipc import MEDIA_TYPE
 from shardfeed.retry import Backoff, next_wait
 
+from shardfeed.transforms import Output, TransformError, output_columns
+
 from .errors import ShardfeedConnectionError, ShardfeedError, ShardfeedHTTPError
 from .layout import Columns
 from .routing import Endpoints, Part, Router, Via, parse_urls
@@ -42,6 +44,9 @@ DEFAULT_BACKOFF = Backoff(attempts=6, base=0.1, cap=10.0)
 _RETRY_STATUSES = frozenset({429, 502, 503, 504})
 ROUTING_HEADER = "x-shardfeed-routing"
 """Batch answers carry the answering node's routing table version in this header."""
+TRANSFORM_HEADER, OUTPUTS_HEADER = "x-shardfeed-transform", "x-shardfeed-outputs"
+"""A transform's answer names it (``<name>;version=<version>``) and its outputs' dtypes and shapes (JSON)."""
+TRANSFORMS_PATH = "/v1/transforms"
 ERROR_BODY_LIMIT = 64 * 1024
 """Bytes of an error response read at most: it is a short JSON document, never a stream."""
 BATCH_PATH = "/v1/batch"
@@ -74,6 +79,42 @@ class Pick(NamedTuple):
     fields: Sequence[str] | None = None
     stream: str | None = None
     """The stream these samples are of (the service counts what it serves by stream)."""
+
+
+def transform_of(name: str | None, seed: int, epoch: int, fields: Sequence[str] | None) -> dict | None:
+    """What a batch request asks a transform for (its ``"transform"``), ``None`` without one."""
+    if name is None:
+        return None
+    if fields is not None:
+        raise TypeError(f"fields do not apply with transform {name!r}: it reads the fields it declares")
+    seed, epoch = operator.index(seed), operator.index(epoch)
+    if seed < 0 or epoch < 0:
+        raise ValueError(f"a transform's seed and epoch are integers >= 0, not {seed} and {epoch}")
+    return {"name": name, "seed": seed, "epoch": epoch}
+
+
+def declared_outputs(headers: Mapping[str, str], url: str) -> dict[str, Output]:
+    """The outputs a transform's answer declares in its head (``OUTPUTS_HEADER``)."""
+    try:
+        return {name: Output(o["dtype"], tuple(o["shape"])) for name, o in json.loads(headers[OUTPUTS_HEADER]).items()}
+    except KeyError:
+        raise ShardfeedError(f"malformed batch response from {url}: a transform's answer without "
+                             f"{OUTPUTS_HEADER}") from None
+    except (ValueError, TypeError, AttributeError, TransformError) as err:
+        raise ShardfeedError(f"malformed batch response from {url}: its {OUTPUTS_HEADER} is not "
+                             f"{{name: {{dtype, shape}}}} ({err})") from None
+
+
+def outputs_of(requests: Sequence[PartRequest | PartsRequest]) -> dict[str, Output] | None:
+    """The outputs of a transformed batch (``None`` for another), as its parts' answers declared them:
+    every part's answer must be of one version of the transform (replicas mid-upgrade are not mixed)."""
+    if not requests or requests[0].declared is None:
+        return None
+    named = {r.transformed_by for r in requests}
+    if len(named) > 1:
+        raise ShardfeedError(f"the parts of a transformed batch were answered by {sorted(named)}: "
+                             "not one version of the transform")
+    return requests[0].declared
 
 
 def placed(requests: list[PartRequest], positions: list[int]) -> list[PartRequest]:
@@ -256,12 +297,13 @@ class BaseClient:
         return None
 
     def _requests(self, dataset: str, indices: list[int], fields: Sequence[str] | None,
-                  continue_on_error: bool, whole: bool, stream: str | None = None) -> list[PartRequest]:
+                  continue_on_error: bool, whole: bool, stream: str | None = None,
+                  transform: dict | None = None) -> list[PartRequest]:
         """A batch as its requests, one per owner of its samples (one, without routing; none
-        for no indices), each naming ``stream``. The routing table is loaded first, if due (the
-        twins' ``load_routing``). ``whole``: each answer is read whole (and asked for as Arrow,
-        see ``arrow``)."""
-        return [PartRequest(self, dataset, part, fields, continue_on_error, whole, stream)
+        for no indices), each naming ``stream`` (and ``transform``, :func:`transform_of`). The
+        routing table is loaded first, if due (the twins' ``load_routing``). ``whole``: each
+        answer is read whole (and asked for as Arrow, see ``arrow``)."""
+        return [PartRequest(self, dataset, part, fields, continue_on_error, whole, stream, transform)
                 for part in (self.router.split(dataset, indices) if indices else [])]
 
     def _to_owner(self, dataset: str, index: int) -> Via:
@@ -283,18 +325,26 @@ class PartRequest:
     in ``format`` Arrow while the client's ``arrow`` holds; it is read as the format its head
     names (:meth:`columns`), so a node that answers tar regardless is read right too. Every try
     names the batch's ``stream`` (a mixture's), under which the node that answers counts it.
+    A request of a ``transform`` (its ``"transform"``: name, seed, epoch) is Arrow only, and its
+    answer's head declares the outputs (:attr:`declared`) its columns must be.
     """
 
     def __init__(self, client: BaseClient, dataset: str, part: Part, fields: Sequence[str] | None,
-                 continue_on_error: bool, whole: bool = False, stream: str | None = None):
+                 continue_on_error: bool, whole: bool = False, stream: str | None = None,
+                 transform: dict | None = None):
         self.part = part
         self.fields = fields
         self.continue_on_error = continue_on_error
         self.stream = stream
         self.whole = whole
-        self.format = ARROW if whole and client.arrow else TAR
+        self.transform = transform
+        self.format = ARROW if whole and (client.arrow or transform is not None) else TAR
         self.answer_format = TAR
         """The format of the last answer, as its head names it."""
+        self.declared: dict[str, Output] | None = None
+        """A transform's outputs, as the last answer's head declared them."""
+        self.transformed_by: str | None = None
+        """The transform and version the last answer names (``TRANSFORM_HEADER``)."""
         self.reader = BatchReader(dataset, part.indices, fields)
         self._client = client
         self.via = Via(client.endpoints, client.router, dataset, part.owner)
@@ -311,7 +361,7 @@ class PartRequest:
         self.reader.restart(self.base + BATCH_PATH, self.whole)
         reader = self.reader
         return self.base, batch_body(reader.dataset, list(reader.remaining()), self.fields, self.continue_on_error,
-                                     self.format, self.stream)
+                                     self.format, self.stream, self.transform)
 
     def error(self, response: Any, body: bytes) -> ShardfeedHTTPError:
         """Our error for an answer with an error status (either transport's), ``body`` its start."""
@@ -320,8 +370,9 @@ class PartRequest:
     def refused(self, error: ShardfeedHTTPError) -> bool:
         """Whether ``error`` is the node refusing the Arrow format this request asked for (a
         service predating it): then this request, and the client's from now on, ask for tar,
-        this one of the same node at once."""
-        if self.format != ARROW or error.status != 400 or error.code != "unsupported_format":
+        this one of the same node at once. A transform's answer has no tar: its refusal stands."""
+        if self.format != ARROW or self.transform is not None or error.status != 400 \
+                or error.code != "unsupported_format":
             return False
         self.format = TAR
         self._client.arrow = False
@@ -333,13 +384,26 @@ class PartRequest:
         self.router.saw(self.reader.dataset, headers.get(ROUTING_HEADER), self.base)
         media = headers.get("content-type", "").split(";")[0].strip().lower()
         self.answer_format = ARROW if media == MEDIA_TYPE else TAR
+        if self.transform is not None:
+            self.declared = declared_outputs(headers, self.reader.url)
+            self.transformed_by = headers.get(TRANSFORM_HEADER)
 
     def columns(self, body: memoryview) -> Columns:
         """The layout of the whole answer held in ``body``, read as the format its head named;
-        raises as a cut or malformed answer does (:class:`ShardfeedConnectionError`: ask again)."""
+        raises as a cut or malformed answer does (:class:`ShardfeedConnectionError`: ask again).
+        A transform's answer is Arrow, its fields the declared outputs' columns
+        (:func:`shardfeed.transforms.output_columns`)."""
         if self.answer_format == ARROW:
-            return Columns.of_arrow(body, self.part.indices, self.reader.url)
-        return Columns.of_samples(self.reader.spans(body))
+            columns = Columns.of_arrow(body, self.part.indices, self.reader.url)
+        elif self.transform is None:
+            return Columns.of_samples(self.reader.spans(body))
+        else:
+            raise ShardfeedError(f"malformed batch response from {self.reader.url}: a transform's answer "
+                                 f"other than as Arrow")
+        if self.declared is not None and list(columns.offsets) != output_columns(self.declared):
+            raise ShardfeedError(f"malformed batch response from {self.reader.url}: its fields are "
+                                 f"{list(columns.offsets)}, its declared outputs' {output_columns(self.declared)}")
+        return columns
 
     def wait(self, exc: Exception) -> float:
         """Seconds to wait before the next try after ``exc`` failed one; ``exc`` is raised when
@@ -378,6 +442,7 @@ class PartsRequest:
         self._client = client
         self.base = ""
         self.url = ""
+        self.declared = self.transformed_by = None  # a mixed batch runs no transform (:func:`outputs_of`)
         self.arrow = False
         """Whether the last answer's head named Arrow (a request of parts is answered as nothing else)."""
         parts = [r.part for r in requests]
@@ -524,9 +589,12 @@ def plan_path(dataset: str, plan_id: str | None = None) -> str:
 
 
 def batch_body(dataset: str, indices: list[int], fields: Sequence[str] | None,
-               continue_on_error: bool, format: str = TAR, stream: str | None = None) -> bytes:
-    """JSON body of ``POST /v1/batch``, encoded."""
+               continue_on_error: bool, format: str = TAR, stream: str | None = None,
+               transform: dict | None = None) -> bytes:
+    """JSON body of ``POST /v1/batch``, encoded (``"transform"`` only with one)."""
     body = {**_part(dataset, indices, fields, stream), "format": format, "continue_on_error": continue_on_error}
+    if transform is not None:
+        body["transform"] = transform
     return json.dumps(body, separators=(",", ":")).encode()
 
 

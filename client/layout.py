@@ -16,6 +16,10 @@ NumPy only.
 
 A batch read in parts (routing) joins its parts' columns with :meth:`Columns.merged`, in
 the order the samples were asked for, an array operation per part and field.
+
+A transform's answer (``"transform"`` on the request) is an Arrow answer like any other: its
+fields are the transform's outputs, each followed by its ``<name>.shape`` where its shape varies
+(:func:`shardfeed.transforms.output_columns`); :attr:`.tensors.Batch.outputs` reads them typed.
 """
 
 from __future__ import annotations

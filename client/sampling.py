@@ -58,6 +58,24 @@ def shuffle_mode(shuffle: bool | str, locality: tuple[int, int] | None) -> str:
     return shuffle
 
 
+class Drawn(int):
+    """A sample's index as an epoch's order drew it, carrying the order's ``seed`` and ``epoch``
+    (what seeds its augmentation: :func:`shardfeed.transforms.rng_for`). ``ShardfeedSampler``
+    yields these, so a map-style dataset in a DataLoader worker knows them; anywhere else it is
+    the ``int`` it equals. Pickles with them (a DataLoader sends its workers lists of indices)."""
+
+    seed: int
+    epoch: int
+
+    def __new__(cls, index: int, seed: int, epoch: int) -> Drawn:
+        drawn = super().__new__(cls, index)
+        drawn.seed, drawn.epoch = seed, epoch
+        return drawn
+
+    def __reduce__(self) -> tuple:
+        return Drawn, (int(self), self.seed, self.epoch)
+
+
 class EpochSampler:
     """The batches of one rank for the current epoch, and the global progress through it.
 

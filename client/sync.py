@@ -15,9 +15,9 @@ import numpy as np
 from shardfeed.retry import retry_sync
 
 from .base import (
-    BATCH_PATH, ERROR_BODY_LIMIT, REGISTER_POLL, BaseClient, PartRequest, PartsRefused, Pick, Registering, as_indices,
-    checked, dataset_path, grouped, index_path, parse_json, parse_npy, placed, plan_chunks, plan_indices, plan_path,
-    routing_path, sample_parser, sample_path, settled, transport_error,
+    BATCH_PATH, ERROR_BODY_LIMIT, REGISTER_POLL, TRANSFORMS_PATH, BaseClient, PartRequest, PartsRefused, Pick,
+    Registering, as_indices, checked, dataset_path, grouped, index_path, parse_json, parse_npy, placed, plan_chunks,
+    plan_indices, plan_path, routing_path, sample_parser, sample_path, settled, transform_of, transport_error,
 )
 from .errors import ShardfeedError
 from .routing import Via, merged
@@ -70,6 +70,12 @@ class Client(BaseClient):
     def info(self, dataset: str) -> dict:
         """``GET /v1/datasets/{name}``: ``{"name", "url", "samples", "shards", "bytes", "fields"}``."""
         return self._call("GET", dataset_path(dataset), parse_json)
+
+    def transforms(self) -> list[dict]:
+        """``GET /v1/transforms``: the transforms the service runs, ``{"name", "spec", "version",
+        "fields", "outputs"}`` each (``spec``, ``package.module:factory``, loads the same transform
+        here: ``shardfeed.transforms.load``)."""
+        return self._call("GET", TRANSFORMS_PATH, parse_json)["transforms"]
 
     def index_columns(self, dataset: str) -> list[str]:
         """``GET /v1/datasets/{name}/index``: the names of the columns :meth:`index_column` reads:
@@ -182,16 +188,24 @@ class Client(BaseClient):
 
     def get_batch_tensors(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None = None,
                           *, continue_on_error: bool = False, shared: bool = False,
-                          stream: str | None = None) -> Batch:
+                          stream: str | None = None, transform: str | None = None, seed: int = 0,
+                          epoch: int = 0) -> Batch:
         """The samples at ``indices`` as one :class:`~.tensors.Batch`: every byte in one
         ``torch.uint8`` buffer (in shared memory with ``shared``, as a DataLoader worker wants
         it), read there straight from the socket; ``batch["jpg"][i]`` is a view of it. Needs
         torch. The arguments and errors are :meth:`get_batch`'s; a broken answer is asked for
         again whole (the buffer is the answer), routed parts at once, as :meth:`iter_batch` does.
+
+        ``transform``: the name of a transform the service runs (:meth:`transforms`) on each
+        sample, its augmentation seeded by ``(seed, epoch, index)`` (integers >= 0); the batch's
+        fields are then its outputs, ``batch.outputs`` them typed (docs/transforms.md). No
+        ``fields`` with it (it reads its own); with ``continue_on_error`` a sample it fails on is
+        missing, else ``ShardfeedHTTPError`` 422 ``transform_failed`` names the sample.
         """
         from .tensors import allocator, batch_of
 
-        requests = self._batch(dataset, indices, fields, continue_on_error, whole=True, stream=stream)
+        requests = self._batch(dataset, indices, fields, continue_on_error, whole=True, stream=stream,
+                               transform=transform_of(transform, seed, epoch, fields))
         return retry_sync(lambda: self._whole(requests, allocator(shared), batch_of), backoff=self.backoff,
                           retryable=self._verdict)
 
@@ -266,11 +280,12 @@ class Client(BaseClient):
     # -- a batch: its requests, each part's answer read as samples or into a tensor buffer --
 
     def _batch(self, dataset: str, indices: Sequence[int], fields: Sequence[str] | None,
-               continue_on_error: bool, whole: bool = False, stream: str | None = None) -> list[PartRequest]:
+               continue_on_error: bool, whole: bool = False, stream: str | None = None,
+               transform: dict | None = None) -> list[PartRequest]:
         indices = as_indices(indices)
         if indices:
             self.load_routing(dataset)
-        return self._requests(dataset, indices, fields, continue_on_error, whole, stream)
+        return self._requests(dataset, indices, fields, continue_on_error, whole, stream, transform)
 
     def _picked(self, picks: Sequence[Pick], continue_on_error: bool, whole: bool) -> list[PartRequest]:
         """The requests of a mixed batch: each dataset's, their parts placed at the picks' positions."""

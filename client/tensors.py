@@ -19,6 +19,11 @@ training process as a file descriptor, and ``pin_memory``/``.to(device)`` move i
     batch["cls"].stacked()    # fixed-size fields as one 2-D tensor (a view when evenly spaced)
     batch.to("cuda", non_blocking=True)
 
+A transform's batch (``transform=``: run by the service, or by :mod:`.transformed` in the
+DataLoader workers, laid out alike) has the transform's outputs as its fields, and
+:attr:`Batch.outputs` reads them as the dtypes and shapes it declares: ``batch.outputs["image"]``
+is a ``(n, 3, 224, 224)`` uint8 view of the buffer.
+
 Views share the buffer's memory and keep it alive (as any tensor view does): a view stays
 valid as long as it is held, and writing through it changes the batch. A batch read in parts
 (routing: one request per owning worker or replica) lies in one buffer too, each part's
@@ -29,19 +34,28 @@ answer each member starts 512-byte aligned, after its header.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch.utils.data._utils.collate import default_collate_fn_map
 
+from shardfeed.transforms import SHAPE, Output
+
 from . import shm
 from .answers import Allocate, Regions
+from .errors import ShardfeedError
+from .base import outputs_of
 from .layout import ABSENT, Columns
 
 if TYPE_CHECKING:
     from .base import PartRequest
+
+Outputs = dict[str, "torch.Tensor | list[torch.Tensor | None]"]
+"""A transform's outputs by name: a stacked tensor where the shape is fixed, else a tensor per sample."""
 
 
 def allocator(shared: bool) -> Allocate:
@@ -58,7 +72,8 @@ def batch_of(requests: Sequence[PartRequest], regions: Regions) -> Batch:
     """The batch of the parts' answers read into ``regions``, laid out in place (either format)."""
     parts = [request.columns(region.data()) for request, region in zip(requests, regions.regions)]
     _, (buffer, lease), starts = regions.joined()
-    return Batch.of(buffer, Columns.merged(parts, starts.tolist(), [r.part.positions for r in requests]), lease)
+    columns = Columns.merged(parts, starts.tolist(), [r.part.positions for r in requests])
+    return Batch.of(buffer, columns, lease, outputs_of(requests))
 
 
 def _as_tensor(attr: str, doc: str) -> property:
@@ -136,13 +151,17 @@ class Batch:
     batch also ``streams`` (int64 tensor: each sample's stream, numbered as the mixture's streams
     are; ``None`` otherwise). ``batch[i]`` and iteration give sample dicts, ``{"__key__",
     "__index__", "<field>": view}`` (and ``"__stream__"`` in a mixture's), as the bytes output
-    does with ``bytes``. :meth:`pin_memory` and :meth:`to` move the buffer as one copy
-    (``DataLoader(pin_memory=True)`` calls the former), the offsets staying on the host.
+    does with ``bytes`` (a transform's batch: its outputs, typed). :meth:`pin_memory` and
+    :meth:`to` move the buffer as one copy (``DataLoader(pin_memory=True)`` calls the former),
+    the offsets staying on the host.
+    A transform's batch also has ``declared`` (its outputs' dtypes and shapes, ``None`` for
+    another batch) and :attr:`outputs`, them as typed tensors.
     """
 
     def __init__(self, buffer: torch.Tensor, keys: list[str | None], indices: np.ndarray, missing: np.ndarray,
                  offsets: dict[str, np.ndarray], lengths: dict[str, np.ndarray], lease: shm.Lease | None = None,
-                 pooled: bool = False, streams: np.ndarray | None = None):
+                 pooled: bool = False, streams: np.ndarray | None = None,
+                 declared: Mapping[str, Output] | None = None):
         self.buffer = buffer
         self._lease = lease
         self._pooled = pooled or lease is not None  # over a segment of a pool (shm.py), here or elsewhere
@@ -152,12 +171,15 @@ class Batch:
         self._offsets = offsets
         self._lengths = lengths
         self._streams = streams
+        self.declared = declared
 
     @classmethod
-    def of(cls, buffer: torch.Tensor, columns: Columns, lease: shm.Lease | None = None) -> Batch:
+    def of(cls, buffer: torch.Tensor, columns: Columns, lease: shm.Lease | None = None,
+           declared: Mapping[str, Output] | None = None) -> Batch:
         """A batch over ``buffer`` laid out as ``columns`` (offsets in ``buffer``; ``lease``: a
-        pooled shared buffer's)."""
-        return cls(buffer, columns.keys, columns.indices, columns.missing, columns.offsets, columns.lengths, lease)
+        pooled shared buffer's; ``declared``: a transform's outputs, its fields)."""
+        return cls(buffer, columns.keys, columns.indices, columns.missing, columns.offsets, columns.lengths, lease,
+                   declared=declared)
 
     def __reduce__(self) -> tuple:
         # A pooled buffer travels as its segment's name (the receiver maps it: :mod:`.shm`);
@@ -165,8 +187,8 @@ class Batch:
         arrays = (self.keys, self._indices, self._missing, self._offsets, self._lengths)
         found = shm.reduce(self._lease) if self._lease is not None else None
         if found is not None:
-            return _attached_batch, (*found, self._streams, *arrays)
-        return _batch, (self.buffer, self._streams, *arrays)
+            return _attached_batch, (*found, self._streams, self.declared, *arrays)
+        return _batch, (self.buffer, self._streams, self.declared, *arrays)
 
     @property
     def shared(self) -> bool:
@@ -184,6 +206,55 @@ class Batch:
     def streams(self) -> torch.Tensor | None:
         """In a mixture's batch, each sample's stream (int64); else ``None``."""
         return None if self._streams is None else torch.from_numpy(self._streams)
+
+    @cached_property
+    def outputs(self) -> Outputs:
+        """A transform's batch's outputs by name, each as its declared dtype: ``(n, *shape)`` where
+        the shape is fixed (a view of the buffer when its samples lie evenly spaced there, as in one
+        answer's record batch; else a copy; a missing sample's row zeros, see :attr:`missing`), else
+        a list of one tensor per sample, shaped as its ``<name>.shape`` field says (``None`` for a
+        missing sample). ``TypeError`` for a batch of no transform."""
+        if self.declared is None:
+            raise TypeError("this batch is not a transform's: its fields are bytes (batch[name][i])")
+        return {name: self._stacked(name, output) if output.fixed else self._each(name, output)
+                for name, output in self.declared.items()}
+
+    def _stacked(self, name: str, output: Output) -> torch.Tensor:
+        """Output ``name`` (of a fixed shape) as one ``(n, *shape)`` tensor."""
+        dtype, size = _dtype(output.dtype), np.dtype(output.dtype).itemsize * math.prod(output.shape)
+        lengths = self._lengths[name]
+        present = lengths != ABSENT
+        if (lengths[present] != size).any():
+            wrong = int(lengths[present][lengths[present] != size][0])
+            raise ShardfeedError(f"output {name!r}: a sample of {wrong} bytes, not one {output.dtype} array of "
+                                 f"shape {output.shape} ({size} bytes)")
+        if not len(self):
+            return self.buffer.new_empty((0, *output.shape), dtype=dtype)
+        if present.all():
+            rows = self[name].stacked()
+        else:  # a missing sample's row: zeros
+            rows = self.buffer.new_zeros((len(self), size))
+            field = self[name]
+            for i in np.flatnonzero(present).tolist():
+                rows[i] = field[i]
+        return _typed(rows, dtype).reshape(len(self), *output.shape)
+
+    def _each(self, name: str, output: Output) -> list[torch.Tensor | None]:
+        """Output ``name`` (of a varying shape) as a tensor per sample, shaped by its ``.shape`` field."""
+        dtype, itemsize = _dtype(output.dtype), np.dtype(output.dtype).itemsize
+        shapes = self[name + SHAPE]
+        out: list[torch.Tensor | None] = []
+        for i, data in enumerate(self[name]):
+            if data is None:
+                out.append(None)
+                continue
+            dims = shapes[i]
+            shape = () if dims is None else tuple(_typed(dims, torch.int64).tolist())
+            if dims is None or len(shape) != len(output.shape) or math.prod(shape) * itemsize != len(data):
+                raise ShardfeedError(f"output {name!r}: sample {int(self._indices[i])} has {len(data)} bytes and "
+                                     f"shape {shape}, not a {output.dtype} array of shape {output.shape}")
+            out.append(_typed(data, dtype).reshape(shape))
+        return out
 
     def with_streams(self, streams: np.ndarray) -> Batch:
         """This batch, its samples' streams told (a mixture's batch, made by ``client/torch.py``)."""
@@ -210,6 +281,8 @@ class Batch:
         if self._missing[i]:
             sample["__missing__"] = True
             return sample
+        if self.declared is not None:  # a transform's: its outputs, typed
+            return {**sample, **{name: output[i] for name, output in self.outputs.items()}}
         for name, offsets in self._offsets.items():
             length = int(self._lengths[name][i])
             if length != ABSENT:
@@ -218,7 +291,7 @@ class Batch:
 
     def _with(self, buffer: torch.Tensor) -> Batch:
         return Batch(buffer, self.keys, self._indices, self._missing, self._offsets, self._lengths,
-                     streams=self._streams)
+                     streams=self._streams, declared=self.declared)
 
     def pin_memory(self) -> Batch:
         """The batch in page-locked memory (one copy), for ``.to(device, non_blocking=True)``."""
@@ -233,14 +306,32 @@ class Batch:
                 f"on {self.buffer.device}{', shared' if self.shared else ''})")
 
 
-def _attached_batch(path: str, size: int, streams: np.ndarray | None, *arrays: Any) -> Batch:
+def _attached_batch(path: str, size: int, streams: np.ndarray | None, declared: Mapping[str, Output] | None,
+                    *arrays: Any) -> Batch:
     """A batch received from another process, over the pooled segment at ``path``."""
-    return Batch(shm.attach(path, size), *arrays, pooled=True, streams=streams)
+    return Batch(shm.attach(path, size), *arrays, pooled=True, streams=streams, declared=declared)
 
 
-def _batch(buffer: torch.Tensor, streams: np.ndarray | None, *arrays: Any) -> Batch:
+def _batch(buffer: torch.Tensor, streams: np.ndarray | None, declared: Mapping[str, Output] | None,
+           *arrays: Any) -> Batch:
     """A batch received from another process, its buffer a tensor torch's pickler shared."""
-    return Batch(buffer, *arrays, streams=streams)
+    return Batch(buffer, *arrays, streams=streams, declared=declared)
+
+
+def _dtype(name: str) -> torch.dtype:
+    """The torch dtype of a numpy dtype's name (an output's declared dtype)."""
+    return torch.from_numpy(np.empty(0, np.dtype(name))).dtype
+
+
+def _typed(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 ``data`` (its last dimension whole elements) read as ``dtype``: a view where its place
+    in the buffer is a multiple of the element's size, else a copy first."""
+    if dtype == torch.uint8:
+        return data
+    try:
+        return data.view(dtype)
+    except RuntimeError:  # not aligned to the element's size in the buffer
+        return data.clone().view(dtype)
 
 
 def one_batch(batches: Sequence[Any], *, collate_fn_map: Any = None) -> Any:

@@ -23,6 +23,9 @@ one :class:`~.tensors.Batch` instead: every byte in one uint8 tensor, in shared 
 DataLoader worker, which the DataLoader passes to the training process without pickling a
 byte of it (``batch["jpg"][i]`` is a view; :mod:`.tensors`). With ``output="arrow"`` a batch is a
 ``pyarrow.Table`` over such a buffer, sent the same way (:mod:`.arrow`, :mod:`.arrowshared`).
+With ``transform=`` a transform's name (the service runs it) or a ``shardfeed.transforms.Transform``
+(the DataLoader workers run it, :mod:`.transformed`), a batch is such a ``Batch`` of its outputs,
+``batch.outputs`` them typed, augmented for the seed and epoch each sample was drawn with.
 """
 
 from __future__ import annotations
@@ -41,16 +44,19 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate, get_worker_info
 
+from shardfeed.transforms import Transform
+
 from .base import Pick
 from .decode import Decoder, make_decoder
 from .errors import ShardfeedError
 from .mixing import IndexColumns, MixtureSampler, Stream, locate, offsets_of, pool_of
 from .node import absolute_url, dataset_name, is_dataset_url, node_dataset
 from .plans import DatasetPlan, StreamPlans
-from .sampling import EpochSampler
+from .sampling import Drawn, EpochSampler
 from .shuffles import LOCAL, cache_window, shard_samples
 from .sync import Client
 from .tensors import Batch
+from .transformed import transformed
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -58,17 +64,39 @@ R = TypeVar("R")
 log = logging.getLogger("shardfeed.client")
 
 
-class _Source:
-    """Where samples come from and how they are turned into values (shared by both datasets)."""
+Preprocess = str | Transform
+"""A transform that makes a batch of its outputs: the name of one the service runs, or one run here."""
 
-    def __init__(self, url: str | Sequence[str] | Client, dataset: str | None, fields: Sequence[str] | None,
-                 decode: bool | Mapping[str, Decoder], transform: Callable[[dict], Any] | None,
-                 continue_on_error: bool, output: str, client_options: dict):
+
+def _preprocessing(transform: Any, output: str | None, decode: Any, fields: Sequence[str] | None) -> str:
+    """The output of a dataset given ``transform``: a :data:`Preprocess` makes tensor batches of its
+    outputs, refusing the options that would say otherwise; else ``output`` (default ``"samples"``)."""
+    if not isinstance(transform, Preprocess):
+        output = "samples" if output is None else output
         if output not in OUTPUTS:
             raise ValueError(f"output must be one of {', '.join(map(repr, OUTPUTS))}, not {output!r}")
         if output != "samples" and (decode or transform is not None):
             raise TypeError(f"decode and transform apply to sample dicts, not to output={output!r}: "
                             "decode the batch's views (shardfeed.client.tensors, docs/tensors.md)")
+        return output
+    named = repr(transform if isinstance(transform, str) else type(transform).__name__)
+    if output not in (None, "tensors"):
+        raise TypeError(f"transform {named} makes each batch a tensor Batch of its outputs: "
+                        f"output={output!r} does not apply (leave it out)")
+    if decode:
+        raise TypeError(f"decode does not apply with transform {named}: it reads the samples' bytes")
+    if fields is not None:
+        raise TypeError(f"fields do not apply with transform {named}: it reads the fields it declares")
+    return "tensors"
+
+
+class _Source:
+    """Where samples come from and how they are turned into values (shared by both datasets)."""
+
+    def __init__(self, url: str | Sequence[str] | Client, dataset: str | None, fields: Sequence[str] | None,
+                 decode: bool | Mapping[str, Decoder], transform: Callable[[dict], Any] | Preprocess | None,
+                 continue_on_error: bool, output: str | None, client_options: dict):
+        output = _preprocessing(transform, output, decode, fields)
         if isinstance(url, Client):
             if client_options:
                 raise TypeError(f"client options {sorted(client_options)} given with a ready Client")
@@ -81,8 +109,13 @@ class _Source:
         else:
             self.client = Client(url, **client_options)
         self.dataset = dataset
+        self.preprocess = transform if isinstance(transform, Preprocess) else None
+        """The transform whose outputs a batch is (:data:`Preprocess`), or ``None``."""
         self.fields = list(fields) if fields is not None else None
-        self.transform = transform
+        if isinstance(transform, Transform):
+            self.fields = None if transform.fields is None else list(transform.fields)  # what it reads (the plan's)
+        self.transform = None if self.preprocess is not None else transform
+        """What each sample dict is mapped by (``output="samples"``), or ``None``."""
         self.continue_on_error = continue_on_error
         self.output = output
         if output == "arrow":
@@ -90,6 +123,12 @@ class _Source:
         self.info = self.client.info(dataset)
         self.decoder = make_decoder(decode, self.info)  # MDS and LitData fields by the encodings the info names
         self.client.load_routing(dataset)
+        if isinstance(transform, str):
+            served = {t["name"]: t for t in self.client.transforms()}
+            if transform not in served:
+                raise ValueError(f"the service runs no transform {transform!r} "
+                                 f"(it runs: {', '.join(served) or 'none'})")
+            self.fields = served[transform]["fields"]  # what it reads (the plan's)
 
     @property
     def size(self) -> int:
@@ -123,9 +162,23 @@ class _Source:
     def warn_unplanned(self) -> None:
         _warn_unplanned(self.info)
 
-    def fetch(self, indices: Sequence[int]) -> Any:
-        """The samples at ``indices`` in one request, in the dataset's ``output``."""
+    def fetch(self, indices: Sequence[int], drawn: tuple[int, int] = (0, 0)) -> Any:
+        """The samples at ``indices`` in one request, in the dataset's ``output``; with a transform,
+        its outputs, augmented as the ``(seed, epoch)`` the indices were ``drawn`` with say."""
+        if self.preprocess is not None:
+            return self.transformed(indices, *drawn)
         return OUTPUTS[self.output](self, indices)
+
+    def transformed(self, indices: Sequence[int], seed: int, epoch: int) -> Batch:
+        """A transform's outputs as one ``Batch``: the service runs the transform it names, or
+        this process runs the one it was given, on the fields it reads (:mod:`.transformed`)."""
+        shared = get_worker_info() is not None
+        if isinstance(self.preprocess, str):
+            return self.client.get_batch_tensors(self.dataset, indices, continue_on_error=self.continue_on_error,
+                                                 shared=shared, transform=self.preprocess, seed=seed, epoch=epoch)
+        samples = self.client.get_batch(self.dataset, indices, self.fields, continue_on_error=self.continue_on_error)
+        return transformed(self.preprocess, samples, seed, epoch, continue_on_error=self.continue_on_error,
+                           shared=shared)
 
     def samples(self, indices: Sequence[int]) -> list:
         """``output="samples"``: sample dicts, decoded and transformed."""
@@ -165,12 +218,18 @@ class _Streams:
     Every stream is read through one service: with ``url`` (a service), each stream names a
     dataset served there; without, each is a dataset URL read through the node's service."""
 
+    preprocess = None
+    """A mixture runs no transform (:attr:`_Source.preprocess`)."""
+
     def __init__(self, url: str | Sequence[str] | Client | None, streams: Sequence[Stream], epoch_size: int | None,
                  fields: Sequence[str] | None, decode: bool | Mapping[str, Decoder],
-                 transform: Callable[[dict], Any] | None, continue_on_error: bool, output: str,
+                 transform: Callable[[dict], Any] | None, continue_on_error: bool, output: str | None,
                  client_options: dict):
         if output == "arrow":
             raise TypeError("output='arrow' is not offered for a mixture: use 'samples' or 'tensors'")
+        if isinstance(transform, Preprocess):
+            raise TypeError("a transform's outputs (transform=a name or a Transform) are offered for one dataset, "
+                            "not for a mixture")
         if not streams or not all(isinstance(s, Stream) for s in streams):
             raise TypeError("streams must be a non-empty list of shardfeed.client.mixing.Stream")
         self.streams = list(streams)
@@ -194,12 +253,12 @@ class _Streams:
         self.sizes = [len(p) if p is not None else int(src.info["samples"]) for p, src in zip(self.pools, self.sources)]
         self.offsets = offsets_of(self.sizes)
         self.epoch_size = epoch_size
-        self.output = output
+        self.output = self.sources[0].output
         self.continue_on_error = continue_on_error
 
     @staticmethod
     def _source(url: Any, stream: Stream, fields: Sequence[str] | None, decode: Any, transform: Any,
-                continue_on_error: bool, output: str, client_options: dict) -> _Source:
+                continue_on_error: bool, output: str | None, client_options: dict) -> _Source:
         fields = stream.fields if stream.fields is not None else fields
         try:
             if url is None:  # dataset URLs, through the node's service
@@ -273,8 +332,9 @@ class _Streams:
         weight = shares * mean
         return weight / weight.sum() if weight.sum() else shares
 
-    def fetch(self, numbers: Sequence[int]) -> Any:
-        """The samples at global ``numbers``, in that order, in the dataset's ``output``."""
+    def fetch(self, numbers: Sequence[int], drawn: tuple[int, int] = (0, 0)) -> Any:
+        """The samples at global ``numbers``, in that order, in the dataset's ``output`` (``drawn``
+        does not apply: a mixture runs no transform)."""
         streams, positions = locate(self.offsets, np.asarray(numbers, dtype=np.int64))
         picks = []
         for s in np.unique(streams).tolist():
@@ -331,28 +391,52 @@ class ShardfeedDataset(Dataset):
         decode: ``False`` for raw bytes, ``True`` for the built-in decoders (for MDS and LitData
             shards, each field's own encoding), or a mapping of field name or extension to a
             decoder (see :mod:`shardfeed.client.decode`).
-        transform: applied to each sample dict after decoding; its result is the item.
+        transform: one of three things (docs/transforms.md):
+
+            - a ``str``: the name of a transform the service runs (``Client.transforms()``
+              lists them); a DataLoader batch is one :class:`~.tensors.Batch` of its outputs,
+              ``batch.outputs["image"]`` a ``(n, 3, 224, 224)`` tensor;
+            - a :class:`shardfeed.transforms.Transform` (``shardfeed.transforms.load(spec)``):
+              the same, run here, in the DataLoader workers, on the fields it declares, with
+              outputs byte for byte the service's for the same ``(seed, epoch, index)``;
+            - any other callable: applied to each sample dict after decoding; its result is the item.
+
+            A transform's augmentation is seeded by ``(seed, epoch, index)``: with
+            :class:`ShardfeedSampler` the seed and epoch of the order that drew each index
+            (it yields :class:`~.sampling.Drawn` indices), else this dataset's ``seed`` and the
+            epoch of :meth:`set_epoch`. With the first two, no ``fields``, ``decode`` or
+            ``output`` other than ``"tensors"``.
+        seed: a transform's seed where the indices do not carry one (any sampler but ``ShardfeedSampler``).
         continue_on_error: return ``{"__key__": None, "__index__": i, "__missing__": True}``
             (passed through ``transform``) for a sample the service cannot serve, instead of
-            failing the batch.
-        output: ``"samples"`` (sample dicts of ``bytes``), ``"tensors"`` or ``"arrow"``: a
-            DataLoader batch is one :class:`~.tensors.Batch` or one ``pyarrow.Table``
+            failing the batch; with a transform, a sample it fails on is missing too.
+        output: ``"samples"`` (sample dicts of ``bytes``; the default), ``"tensors"`` or ``"arrow"``:
+            a DataLoader batch is one :class:`~.tensors.Batch` or one ``pyarrow.Table``
             (:mod:`.arrow`; the default ``collate_fn`` hands it on as it is; a ``collate_fn`` of
             your own gets a list holding it), ``ds[i]`` a sample dict of uint8 views or a table
-            of one row. No ``decode`` or ``transform`` with them.
+            of one row. No ``decode`` or per-sample ``transform`` with them.
         **client_options: passed to ``Client`` (token, timeout, backoff, ...).
     """
 
     def __init__(self, url: str | Sequence[str] | Client | None = None, dataset: str | None = None, *,
                  streams: Sequence[Stream] | None = None, epoch_size: int | None = None,
                  fields: Sequence[str] | None = None,
-                 decode: bool | Mapping[str, Decoder] = False, transform: Callable[[dict], Any] | None = None,
-                 continue_on_error: bool = False, output: str = "samples", **client_options: Any):
+                 decode: bool | Mapping[str, Decoder] = False,
+                 transform: Callable[[dict], Any] | Preprocess | None = None, seed: int = 0,
+                 continue_on_error: bool = False, output: str | None = None, **client_options: Any):
         self.source = _source(url, dataset, streams, epoch_size, fields, decode, transform, continue_on_error,
                               output, client_options)
         self.planned = False
         """Whether a ``ShardfeedSampler`` orders it (and so tells the service its order)."""
         self._warned = False
+        self.seed = seed
+        self.epoch = 0
+        """A transform's epoch where the indices do not carry one (:meth:`set_epoch`)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch a transform augments for, where the indices do not carry one (any sampler but
+        ``ShardfeedSampler``; call it before the DataLoader's workers start, as they copy the dataset)."""
+        self.epoch = epoch
 
     def __len__(self) -> int:
         if not self.planned and not self._warned and sys._getframe(1).f_globals.get("__name__", "").startswith(
@@ -365,15 +449,25 @@ class ShardfeedDataset(Dataset):
         n = len(self)
         if not -n <= index < n:
             raise IndexError(f"sample {index} is out of range: {self.source.label} has {n} samples")
-        batch = self.source.fetch([index % n])
+        batch = self.source.fetch([index % n], self._drawn([index]))
         return batch if self.source.output == "arrow" else batch[0]
 
     def __getitems__(self, indices: list[int]) -> list:
         """The whole DataLoader batch in one request (PyTorch calls this when it exists); with
-        ``output="tensors"`` or ``"arrow"`` a list holding its one batch, which ``default_collate``
-        unwraps."""
-        batch = self.source.fetch(indices)
+        ``output="tensors"`` or ``"arrow"`` (or a transform) a list holding its one batch, which
+        ``default_collate`` unwraps."""
+        batch = self.source.fetch(indices, self._drawn(indices))
         return batch if isinstance(batch, list) else [batch]
+
+    def _drawn(self, indices: Sequence[int]) -> tuple[int, int]:
+        """The ``(seed, epoch)`` a transform augments ``indices`` for: the one they carry
+        (:class:`~.sampling.Drawn`, one for the batch), else the dataset's own."""
+        if self.source.preprocess is None:
+            return self.seed, self.epoch
+        drawn = {(i.seed, i.epoch) if isinstance(i, Drawn) else (self.seed, self.epoch) for i in indices}
+        if len(drawn) > 1:
+            raise ValueError(f"one batch of indices drawn with several (seed, epoch): {sorted(drawn)[:4]}")
+        return drawn.pop() if drawn else (self.seed, self.epoch)
 
 
 class ShardfeedSampler(Sampler[int]):
@@ -386,7 +480,8 @@ class ShardfeedSampler(Sampler[int]):
     ``r``. Every sample is read once per epoch across the ranks. The permutation comes
     from :mod:`.sampling`, not ``torch.randperm``: the service runs that same code on the
     plan this sampler registers at the start of each epoch, so it reads ahead of the
-    DataLoader and evicts the blocks read last.
+    DataLoader and evicts the blocks read last. Its indices are :class:`~.sampling.Drawn`
+    ints carrying ``seed`` and ``epoch``, which seed a dataset's transform.
 
     Args:
         dataset: the map-style dataset (its client and fields are the plan's).
@@ -412,7 +507,8 @@ class ShardfeedSampler(Sampler[int]):
         return len(self.sampler)
 
     def __iter__(self) -> Iterator[int]:
-        order = self.sampler.rank_order().tolist()
+        seed, epoch = self.sampler.seed, self.sampler.epoch
+        order = [Drawn(i, seed, epoch) for i in self.sampler.rank_order().tolist()]
         if self.plan is None:
             yield from order
             return
@@ -433,8 +529,10 @@ class ShardfeedIterableDataset(IterableDataset):
 
     Args:
         url, dataset, fields, decode, transform, continue_on_error, output, **client_options:
-            as for :class:`ShardfeedDataset` (with ``output="tensors"`` each item is a
-            :class:`~.tensors.Batch`, with ``"arrow"`` a ``pyarrow.Table``; ``collate_fn`` does not apply).
+            as for :class:`ShardfeedDataset` (with ``output="tensors"`` or a transform's name or
+            ``Transform`` each item is a :class:`~.tensors.Batch`, with ``"arrow"`` a
+            ``pyarrow.Table``; ``collate_fn`` does not apply). A transform augments each sample
+            for ``seed`` and the epoch the sample is drawn in.
         batch_size: samples per batch.
         seed: with the epoch, selects the order; the same seed gives the same order.
         shuffle: ``False`` walks the samples in index order, ``True`` draws a uniform
@@ -477,15 +575,16 @@ class ShardfeedIterableDataset(IterableDataset):
                  shuffle: bool | str | None = None, drop_last: bool = False, rank: int | None = None,
                  world_size: int | None = None, shard_window: int | None = None, plan: bool = True,
                  fields: Sequence[str] | None = None, decode: bool | Mapping[str, Decoder] = False,
-                 transform: Callable[[dict], Any] | None = None,
+                 transform: Callable[[dict], Any] | Preprocess | None = None,
                  collate_fn: Callable[[list], Any] | None = default_collate, prefetch: int | None = None,
-                 continue_on_error: bool = False, output: str = "samples", **client_options: Any):
+                 continue_on_error: bool = False, output: str | None = None, **client_options: Any):
         if prefetch is not None and prefetch < 0:
             raise ValueError(f"prefetch must not be negative, not {prefetch}")
-        if output != "samples" and collate_fn not in (default_collate, None):
-            raise TypeError(f"collate_fn applies to lists of sample dicts, not to output={output!r}")
         self.source = _source(url, dataset, streams, epoch_size, fields, decode, transform, continue_on_error,
                               output, client_options)
+        output = self.source.output
+        if output != "samples" and collate_fn not in (default_collate, None):
+            raise TypeError(f"collate_fn applies to lists of sample dicts, not to output={output!r}")
         if output == "samples" and collate_fn is default_collate:
             self.source.check_collatable()
         rank, world_size = _rank_and_world_size(rank, world_size)
@@ -508,10 +607,11 @@ class ShardfeedIterableDataset(IterableDataset):
             self.plan.ensure(self.sampler)
         batches = self.sampler.batches(*((worker.id, worker.num_workers) if worker else (0, 1)))
         depth = self.prefetch if self.prefetch is not None else (2 if worker is None else 0)
-        return _prefetched(batches, self._fetch, depth)
+        drawn = (self.sampler.seed, self.sampler.epoch)  # this pass's, whatever set_epoch does meanwhile
+        return _prefetched(batches, lambda indices: self._fetch(indices, drawn), depth)
 
-    def _fetch(self, indices: Any) -> Any:
-        samples = self.source.fetch(indices)
+    def _fetch(self, indices: Any, drawn: tuple[int, int]) -> Any:
+        samples = self.source.fetch(indices, drawn)
         return samples if self.collate_fn is None else self.collate_fn(samples)
 
     def __len__(self) -> int:

@@ -2,7 +2,8 @@
 
     server.py   ``shardfeed serve``: options -> ``ServiceConfig`` -> datasets, cache, cluster -> the app under uvicorn
     api/        the HTTP routes, one module per group, and what they share (``State``, admission)
-    transform/  preprocessing: the served transforms run in a process pool, ``prepare``'s outputs cached
+    transform/  preprocessing: the served transforms, their process pool, the prepared cache, the
+                transformed batch
     plans/      announced read orders: read-ahead along them, eviction by next use
     read/       the read path: batch streams, tar framing, the warm path, per-sample batching,
                 the coalescer, fetches of missing blocks, range reads, the planner

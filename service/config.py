@@ -72,6 +72,44 @@ DEFAULT_DATA_DIR = Path(".shardfeed/datasets")
 """Where ``serve`` seeds and finds its embedded default dataset (``--data-dir``)."""
 
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.\-_]{1,253}[a-z0-9]")
+TRANSFORM_NAME = re.compile(r"[a-z0-9_]{1,64}\Z")
+"""What a served transform's name may be (``--transform NAME=...``)."""
+
+
+def transform_spec(text: str, *, load: bool = False) -> tuple[str, str]:
+    """A ``--transform NAME=MODULE:FACTORY`` as ``(name, spec)``; ``load``: the factory loaded and
+    its transform checked too (``transforms.base.load``). ``ValueError`` saying what is wrong."""
+    name, sep, spec = text.partition("=")
+    if not sep or not spec:
+        raise ValueError(f"--transform expects NAME=MODULE:FACTORY, got {text[:200]!r}")
+    if not TRANSFORM_NAME.match(name):
+        raise ValueError(f"--transform: the name {name[:200]!r} is not [a-z0-9_]{{1,64}}")
+    if load:
+        from shardfeed.transforms.base import load as load_transform  # imports numpy: only when needed
+
+        load_transform(spec)
+    return name, spec
+
+
+def transform_argument(text: str) -> str:
+    """argparse's ``type`` of ``--transform``: checked and loaded at once, so that a bad one is a
+    usage error (one line, exit status 2)."""
+    try:
+        transform_spec(text, load=True)
+    except ValueError as err:  # TransformError included
+        raise argparse.ArgumentTypeError(" ".join(str(err).split())) from None
+    return text
+
+
+def transform_specs(given: tuple[str, ...]) -> dict[str, str]:
+    """``--transform`` values as ``{name: spec}``; ``ValueError`` for a name given twice."""
+    specs: dict[str, str] = {}
+    for text in given:
+        name, spec = transform_spec(text)
+        if name in specs:
+            raise ValueError(f"--transform: the name {name!r} is given twice")
+        specs[name] = spec
+    return specs
 
 
 # -- How a setting's flag is read, and its values shown ---------------------------------------
@@ -141,9 +179,12 @@ class Repeated:
     """A flag given once per value (``--bucket A --bucket B``); a repeated value counts once."""
 
     metavar: str
+    parse: Callable[[str], Any] | None = None
+    """Checks and reads each value as it is given (argparse's ``type``: its error is a usage error)."""
 
     def arguments(self, metavar: str | None) -> dict:
-        return {"action": "append", "metavar": metavar or self.metavar}
+        return {"action": "append", "metavar": metavar or self.metavar,
+                **({"type": self.parse} if self.parse is not None else {})}
 
     def value(self, given: list[str]) -> tuple[str, ...]:
         return tuple(dict.fromkeys(given))
@@ -182,6 +223,7 @@ class Group(Enum):
     STORE = "store requests: timeouts, retries, hedging"
     REQUESTS = "requests"
     PLANS = "plans: read-ahead and eviction along announced orders"
+    TRANSFORMS = "transforms: preprocessing in the service"
     ACCESS = "access: tokens and TLS"
     REPLICAS = "replicas"
     LOG = "the log"
@@ -536,6 +578,22 @@ class ServiceConfig:
         "sample ranges read without their block (a block none of whose other samples the plans read before "
         "it would be evicted) are merged into one read when this close"))
 
+    # -- Transforms (``service/transform/``): the operator's preprocessing, run in a process pool.
+    transforms: tuple[str, ...] = setting((), group=Group.TRANSFORMS, kind=Repeated("NAME=MODULE:FACTORY",
+                                          parse=transform_argument), flag="--transform", help=(
+        "serve the transform the factory makes (a shardfeed.transforms.Transform, the module importable by the "
+        "service) as NAME ([a-z0-9_]{1,64}), for POST /v1/batch's \"transform\"; repeatable. Its prepare "
+        "output is cached in the block cache (docs/transforms.md)"))
+
+    transform_processes: int = setting(factory=usable_cores, group=Group.TRANSFORMS, kind=INT, metavar="N", low=1,
+                                       high=1 << 12, shown="one per usable core", help=(
+        "processes running transforms, all workers together (each of --workers N runs N-th of them, at least "
+        "one); started only when a --transform is served"))
+
+    transform_timeout: float = setting(30.0, group=Group.TRANSFORMS, kind=SECONDS, positive=True, help=(
+        "longest a sample's transform may run: past it, its process is killed and replaced and the sample "
+        "fails (a null row with continue_on_error, else 422 transform_failed)"))
+
     @property
     def index_dir(self) -> Path:
         """Where indexes the service made for tar shards are kept when the store is read-only
@@ -546,6 +604,7 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         for described in settings(ServiceConfig):
             described.check(getattr(self, described.name))
+        transform_specs(self.transforms)  # a name given twice
         for bucket in self.buckets:
             if not _BUCKET.fullmatch(bucket):
                 raise ValueError(f"--bucket {bucket!r} is not an S3 bucket name")

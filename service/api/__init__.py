@@ -10,6 +10,7 @@
     index      /v1/datasets/{name}/index[/{column}]: the index's per-sample columns, for subsets
     status     GET /v1/stats and the status page at / and /ui
     plans      /v1/datasets/{name}/plans[/{id}]: announced orders (``service/plans/``)
+    transforms GET /v1/transforms: the served transforms (``service/transform/``)
     auth       the bearer-token middleware in front of them all: which scope each route needs
     tenants    tokens with names, scopes and a bound of their own, from ``--tokens FILE``
     common     what they share: ``State``, admission, bodies, streamed answers
@@ -36,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp
 
-from shardfeed.service.api import batch, getbatch, index, internal, ops, routing, samples, status
+from shardfeed.service.api import batch, getbatch, index, internal, ops, routing, samples, status, transforms
 from shardfeed.service.api import datasets as dataset_routes
 from shardfeed.service.api import plans as plan_routes
 from shardfeed.service.api.auth import TokenAuth, guarded
@@ -58,9 +59,12 @@ from shardfeed.service.plans.registry import Plans
 from shardfeed.service.read.coalescer import Coalescer
 from shardfeed.service.read.samples import SampleBatcher
 from shardfeed.service.stores import Store
+from shardfeed.service.transform.pool import TransformPool
+from shardfeed.service.transform.prepared import PreparedCache
+from shardfeed.service.transform.registry import Transforms, pool_processes
 
 ROUTERS = (ops.router, dataset_routes.router, routing.router, index.router, samples.router, getbatch.router,
-           internal.router, status.router, plan_routes.router)
+           internal.router, status.router, plan_routes.router, transforms.router)
 
 
 class ShardfeedAPI(FastAPI):
@@ -100,8 +104,11 @@ def create_app(config: ServiceConfig, datasets: ServedDatasets, cache: BlockCach
     admission = Admission({"batch": config.max_inflight_batches, "sample": config.max_inflight_samples}, metrics)
     bucket_stores = BucketStores(buckets or {})
     catalog = Catalog(bucket_stores, datasets, object_ttl=config.object_ttl)
+    served = Transforms.of(config)
+    pool = TransformPool(served.specs, pool_processes(config), config.transform_timeout) if served else None
     state = State(config, datasets, metrics, coalescer, SampleBatcher(coalescer, config.sample_window),
-                  admission, cluster, StatsRecorder(metrics.registry), catalog, plans, prefetcher)
+                  admission, cluster, StatsRecorder(metrics.registry), catalog, plans, prefetcher,
+                  served, pool, PreparedCache(cache, memory))
 
     async def replaced(old: Dataset | None, new: Dataset | None) -> None:
         if old is not None and new is not None:
@@ -122,6 +129,8 @@ def create_app(config: ServiceConfig, datasets: ServedDatasets, cache: BlockCach
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        if pool is not None:
+            await pool.start()
         state.stats.start()
         if cluster is not None:
             cluster.start()
@@ -145,6 +154,8 @@ def create_app(config: ServiceConfig, datasets: ServedDatasets, cache: BlockCach
         for dataset in datasets.values():
             await dataset.store.close()
         await bucket_stores.close()
+        if pool is not None:
+            await pool.close()
 
     batch_endpoint = batch.BatchEndpoint(state)
 

@@ -5,7 +5,7 @@ and a tenant's batch requests in flight are bounded (429 past its ``max_inflight
 What each route needs (``RULES``; any other route or method needs ``admin``):
 
     no token   /healthz, and the status page's HTML at / and /ui (it holds no data)
-    any token  /v1/stats, /metrics, /v1/cluster, the OpenAPI document; /v1/datasets (it lists
+    any token  /v1/stats, /metrics, /v1/cluster, /v1/transforms, the OpenAPI document; /v1/datasets (it lists
                the datasets the token may read); POST /v1/batch and GET /v1/ml/moss[/{bucket}],
                whose dataset and buckets the routes check once they have read the body
     dataset    GET /v1/datasets/{name}, its routing table, index columns and samples; its plans
@@ -58,7 +58,7 @@ RULES = (  # the hottest first
     _rule("POST", r"/v1/batch", "any", batch=True),
     _rule(_READ, r"/v1/datasets/(?P<name>[^/]+)/samples/[^/]+(/[^/]+)?", "dataset"),
     _rule(_READ, r"/v1/ml/moss(/[^/]+)?", "any", batch=True),
-    _rule(_READ, r"/v1/stats|/metrics|/v1/cluster|/v1/datasets|/openapi\.json|/docs(/oauth2-redirect)?|/redoc",
+    _rule(_READ, r"/v1/stats|/metrics|/v1/cluster|/v1/datasets|/v1/transforms|/openapi\.json|/docs(/oauth2-redirect)?|/redoc",
           "any"),
     _rule(_READ, r"/v1/datasets/(?P<name>[^/]+)(/routing|/index(/[^/]+)?)?", "dataset"),
     _rule(f"{_READ} POST", r"/v1/datasets/(?P<name>[^/]+)/plans(/[^/]+)?", "dataset"),

@@ -20,6 +20,10 @@ Its steps, in the order a request meets them:
    written by the protocol itself (``instant``: a held batch small enough to write at once, without
    the ASGI layers) or as a ``TarStreamResponse``.
 
+A request with ``"transform"`` leaves these steps at step 2 (``BatchEndpoint.decide``): validated by
+``wanted_transformed``, it is answered by its own stage (``service/transform/batch.py``: prepared
+cache, raw reads, the pool, the outputs' Arrow framing), admitted and counted as any batch.
+
 The protocol offers the endpoint every request whose body came with its head (``instant``); when
 it cannot answer at once, its ``Decision`` (an error to answer included) travels in the request's
 scope to the ASGI call, which answers from it: nothing is validated or looked up twice.
@@ -33,6 +37,7 @@ new version (a second change: 409). A streamed answer states its expected length
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import contextmanager
@@ -48,13 +53,15 @@ from starlette.responses import Response
 from shardfeed.service.api.auth import tenant_of
 from shardfeed.arrowipc import MEDIA_TYPE as ARROW
 from shardfeed.service.api.common import (
-    ERRORS, TAR, State, answer_changed_once, count_batch, located_members, parse_json, read_body,
+    ERRORS, TAR, State, answer_changed_once, count_batch, located_members, not_located, parse_json, read_body,
     served_metrics, tar_stream_response,
 )
 from shardfeed.service.api.routing import ROUTING_HEADER, routing_version
 from shardfeed.service.api.tenants import Tenant
+from shardfeed.service.api.transforms import TransformRequest
 from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.datasets.index import Members, SampleOutOfRange, UnknownField
+from shardfeed.service.datasets.indexfile import IndexFormatError
 from shardfeed.service.http.errors import ApiError, InvalidRequest
 from shardfeed.service.http.protocol import INSTANT_BYTES
 from shardfeed.service.read.arrow import ArrowFraming
@@ -62,6 +69,8 @@ from shardfeed.service.read.fields import placed_from_ram
 from shardfeed.service.read.framing import TarFraming
 from shardfeed.service.read.stream import batch_groups, stream_batch
 from shardfeed.service.read.warm import HeldGroup, held_group
+from shardfeed.service.stores import StoreError
+from shardfeed.service.transform.batch import TransformedBatch, transformed_answer
 
 MAX_PARTS = 64
 """The most parts one batch of several datasets' samples has (``parts``)."""
@@ -103,6 +112,9 @@ class BatchRequest(BatchPart):
     continue_on_error: bool = Field(False, description="Serve a failed sample as a zero-length "
                                                        "__404__/<dataset>/<i> member (a row of nulls in "
                                                        "'arrow') instead of failing.")
+    transform: TransformRequest | None = Field(None, description="Run this served transform on every sample "
+                                                                 "(format 'arrow', no fields or parts): a row "
+                                                                 "per sample, a column per output.")
 
     def batch_parts(self) -> list[BatchPart]:
         """The parts to serve: ``parts``, or the request itself (a plain batch); a 400 naming the
@@ -135,12 +147,11 @@ class WantedBatch:
     stream: str | None
 
 
-def wanted_batch(state: State, body: bytes, tenant: Tenant) -> list[WantedBatch]:
-    """``body`` checked and looked up, a ``WantedBatch`` per part (a plain batch: one); an
+def wanted_batch(state: State, req: BatchRequest, tenant: Tenant) -> list[WantedBatch]:
+    """``req`` checked and looked up, a ``WantedBatch`` per part (a plain batch: one); an
     ``ApiError`` for anything the batch cannot serve, or ``tenant`` may not read, naming the
     part when the request has ``parts``."""
     config = state.config
-    req = parse_json(body, BatchRequest)
     parts = req.batch_parts()
     for number, part in enumerate(parts):
         with _naming(req, number, part):
@@ -160,6 +171,33 @@ def wanted_batch(state: State, body: bytes, tenant: Tenant) -> list[WantedBatch]
         with _naming(req, number, part):
             wanted.append(_wanted_part(state, part, req))
     return wanted
+
+
+def wanted_transformed(state: State, req: BatchRequest, tenant: Tenant) -> TransformedBatch:
+    """A request with ``"transform"`` checked and looked up (its samples' members: the transform's
+    declared fields); an ``ApiError`` for anything it cannot serve, or ``tenant`` may not use."""
+    if req.format != "arrow":
+        raise ApiError(400, "unsupported_format", f"format {req.format!r}: a transformed batch is answered as "
+                                                  'Arrow only ("format": "arrow")')
+    for given in ("parts", "fields"):
+        if given in req.model_fields_set:
+            raise InvalidRequest(f"invalid request: a transformed batch takes no {given} (the transform reads "
+                                 "its declared fields of one dataset's samples)")
+    part = req.batch_parts()[0]
+    tenant.check_dataset(part.dataset)
+    name = req.transform.name
+    served = state.transforms.get(name)
+    if served is None:
+        raise ApiError(404, "unknown_transform", f"transform {name[:64]!r} is not served (served: "
+                                                 f"{', '.join(state.transforms.served) or 'none'})")
+    tenant.check_transform(name)
+    if len(part.indices) > state.config.max_batch:
+        raise ApiError(413, "too_many_items", f"{len(part.indices)} samples requested; the limit is "
+                                              f"{state.config.max_batch} per batch")
+    fields = served.transform.fields
+    wanted = _wanted_part(state, part.model_copy(update={"fields": None if fields is None else list(fields)}), req)
+    return TransformedBatch(wanted.dataset, wanted.indices, wanted.members, served, req.transform.seed,
+                            req.transform.epoch, req.continue_on_error, part.stream)
 
 
 @contextmanager
@@ -225,11 +263,13 @@ class Decision:
     body: bytes
     parts: list[DecidedPart] = field(default_factory=list)
     error: ApiError | None = None
+    transformed: TransformedBatch | None = None
+    """A request with ``"transform"``: answered by its own stage, never at once (``instant``)."""
 
     @property
     def held(self) -> bool:
-        """Whether every block of every part is in RAM."""
-        return self.error is None and all(part.held is not None for part in self.parts)
+        """Whether every block of every part is in RAM (a transformed batch: not a question)."""
+        return self.error is None and self.transformed is None and all(part.held is not None for part in self.parts)
 
     @property
     def length(self) -> int:
@@ -254,9 +294,13 @@ class BatchEndpoint:
         self.state = state
 
     def decide(self, scope, body: bytes) -> Decision:
-        """Step 2: ``body`` validated and looked up for the request's tenant; every block looked for in RAM."""
+        """Step 2: ``body`` validated and looked up for the request's tenant; every block looked for in
+        RAM. A transformed batch leaves here for its own stage."""
         try:
-            wanted = wanted_batch(self.state, body, tenant_of(scope))
+            req = parse_json(body, BatchRequest)
+            if req.transform is not None:
+                return Decision(body, transformed=wanted_transformed(self.state, req, tenant_of(scope)))
+            wanted = wanted_batch(self.state, req, tenant_of(scope))
         except ApiError as err:
             return Decision(body, error=err)
         return Decision(body, [self._decide_part(part) for part in wanted])
@@ -314,7 +358,8 @@ class BatchEndpoint:
             return self.stream(first.pop() if first else self.decide(scope, decision.body))
 
         # Which part's dataset changed is not told: each is reopened (an unchanged one stays as it is).
-        names = dict.fromkeys(part.wanted.dataset.name for part in decision.parts)
+        names = dict.fromkeys([part.wanted.dataset.name for part in decision.parts] +
+                              ([decision.transformed.dataset.name] if decision.transformed is not None else []))
         return await answer_changed_once(
             answer, lambda: asyncio.gather(*(self.state.datasets.reload(name) for name in names)))
 
@@ -323,6 +368,8 @@ class BatchEndpoint:
         if decision.error is not None:
             raise decision.error
         state = self.state
+        if decision.transformed is not None:
+            return await self._transformed(decision.transformed)
         for part in decision.parts:  # every part placed before the first byte
             if part.held is None:
                 part.wanted.members = await located_members(state, part.wanted.dataset, part.wanted.members)
@@ -337,6 +384,27 @@ class BatchEndpoint:
                                          what=f"batch dataset={','.join(w.dataset.name for w in wanted)} "
                                               f"samples={sum(len(w.indices) for w in wanted)}",
                                          in_memory=decision.held)
+
+    async def _transformed(self, batch: TransformedBatch) -> Response:
+        """A transformed batch, computed whole under admission (``tar_stream_response`` reads its one
+        group before the status line), then sent from memory with its Content-Length."""
+        state, served = self.state, batch.served
+        on_served = _served(state, batch)
+        headers = _transformed_headers(state, batch)
+
+        async def answer() -> AsyncIterator[list]:
+            try:
+                parts = await transformed_answer(batch, state.coalescer, state.pool, state.prepared, state.metrics)
+            except (StoreError, IndexFormatError) as err:  # a record's fields not placed
+                raise not_located(err) from None
+            length = sum(map(len, parts))
+            headers["Content-Length"] = str(length)  # read by the response, made after this first group
+            on_served(len(batch.indices), length)
+            yield parts
+
+        return await tar_stream_response(
+            state, "batch", answer(), media_type=ARROW, headers=headers, in_memory=True,
+            what=f"batch dataset={batch.dataset.name} samples={len(batch.indices)} transform={served.name}")
 
     def _part_stream(self, part: DecidedPart) -> AsyncIterator[list]:
         """A part's stream, as a plain batch of it is sent (plans observe it now)."""
@@ -372,7 +440,9 @@ def _request_schema() -> dict:
     part, answer = BatchPart.model_json_schema(), BatchRequest.model_json_schema()["properties"]
     plain = {**part, "title": "Batch", "description": "One dataset's samples.",
              "properties": {**part["properties"], "format": answer["format"],
-                            "continue_on_error": answer["continue_on_error"]}}
+                            "continue_on_error": answer["continue_on_error"],
+                            "transform": {**TransformRequest.model_json_schema(),
+                                          "description": answer["transform"]["description"]}}}
     parts = {"title": "BatchOfParts", "type": "object", "additionalProperties": False, "required": ["parts", "format"],
              "properties": {"parts": {"type": "array", "items": part, "minItems": 1, "maxItems": MAX_PARTS,
                                       "description": answer["parts"]["description"]},
@@ -408,6 +478,19 @@ LENGTH_HEADER = "X-Shardfeed-Length"
 (a failed sample, or a shard's own headers sent as they are, can make it differ: an estimate)."""
 VERSION_HEADER = "X-Shardfeed-Dataset-Version"
 """The version of the dataset (``Dataset.version``) every sample of the answer was read from."""
+
+
+TRANSFORM_HEADER = "X-Shardfeed-Transform"
+"""On a transformed batch: ``<name>;version=<version>`` of the transform that made it."""
+OUTPUTS_HEADER = "X-Shardfeed-Outputs"
+"""On a transformed batch: its outputs (``describe(t)["outputs"]``) as JSON, in column order."""
+
+
+def _transformed_headers(state: State, batch: TransformedBatch) -> dict[str, str]:
+    """A transformed batch's headers: a plain batch's, and its transform's name, version and outputs."""
+    served = batch.served
+    return {**_headers(state, [batch]), TRANSFORM_HEADER: f"{served.name};version={served.version}",
+            OUTPUTS_HEADER: json.dumps(served.description["outputs"], separators=(",", ":"))}
 
 
 def _headers(state: State, parts: list[WantedBatch]) -> dict[str, str]:

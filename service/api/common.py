@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
@@ -42,6 +42,9 @@ from shardfeed.service.read.framing import chunks_of
 from shardfeed.service.read.samples import SampleBatcher
 from shardfeed.service.read.stream import SampleFailed
 from shardfeed.service.stores import CorruptObject, ObjectChanged, StoreError
+from shardfeed.service.transform.pool import TransformPool
+from shardfeed.service.transform.prepared import PreparedCache
+from shardfeed.service.transform.registry import Transforms
 
 log = logging.getLogger("shardfeed.api")
 
@@ -64,9 +67,9 @@ class ErrorBody(BaseModel):
 ERRORS = {status: {"model": ErrorBody, "description": text} for status, text in [
     (400, "Malformed or invalid request"), (401, "Missing or wrong bearer token"),
     (403, "The token lacks the scope the request needs"),
-    (404, "Unknown dataset, sample, field, index column or route"), (408, "Request body not sent in time"),
+    (404, "Unknown dataset, sample, field, index column, transform or route"), (408, "Request body not sent in time"),
     (413, "Too many items or body too large"),
-    (422, "A shard disagrees with its dataset's index (MDS, LitData)"),
+    (422, "A shard disagrees with its dataset's index (MDS, LitData), or a sample's transform failed"),
     (429, "Overloaded; retry after Retry-After seconds"),
     (503, "Store unreachable after retries")]}
 
@@ -119,6 +122,12 @@ class State:
     """Where GetBatch finds entries: the ``--bucket`` buckets (none: every bucket is refused)."""
     plans: Plans
     prefetcher: Prefetcher
+    transforms: Transforms = field(default_factory=lambda: Transforms({}))
+    """The served transforms (``serve --transform``)."""
+    pool: TransformPool | None = None
+    """Where they run; ``None`` when none is served."""
+    prepared: PreparedCache | None = None
+    """Their ``prepare`` outputs, in the block cache."""
 
     def dataset(self, name: str) -> Dataset:
         dataset = self.datasets.get(name)
@@ -358,6 +367,9 @@ async def tar_stream_response(state: State, route: str, chunks: AsyncIterator[li
             answer = not_located(err.cause) if isinstance(err.cause, (ObjectChanged, CorruptObject)) else failed(err)
             finish(str(answer.status))
             raise answer from None
+        if isinstance(err, ApiError):  # the batch's own answer (a transformed batch's 422)
+            finish(str(err.status))
+            raise
         finish("500")
         raise
 

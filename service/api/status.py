@@ -152,7 +152,32 @@ def document(state: State) -> dict:
         "plans": [plan.describe() for plan in state.plans.live()] or None,  # None: the page hides it
         "registering": _registering(state) or None,  # likewise
         "workers": (state.cluster.describe()["workers"] or None) if state.cluster is not None else None,
+        "transforms": _transforms(state, values) or None,  # None: none served, the page hides it
     }
+
+
+def _transforms(state: State, values: dict[str, float]) -> dict:
+    """Per served transform: samples transformed, CPU seconds per sample in the pool, the
+    prepared cache's hits and misses and its hit ratio, failures (the host's sums on its public
+    port); and this process's pool: processes, busy share, restarts."""
+    if not state.transforms:
+        return {}
+
+    def count(metric: str, name: str, result: str | None = None) -> float:
+        labels = (f'result="{result}",' if result else "") + f'transform="{name}"'  # sorted; names are [a-z0-9_]
+        return values.get(f"{metric}_total{{{labels}}}", 0.0)
+
+    served = {}
+    for name in state.transforms.served:
+        samples, seconds = count("shardfeed_transform_samples", name), count("shardfeed_transform_seconds", name)
+        hits = count("shardfeed_transform_prepared", name, "hit")
+        misses = count("shardfeed_transform_prepared", name, "miss")
+        served[name] = {"samples": int(samples), "seconds_per_sample": _ratio(seconds, samples),
+                        "prepared_hits": int(hits), "prepared_misses": int(misses),
+                        "prepared_hit_ratio": _ratio(hits, hits + misses),
+                        "failures": int(count("shardfeed_transform_failures", name))}
+    pool = state.pool.stats() if state.pool is not None else {}
+    return {"served": served, "pool": {key: pool.get(key) for key in ("processes", "busy_share", "restarts")}}
 
 
 def _registering(state: State) -> list[dict]:

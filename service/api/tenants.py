@@ -9,6 +9,7 @@ labels, plan owners and error messages say it, never the secret. ::
     secret = "7f3e9c0d2b41aa96e0c5"
     scopes = ["dataset:train", "dataset:val", "bucket:images"]
     max_inflight_batches = 16
+    transforms = ["imagenet_train"]
 
     [ops]  # the file holds the secret's SHA-256 (hex), not the secret
     sha256 = "fd331c39a593572da902d6eead46b1951453139d237cd312f207e5f4079f2d85"
@@ -22,6 +23,8 @@ Keys of a tenant:
     max_inflight_batches  its own bound on batch requests in flight (POST /v1/batch, GetBatch),
                           past which it gets 429; default: an equal share of --max-inflight-batches
                           among the file's tenants, so that none can take the others' share
+    transforms            the served transforms (``serve --transform``) its batches may name; default:
+                          every one (an admin: every one, whatever this says)
 
 Scopes:
 
@@ -72,7 +75,7 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _SECRET = re.compile(r"[!-~]{1,4096}")  # what an Authorization: Bearer header carries unchanged
 _DIGEST = re.compile(r"[0-9a-fA-F]{64}")
 _SCOPE = re.compile(r"(dataset|bucket):(\*|[A-Za-z0-9][A-Za-z0-9._-]{0,254})")
-KEYS = ("secret", "sha256", "scopes", "max_inflight_batches")
+KEYS = ("secret", "sha256", "scopes", "max_inflight_batches", "transforms")
 SCOPES = "admin, dataset:NAME, bucket:NAME (NAME * for every one)"
 
 
@@ -92,6 +95,8 @@ class Tenant:
     admin: bool = False
     max_inflight_batches: int | None = None
     """Its own bound on batches in flight; ``None``: only the service's (``Admission``)."""
+    transforms: frozenset[str] | None = None
+    """The served transforms its batches may name; ``None``: every one."""
 
     def may_read(self, dataset: str) -> bool:
         return self.admin or dataset in self.datasets or "*" in self.datasets
@@ -106,6 +111,11 @@ class Tenant:
         if missing:
             raise Forbidden(f"token {self.name!r} may not read bucket {missing[0][:255]!r} "
                             f"(scope bucket:{missing[0][:255]} needed)")
+
+    def check_transform(self, transform: str) -> None:
+        if not (self.admin or self.transforms is None or transform in self.transforms):
+            raise Forbidden(f"token {self.name!r} may not use transform {transform[:64]!r} (its transforms: "
+                            f"{', '.join(sorted(self.transforms)) or 'none'})")
 
     def check_admin(self, what: str) -> None:
         if not self.admin:
@@ -212,8 +222,12 @@ def _tenant(name: str, table, share: int, where: str) -> tuple[Tenant, bytes]:
     bound = table.get("max_inflight_batches", share)
     if not isinstance(bound, int) or isinstance(bound, bool) or not 1 <= bound <= 1 << 20:
         raise TokenFileError(f"{where}: max_inflight_batches must be a whole number from 1 to {1 << 20}")
+    transforms = table.get("transforms")
+    if transforms is not None and not (isinstance(transforms, list) and all(isinstance(t, str) for t in transforms)):
+        raise TokenFileError(f"{where}: transforms must be a list of served transforms' names")
     key = hashlib.sha256(secret.encode()).digest() if secret is not None else bytes.fromhex(digest)
-    return Tenant(name, frozenset(datasets), frozenset(buckets), "admin" in scopes, bound), key
+    return Tenant(name, frozenset(datasets), frozenset(buckets), "admin" in scopes, bound,
+                  None if transforms is None else frozenset(transforms)), key
 
 
 class TokenFile:

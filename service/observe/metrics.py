@@ -85,6 +85,20 @@ class Metrics:
                                        ["tenant", "status"], registry=r)
         self.tenant_batches = Gauge("shardfeed_tenant_inflight_batches", "Batch requests in flight by tenant",
                                     ["tenant"], registry=r)
+        # Transforms (``service/transform/``), by the served transform's name (the operator's: bounded).
+        self.transform_samples = Counter("shardfeed_transform_samples", "Samples transformed, by transform",
+                                         ["transform"], registry=r)
+        self.transform_seconds = Counter("shardfeed_transform_seconds",
+                                         "CPU seconds the pool's processes spent on samples, by transform",
+                                         ["transform"], registry=r)
+        self.transform_prepared = Counter(
+            "shardfeed_transform_prepared", "Samples whose prepare output was found in the prepared cache "
+            "(hit) or was not (miss: prepared from the raw sample)", ["transform", "result"], registry=r)
+        self.transform_failures = Counter("shardfeed_transform_failures",
+                                          "Samples whose transform raised, timed out or lost its process",
+                                          ["transform"], registry=r)
+        self.transform_busy = Gauge("shardfeed_transform_pool_busy_share",
+                                    "Share of the transform pool's processes busy (0..1)", registry=r)
 
     def stream_counters(self, stream: str) -> tuple[Counter, Counter]:
         """The samples and bytes counters of ``stream``: its own for the first ``MAX_STREAMS``

@@ -51,9 +51,13 @@ the labels given)."""
 STREAMS = {"samples": "shardfeed_stream_samples_served_total", "bytes": "shardfeed_stream_bytes_served_total"}
 """Counters labelled by ``stream`` (the name a batch request gave): per stream, its totals and rates."""
 
-_LABELLED = frozenset({*(sample.partition("{")[0] for sample in RATES.values() if "{" in sample), *STREAMS.values()})
+TRANSFORMS = ("shardfeed_transform_samples_total", "shardfeed_transform_seconds_total",
+              "shardfeed_transform_prepared_total", "shardfeed_transform_failures_total")
+"""The counters of served transforms, by transform (the status page's table of them)."""
+_LABELLED = frozenset({*(sample.partition("{")[0] for sample in RATES.values() if "{" in sample), *STREAMS.values(),
+                       *TRANSFORMS})
 """Counters whose samples ``read_registry`` also keeps label by label (those ``RATES`` name so,
-and the ``STREAMS``)."""
+the ``STREAMS`` and the ``TRANSFORMS``)."""
 
 HIT_TIERS = {"ram": "memory_hits", "disk": "cache_hits", "sibling": "sibling_hits", "replica": "replica_hits"}
 """Where a block a read needed came from without a store read of this node's, by tier: the

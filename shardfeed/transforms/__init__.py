@@ -11,8 +11,8 @@ image transforms are in :mod:`.image`.
 """
 
 from shardfeed.transforms.base import (
-    Output, Transform, TransformError, apply, checked, describe, load, pack, rng_for, unpack,
+    SHAPE, Output, Transform, TransformError, apply, checked, describe, load, output_columns, pack, rng_for, unpack,
 )
 
-__all__ = ["Output", "Transform", "TransformError", "apply", "checked", "describe", "load", "pack", "rng_for",
-           "unpack"]
+__all__ = ["SHAPE", "Output", "Transform", "TransformError", "apply", "checked", "describe", "load", "output_columns",
+           "pack", "rng_for", "unpack"]

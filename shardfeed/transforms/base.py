@@ -83,6 +83,16 @@ class Transform:
         return prepared
 
 
+SHAPE = ".shape"
+"""The suffix of the wire's column of a varying output's shape (its dims, int64 little-endian)."""
+
+
+def output_columns(outputs: Mapping[str, Output]) -> list[str]:
+    """The columns of a transformed answer after ``__key__`` and ``__index__``, in order: each declared
+    output, and right after one whose shape varies, its ``<name>.shape``."""
+    return [c for name, output in outputs.items() for c in ([name] if output.fixed else [name, name + SHAPE])]
+
+
 def rng_for(seed: int, epoch: int, index: int) -> np.random.Generator:
     """The generator ``augment`` draws from for sample ``index`` in ``epoch`` of a run seeded ``seed``:
     the same wherever and whenever it is made (PCG64, seeded by all three)."""

@@ -4,6 +4,13 @@ one that works, and ones that misbehave in each way a sample can make a pool pro
 Each reads the field ``x`` and misbehaves only on the samples whose ``x`` asks for it, so that in one
 run the other samples show they are untouched. What they do is chosen by the sample and not by the
 environment: the pool's processes are forked by a fork server that keeps the environment it started with.
+
+The service's tests (``serve --transform NAME=common.sample_transforms:FACTORY``, ``PYTHONPATH`` at
+``tests/``) use ``digest`` and its failing kin, which read a ``make_dataset`` sample's ``bin`` and
+``cls``: ``digest``'s prepare output depends on its version (``SAMPLE_TRANSFORM_VERSION`` in the
+service's environment, default 1: its fork server starts with the service), so an output prepared
+by an old version, or from an old shard, differs from a fresh one. ``digest_raising`` and
+``digest_hanging`` fail on samples whose ``cls`` is 3.
 """
 
 from __future__ import annotations
@@ -86,6 +93,56 @@ class WrongDtype(BytesShifted):
 
 def failing_factory() -> Transform:
     raise RuntimeError("no model file here")
+
+
+FAILING_CLASS = b"3"
+"""The ``cls`` of the samples ``raising`` and ``hanging`` fail on."""
+
+
+class Digest(Transform):
+    """The first 64 bytes of ``bin`` plus the version (varying length), its class, and 4 random floats."""
+
+    fields = ("bin", "cls")
+    outputs = {"head": Output("uint8", (None,)), "label": Output("int64", ()), "noise": Output("float32", (4,))}
+
+    def __init__(self, version: str = "1"):
+        self.version = version
+
+    def prepare(self, sample):
+        head = np.frombuffer(sample["bin"], np.uint8)[:64]
+        return {"head": (head + np.uint8(int(self.version))).astype(np.uint8),
+                "label": np.array(int(sample["cls"]), np.int64)}
+
+    def augment(self, prepared, rng):
+        head = prepared["head"][::-1] if rng.random() < 0.5 else prepared["head"]
+        return {"head": np.ascontiguousarray(head), "label": prepared["label"],
+                "noise": rng.random(4, dtype=np.float32)}
+
+
+class DigestRaising(Digest):
+    def prepare(self, sample):
+        if sample["cls"] == FAILING_CLASS:
+            raise ValueError("class 3 refused")
+        return super().prepare(sample)
+
+
+class DigestHanging(Digest):
+    def prepare(self, sample):
+        if sample["cls"] == FAILING_CLASS:
+            time.sleep(3600)
+        return super().prepare(sample)
+
+
+def digest() -> Digest:
+    return Digest(os.environ.get("SAMPLE_TRANSFORM_VERSION", "1"))
+
+
+def digest_raising() -> DigestRaising:
+    return DigestRaising()
+
+
+def digest_hanging() -> DigestHanging:
+    return DigestHanging()
 
 
 SPECS = {"bytes_shifted": f"{__name__}:BytesShifted", "raising": f"{__name__}:Raising",

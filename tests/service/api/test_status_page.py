@@ -256,3 +256,30 @@ def test_the_streams_table_shows_each_named_streams_figures_once_batches_name_th
         assert "Streams" in watched.page.text_content("#streams-section")
         watched.screenshot("status-page-streams.png")
         assert watched.errors == [] and watched.console == []
+
+
+def test_the_transforms_table_shows_each_served_transforms_figures(browser, tmp_path):
+    root = tmp_path / "data"
+    make_dataset(dir_put(root), samples=40, per_shard=20, sizes=(100, 2000))
+    module = "common.sample_transforms"
+    with start_service({"train": root.as_uri()}, cache_dir=tmp_path / "cache", env={"PYTHONPATH": str(REPO / "tests")},
+                       args=["--transform", f"digest={module}:digest", "--transform-processes", "2"]) as svc:
+        watched = Watched(browser, svc.url)
+        watched.wait("document.body.dataset.connected === 'yes'")
+        assert watched.page.is_visible("#transforms-section")
+        body = {"dataset": "train", "indices": list(range(0, 40, 2)), "format": "arrow",
+                "transform": {"name": "digest", "seed": 1}}
+        for _ in range(2):  # prepared, then from the prepared cache
+            assert httpx.post(f"{svc.url}/v1/batch", json=body, timeout=30).status_code == 200
+        moment = time.time()
+        watched.wait(f"Number(document.body.dataset.time) > {moment}")
+        watched.wait("document.querySelector('#transforms tr[data-transform=digest]').cells[1].textContent === '40'")
+        cells = watched.page.evaluate("""() => [...document.querySelector('#transforms tr[data-transform=digest]')
+            .cells].map((td) => td.textContent)""")
+        doc = httpx.get(f"{svc.url}/v1/stats", timeout=10).json()["transforms"]
+        assert doc["served"]["digest"]["samples"] == 40 and doc["served"]["digest"]["prepared_hit_ratio"] == 0.5
+        assert cells[0] == "digest" and cells[3] == "50.0 %" and cells[4] == "0"
+        assert cells[2].endswith(" ms")
+        assert watched.page.text_content("#transform-pool").startswith("2 processes")
+        watched.screenshot("status-page-transforms.png")
+        assert watched.errors == [] and watched.console == []
