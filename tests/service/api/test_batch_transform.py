@@ -245,3 +245,13 @@ def test_two_workers_each_transform_the_batches_they_receive(data, tmp_path):
                        args=["--transform", f"digest={MODULE}:digest", "--transform-processes", "2"]) as svc:
         for _ in range(4):  # the port is shared: the batches reach one worker or the other
             check(batch(svc.url, indices, seed=9), sources["train"], indices, 9, 0)
+
+
+def test_without_a_cache_nothing_prepared_is_kept(data, tmp_path):
+    root, sources = data
+    indices = [4, 8, 15]
+    with start_service({"train": (root / "train").as_uri()}, cache_dir=tmp_path / "cache", cache_size="0", env=ENV,
+                       args=["--transform", f"digest={MODULE}:digest", "--transform-processes", "1"]) as svc:
+        for _ in range(2):
+            check(batch(svc.url, indices), sources["train"], indices, 0, 0)
+        assert prepared(svc.url, "hit") == 0 and prepared(svc.url, "miss") == 2 * len(indices)
