@@ -112,8 +112,6 @@ class _Source:
         self.preprocess = transform if isinstance(transform, Preprocess) else None
         """The transform whose outputs a batch is (:data:`Preprocess`), or ``None``."""
         self.fields = list(fields) if fields is not None else None
-        if isinstance(transform, Transform):
-            self.fields = None if transform.fields is None else list(transform.fields)  # what it reads (the plan's)
         self.transform = None if self.preprocess is not None else transform
         """What each sample dict is mapped by (``output="samples"``), or ``None``."""
         self.continue_on_error = continue_on_error
@@ -123,12 +121,15 @@ class _Source:
         self.info = self.client.info(dataset)
         self.decoder = make_decoder(decode, self.info)  # MDS and LitData fields by the encodings the info names
         self.client.load_routing(dataset)
+        reads = transform.fields if isinstance(transform, Transform) else None
         if isinstance(transform, str):
             served = {t["name"]: t for t in self.client.transforms()}
             if transform not in served:
                 raise ValueError(f"the service runs no transform {transform!r} "
                                  f"(it runs: {', '.join(served) or 'none'})")
-            self.fields = served[transform]["fields"]  # what it reads (the plan's)
+            reads = served[transform]["fields"]
+        if reads is not None:  # what it reads (the plan's): those of its fields the dataset has, as the service reads
+            self.fields = [field for field in reads if field in self.info["fields"]]
 
     @property
     def size(self) -> int:

@@ -67,6 +67,7 @@ from shardfeed.service.http.protocol import INSTANT_BYTES
 from shardfeed.service.read.arrow import ArrowFraming
 from shardfeed.service.read.fields import placed_from_ram
 from shardfeed.service.read.framing import TarFraming
+from shardfeed.service.read.planner import take
 from shardfeed.service.read.stream import batch_groups, stream_batch
 from shardfeed.service.read.warm import HeldGroup, held_group
 from shardfeed.service.stores import StoreError
@@ -195,8 +196,17 @@ def wanted_transformed(state: State, req: BatchRequest, tenant: Tenant) -> Trans
         raise ApiError(413, "too_many_items", f"{len(part.indices)} samples requested; the limit is "
                                               f"{state.config.max_batch} per batch")
     fields = served.transform.fields
-    wanted = _wanted_part(state, part.model_copy(update={"fields": None if fields is None else list(fields)}), req)
-    return TransformedBatch(wanted.dataset, wanted.indices, wanted.members, served, req.transform.seed,
+    if fields is not None:  # those of the fields it may read that the dataset has; a sample may lack some
+        have = state.dataset(part.dataset).index.fields
+        fields = [field for field in fields if field in have]
+        if not fields:
+            raise ApiError(404, "unknown_field", f"dataset {part.dataset[:200]!r} has none of transform {name!r}'s "
+                                                 f"fields {', '.join(served.transform.fields)} (it has: {', '.join(have)})")
+    # A sample's absent fields are left out of what prepare is given (prepare decides what it needs).
+    wanted = _wanted_part(state, part.model_copy(update={"fields": fields}),
+                          req.model_copy(update={"continue_on_error": True}))
+    members = take(wanted.members, np.flatnonzero(wanted.members.found))
+    return TransformedBatch(wanted.dataset, wanted.indices, members, served, req.transform.seed,
                             req.transform.epoch, req.continue_on_error, part.stream)
 
 

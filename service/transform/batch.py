@@ -75,7 +75,8 @@ async def transformed_answer(batch: TransformedBatch, coalescer: Coalescer, pool
     for position in range(n):
         if position in failed:
             continue
-        sample, cached = samples.get(position), found[position]
+        cached = found[position]
+        sample = None if cached is not None else samples.get(position, {})  # {}: it has none of the fields
         jobs.append(Job(int(indices[position]), sample, cached, batch.seed, batch.epoch))
         positions.append(position)
     results = await pool.run(served.name, jobs)

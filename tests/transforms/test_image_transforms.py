@@ -50,7 +50,8 @@ def test_prepare_gives_a_short_side_of_256_and_the_label(samples):
 def test_a_jpeg_decoded_shrunk_is_resized_from_its_own_size():
     # 999 x 520 decodes at 500 x 260 (DCT scaling by 1/2), whose own short-side resize would be 492 wide;
     # torchvision's Resize(256) of the original is int(256 * 999 / 520) = 491 wide.
-    for size, resized in [((1000, 750), (256, 341, 3)), ((999, 520), (256, 491, 3))]:
+    # An image smaller than the short side (300 x 240) is enlarged: decoded whole, then resized.
+    for size, resized in [((1000, 750), (256, 341, 3)), ((999, 520), (256, 491, 3)), ((300, 240), (256, 320, 3))]:
         assert stock.imagenet_train().prepare({"jpg": sample_jpeg(0, 0, size), "cls": b"0"})["image"].shape == resized
 
 
