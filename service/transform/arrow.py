@@ -12,36 +12,11 @@ known; each cell goes out as a view of the array the pool's answer holds (nothin
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 
-from shardfeed.arrowipc import (
-    END_OF_STREAM, INDEX, KEY, BodyLayout, record_batch_message, schema_message, validity_bitmap,
-)
-from shardfeed.transforms.base import Transform
-
-SHAPE = ".shape"
-"""The suffix of the column of each cell's dimensions, after an output whose shape varies."""
-
-
-def columns(transform: Transform) -> list[tuple[str, str, bool]]:
-    """The output columns in order: ``(column, output, shape)``, ``shape`` for a ``<name>.shape`` one."""
-    out = []
-    for name, output in transform.outputs.items():
-        out.append((name, name, False))
-        if not output.fixed:
-            out.append((name + SHAPE, name, True))
-    return out
-
-
-@lru_cache(maxsize=64)
-def _schema(names: tuple[str, ...]) -> bytes:
-    import pyarrow as pa
-
-    schema = pa.schema([pa.field(KEY, pa.large_utf8()), pa.field(INDEX, pa.int64(), nullable=False),
-                        *(pa.field(name, pa.large_binary()) for name in names)])
-    return schema_message(schema.serialize().to_pybytes())
+from shardfeed.arrowipc import END_OF_STREAM, BodyLayout, record_batch_message, validity_bitmap
+from shardfeed.service.read.arrow import schema_message
+from shardfeed.transforms.base import SHAPE, Transform, output_columns
 
 
 def frame(transform: Transform, indices: np.ndarray, key_offsets: np.ndarray, key_text: np.ndarray,
@@ -57,7 +32,9 @@ def frame(transform: Transform, indices: np.ndarray, key_offsets: np.ndarray, ke
     buffers: list[tuple[int, list]] = [
         (len(validity), [validity]), *_whole(key_offsets.astype("<i8", copy=False)), *_whole(key_text),
         (0, []), *_whole(np.asarray(indices).astype("<i8", copy=False))]
-    for _, output, shape in columns(transform):
+    names = output_columns(transform.outputs)
+    for column in names:
+        output, shape = column.removesuffix(SHAPE), column.endswith(SHAPE)  # output names have no dot
         cells = [None if row is None else _cell(row[output], shape) for row in rows]
         sizes = np.array([0 if cell is None else len(cell) for cell in cells], np.int64)
         offsets = np.zeros(n + 1, "<i8")
@@ -66,7 +43,7 @@ def frame(transform: Transform, indices: np.ndarray, key_offsets: np.ndarray, ke
         buffers += [(len(validity), [validity]), *_whole(offsets),
                     (int(offsets[-1]), [cell for cell in cells if cell is not None and len(cell)])]
     body = BodyLayout.of([length for length, _ in buffers])
-    out = [_schema(tuple(column for column, _, _ in columns(transform))),
+    out = [schema_message(tuple(names)),
            record_batch_message(n, np.array(nodes, np.int64), body)]
     for (_, parts), gap in zip(buffers, body.gaps):
         out += [part for part in parts if len(part)]
