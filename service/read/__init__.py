@@ -9,6 +9,7 @@
     coalescer.py  every read of member bytes: RAM, disk, sibling files, owners, the store
     fetcher.py    fetches of missing blocks (singleflight, merged, bounded) into the cache
     ranges.py     members read as exact ranges, without their blocks (plans decide)
+    slots.py      who reads from the store next: needed reads before reads ahead, tenants in turn
     planner.py    members -> block pieces -> merged store reads (pure functions)
 
 May import: ``cluster``, ``datasets``, ``cache``, ``stores``, ``observe``, ``http``, ``config``.

@@ -5,7 +5,7 @@ ahead along plans): one ranged read per run of nearby blocks (``planner.merge_bl
 merged across gaps up to ``merge_gap``, at most ``max_fetch`` bytes; a whole aligned window
 around a miss when the dataset fits in the cache). Each block has at most one read in
 flight (singleflight): a second request for it waits on the first's future. Store reads
-in flight are bounded by one semaphore shared by all requests. A fetched block enters the
+in flight are bounded by the slots every request shares (``slots.py``). A fetched block enters the
 RAM tier at once and is written to disk on threads of its own, its future kept until it
 is there, so a request that comes meanwhile shares its bytes.
 """
@@ -27,6 +27,7 @@ from shardfeed.service.config import ServiceConfig
 from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.observe.metrics import Metrics
 from shardfeed.service.read.planner import merge_blocks
+from shardfeed.service.read.slots import StoreSlots
 from shardfeed.service.stores import Arrived, ObjectChanged, StoreError
 
 log = logging.getLogger("shardfeed.coalescer")
@@ -52,7 +53,8 @@ class BlockFetcher:
         self.gap_blocks = config.merge_gap // config.block_size
         self.max_blocks = max(1, config.max_fetch // config.block_size)
         self.window_blocks = max(1, min(config.fetch_window // config.block_size, self.max_blocks))
-        self._store_slots = asyncio.Semaphore(config.max_store_requests)
+        self.slots = StoreSlots(config.max_store_requests)
+        """The store reads in flight (``slots.py``: by need, then by tenants' turns)."""
         self._inflight: dict[BlockKey, asyncio.Future] = {}
         """Per block being read, the future of its bytes (or the ``StoreError`` that ended the read)."""
         self._tasks: set[asyncio.Task] = set()
@@ -181,7 +183,7 @@ class BlockFetcher:
         path = dataset.index.shards[shard]
         piece = max(end - start, 1) if whole else self.block_size
         try:
-            async with self._store_slots:
+            async with self.slots.hold(self.slots.ticket()):
                 self.metrics.inflight_store.inc()
                 began = time.perf_counter()
                 try:
