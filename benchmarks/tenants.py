@@ -7,14 +7,22 @@ two tenants: ``heavy``, whose own bound on batches in flight is ``--heavy-bound`
 after another, alone and then beside ``--heavy-inflight`` threads of the heavy tenant posting
 without pause; printed: its P50 and P99 both times and their ratio (issue 26's target: P99
 within 2x of solo), the heavy tenant's batches/s and its 429s. Every batch either tenant
-counts is checked, sample by sample, against the seeded bytes (``common.Digests``).
+counts is checked, sample by sample, against the seeded bytes (``common.Digests``). The light
+tenant's timing starts once every heavy thread has had an answer (on a loaded machine the heavy
+process takes seconds to start; a fixed wait measured the light tenant beside nobody).
 
-    python -m shardfeed.benchmarks.tenants [--samples 4000] [--size 10KiB] [--heavy-inflight 64]
+``--pin SERVICE:HEAVY:LIGHT`` puts each on its own CPUs (``taskset -a``, every thread; e.g.
+``0:1:1``): what the light tenant's P99 gains from it is CPU the three were taking from each
+other, not the service's order of answers.
+
+    python -m shardfeed.benchmarks.tenants [--samples 4000] [--size 10KiB] [--heavy-inflight 64] [--pin 0:1:1]
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import subprocess
 import tempfile
 import threading
 import time
@@ -25,7 +33,7 @@ import numpy as np
 from shardfeed.benchmarks.common import Digests, WrongBytes, benchmark_parser, dataset_arguments, load_note, seed_by_cli
 from shardfeed.client import Client
 from shardfeed.client.errors import ShardfeedHTTPError
-from shardfeed.process import start_service
+from shardfeed.process import child_pids, start_service
 from shardfeed.retry import Backoff
 from shardfeed.seeds.synthetic import DEFAULT_FIELDS, parse_sizes
 
@@ -52,13 +60,15 @@ def latencies(url: str, digests: Digests, batch: int, batches: int, seed: int) -
     return np.array(out)
 
 
-def flood(url: str, samples: int, size: str, batch: int, threads: int, stop, counts, began) -> None:
+def flood(url: str, samples: int, size: str, batch: int, threads: int, stop, counts, began, ready) -> None:
     """``threads`` heavy-tenant threads posting random batches until ``stop`` (a process's
     ``Event``), then their answers counted into ``counts`` (a queue) from ``began`` on (an
-    ``Event``: the light tenant's measurement starts). A process of its own: its threads
-    parsing answers would otherwise hold the GIL the light tenant's timing needs."""
+    ``Event``: the light tenant's measurement starts); ``ready`` is set once every thread has
+    had an answer. A process of its own: its threads parsing answers would otherwise hold the
+    GIL the light tenant's timing needs."""
     lock = threading.Lock()
     tally: dict[str, int] = {}
+    answered: set[int] = set()
     digests = Digests(samples, parse_sizes(size), DEFAULT_FIELDS)
 
     def work(seed: int) -> None:
@@ -73,9 +83,12 @@ def flood(url: str, samples: int, size: str, batch: int, threads: int, stop, cou
                     key = str(err.status)
                 except WrongBytes as err:
                     key = f"wrong bytes ({err})"
-                if began.is_set():
-                    with lock:
+                with lock:
+                    if began.is_set():
                         tally[key] = tally.get(key, 0) + 1
+                    answered.add(seed)
+                    if len(answered) == threads:
+                        ready.set()
 
     workers = [threading.Thread(target=work, args=(n,), daemon=True) for n in range(threads)]
     for worker in workers:
@@ -86,6 +99,11 @@ def flood(url: str, samples: int, size: str, batch: int, threads: int, stop, cou
     counts.put(tally)
 
 
+def pin(pid: int, cpus: str) -> None:
+    """Every thread of process ``pid`` on ``cpus`` (a ``taskset`` list: ``0``, ``0,1``, ``0-1``)."""
+    subprocess.run(["taskset", "-a", "-cp", cpus, str(pid)], check=True, stdout=subprocess.DEVNULL)
+
+
 def main(argv=None) -> int:
     parser = benchmark_parser(__doc__, __spec__.name)
     dataset_arguments(parser, samples=4000, batch=64)
@@ -93,7 +111,12 @@ def main(argv=None) -> int:
     parser.add_argument("--heavy-inflight", type=int, default=64, help="the heavy tenant's threads")
     parser.add_argument("--heavy-bound", type=int, help="its max_inflight_batches (default: --heavy-inflight)")
     parser.add_argument("--workers", type=int, default=1, help="shardfeed serve --workers")
+    parser.add_argument("--pin", metavar="SERVICE:HEAVY:LIGHT",
+                        help="CPUs (taskset lists) of the service, the heavy tenant's process and the light tenant's")
     args = parser.parse_args(argv)
+    cpus = args.pin.split(":") if args.pin else None
+    if cpus is not None and len(cpus) != 3:
+        parser.error(f"--pin {args.pin!r}: three taskset CPU lists expected, SERVICE:HEAVY:LIGHT (e.g. 0:1:1)")
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         data = tmp / "data"
@@ -102,16 +125,27 @@ def main(argv=None) -> int:
         tokens = token_file(tmp / "tokens.toml", args.heavy_bound or args.heavy_inflight)
         with start_service({"bench": data.as_uri()}, cache_dir=tmp / "cache", workers=args.workers,
                            args=["--tokens", str(tokens)]) as service:
+            if cpus is not None:  # its workers (--workers N) are its children: pinned alike
+                for pid in [service.process.pid, *child_pids(service.process.pid)]:
+                    pin(pid, cpus[0])
+                pin(os.getpid(), cpus[2])
             with Client(service.url, token=LIGHT) as client:  # warm: every sample once
                 for start in range(0, args.samples, 256):
                     client.get_batch("bench", list(range(start, min(start + 256, args.samples))))
             solo = latencies(service.url, digests, args.batch, args.batches, 0)
             spawn = multiprocessing.get_context("spawn")
-            stop, began, counts = spawn.Event(), spawn.Event(), spawn.Queue()
+            stop, began, ready, counts = spawn.Event(), spawn.Event(), spawn.Event(), spawn.Queue()
             heavy = spawn.Process(target=flood, args=(service.url, args.samples, args.size, args.batch, args.heavy_inflight,
-                                                      stop, counts, began))
+                                                      stop, counts, began, ready))
             heavy.start()
-            time.sleep(3.0)  # the heavy tenant's process up and at full load
+            if cpus is not None:
+                pin(heavy.pid, cpus[1])
+            if not ready.wait(180):
+                stop.set()
+                raise SystemExit("the heavy tenant's threads had no answer within 180 s")
+            if cpus is not None:  # its threads started after the first pin
+                pin(heavy.pid, cpus[1])
+            time.sleep(1.0)  # at full load
             began.set()
             started = time.perf_counter()
             loaded = latencies(service.url, digests, args.batch, args.batches, 1)
@@ -124,8 +158,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"the heavy tenant got other bytes than were seeded: {wrong[0]}")
     p = {name: (np.percentile(v, 50) * 1e3, np.percentile(v, 99) * 1e3) for name, v in (("solo", solo),
                                                                                           ("loaded", loaded))}
-    print(f"{args.samples} x {args.size}, batches of {args.batch}, shardfeed serve --workers {args.workers}; "
-          f"{load_note()}")
+    print(f"{args.samples} x {args.size}, batches of {args.batch}, shardfeed serve --workers {args.workers}"
+          f"{f', pinned {args.pin} (service:heavy:light)' if args.pin else ''}; {load_note()}")
     print(f"light tenant alone:            P50 {p['solo'][0]:7.1f} ms   P99 {p['solo'][1]:7.1f} ms")
     print(f"beside {args.heavy_inflight} heavy batches in flight: P50 {p['loaded'][0]:7.1f} ms   "
           f"P99 {p['loaded'][1]:7.1f} ms   ({p['loaded'][1] / p['solo'][1]:.2f}x the solo P99)")
