@@ -1,6 +1,8 @@
 """Bearer tokens and what each may do, in front of every route: the token must be known (401
 otherwise), its tenant (``tenants.py``) must hold the scope the route needs (403, naming it),
 and a tenant's batch requests in flight are bounded (429 past its ``max_inflight_batches``).
+An admitted request's store reads take turns with other tenants' (``read/slots.py``): the
+middleware sets ``slots.TENANT`` to its tenant's name, which the tasks it starts inherit.
 
 What each route needs (``RULES``; any other route or method needs ``admin``):
 
@@ -26,6 +28,7 @@ from shardfeed.service.api.tenants import EVERYTHING, Tenant, TenantBatches, Tok
 from shardfeed.service.cluster.peers import COPY_HEADER
 from shardfeed.service.http.errors import Forbidden, Overloaded, error_response
 from shardfeed.service.observe.metrics import Metrics
+from shardfeed.service.read import slots
 
 log = logging.getLogger("shardfeed.api")
 
@@ -129,6 +132,7 @@ class TokenAuth:
         if refused is not None:
             log.debug("%s %s refused: %s", scope["method"], scope["path"][:200], refused.message)
             return await refused.response()(scope, receive, counted)
+        slots.TENANT.set(tenant.name)  # this request's task only: uvicorn starts one per request
         if rule is None or not rule.batch:
             return await self.app(scope, receive, counted)
         try:
