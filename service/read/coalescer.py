@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Protocol
@@ -42,9 +43,15 @@ from shardfeed.service.observe.metrics import Metrics
 from shardfeed.service.read.fetcher import BlockFetcher
 from shardfeed.service.read.planner import assemble, distinct_blocks, plan_pieces, take
 from shardfeed.service.read.ranges import RangeReader
+from shardfeed.service.read.slots import StoreSlots
 from shardfeed.service.stores import StoreError
 
 log = logging.getLogger("shardfeed.coalescer")
+
+DISK_READS = min(32, (os.cpu_count() or 1) + 4)
+"""Cached blocks read from disk at once: the threads of asyncio's default executor (its own
+formula), whose queue is first come across tenants; past them a read waits its tenant's turn
+(``disk_turns``) instead."""
 
 RANGES_FIRST_SHARE = 1 / 8
 """``ranges_first`` reads the ranges of a cold block of which a read needs this share at most
@@ -74,6 +81,8 @@ class Coalescer:
         self.block_size = config.block_size
         self.memory = memory
         self.fetcher = BlockFetcher(cache, memory, metrics, config, cluster, on_changed=on_changed)
+        self.disk_turns = StoreSlots(DISK_READS)
+        """Reads of cached blocks from disk, by tenants' turns (``slots.py``), as store reads are."""
         self._sibling_reads: dict[BlockKey, asyncio.Future] = {}  # whole sibling blocks being read
         self._holds_all: dict[str, tuple[tuple, bool]] = {}  # dataset id -> (what it was drawn from, answer)
         self._own_blocks: dict[str, tuple] = {}  # dataset id -> ((ownership, version), blocks in all, shard ids, blocks of each)
@@ -225,7 +234,8 @@ class Coalescer:
             if cached:
                 # Scan resistance: a block enters RAM on its second read from disk (``memtier.py``).
                 wanted = self._wanted(pieces, cached, self.memory and self.memory.admits)
-                found = await asyncio.to_thread(self._read_cached, wanted)
+                async with self.disk_turns.hold(self.disk_turns.ticket()):
+                    found = await asyncio.to_thread(self._read_cached, wanted)
                 self.metrics.cache_hits.inc(len(found))
                 # A block evicted meanwhile stays out of RAM: the tier mirrors the disk.
                 self._take_read(pieces, found, wanted, keep=lambda key: key in self.cache)
