@@ -13,7 +13,8 @@ process takes seconds to start; a fixed wait measured the light tenant beside no
 
 ``--pin SERVICE:HEAVY:LIGHT`` puts each on its own CPUs (``taskset -a``, every thread; e.g.
 ``0:1:1``): what the light tenant's P99 gains from it is CPU the three were taking from each
-other, not the service's order of answers.
+other, not the service's order of answers. Also printed: how long the service's event loop and
+the light tenant's client waited for a CPU while the light tenant was timed (``schedstat``).
 
     python -m shardfeed.benchmarks.tenants [--samples 4000] [--size 10KiB] [--heavy-inflight 64] [--pin 0:1:1]
 """
@@ -104,6 +105,12 @@ def pin(pid: int, cpus: str) -> None:
     subprocess.run(["taskset", "-a", "-cp", cpus, str(pid)], check=True, stdout=subprocess.DEVNULL)
 
 
+def runqueue_seconds(pid: int) -> float:
+    """Seconds process ``pid``'s main thread (the service's event loop; the light tenant's
+    client) has so far spent ready to run but waiting for a CPU (``/proc/.../schedstat``)."""
+    return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[1]) / 1e9
+
+
 def main(argv=None) -> int:
     parser = benchmark_parser(__doc__, __spec__.name)
     dataset_arguments(parser, samples=4000, batch=64)
@@ -148,7 +155,10 @@ def main(argv=None) -> int:
             time.sleep(1.0)  # at full load
             began.set()
             started = time.perf_counter()
+            pids = (service.process.pid, os.getpid())
+            queued = [runqueue_seconds(pid) for pid in pids]
             loaded = latencies(service.url, digests, args.batch, args.batches, 1)
+            queued = [runqueue_seconds(pid) - before for pid, before in zip(pids, queued)]
             seconds = time.perf_counter() - started
             stop.set()
             during = counts.get(timeout=120)
@@ -166,6 +176,8 @@ def main(argv=None) -> int:
     print(f"heavy tenant meanwhile: {during.get('served', 0) / seconds:.0f} batches/s served, "
           f"{during.get('429', 0) / seconds:.0f}/s refused (429), "
           f"other errors {sum(v for k, v in during.items() if k not in ('served', '429'))}")
+    print(f"waiting for a CPU meanwhile, per light batch: the service's event loop {queued[0] / args.batches * 1e3:.1f} ms, "
+          f"the light client {queued[1] / args.batches * 1e3:.1f} ms (of {loaded.mean() * 1e3:.1f} ms on average)")
     return 0
 
 
