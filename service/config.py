@@ -81,9 +81,9 @@ def transform_spec(text: str, *, load: bool = False) -> tuple[str, str]:
     its transform checked too (``transforms.base.load``). ``ValueError`` saying what is wrong."""
     name, sep, spec = text.partition("=")
     if not sep or not spec:
-        raise ValueError(f"--transform expects NAME=MODULE:FACTORY, got {text[:200]!r}")
+        raise ValueError(f"expected NAME=MODULE:FACTORY, got {text[:200]!r}")
     if not TRANSFORM_NAME.match(name):
-        raise ValueError(f"--transform: the name {name[:200]!r} is not [a-z0-9_]{{1,64}}")
+        raise ValueError(f"the name {name[:200]!r} is not [a-z0-9_]{{1,64}}")
     if load:
         from shardfeed.transforms.base import load as load_transform  # imports numpy: only when needed
 

@@ -129,11 +129,18 @@ def test_a_shard_overwritten_in_the_store_is_never_answered_from_stale_prepared_
     root, sources = data
     source = sources["mutable"]
     indices = list(range(0, 40, 3))
-    check(batch(service.url, indices, dataset="mutable"), source, indices, 0, 0)
+    before = batch(service.url, indices, dataset="mutable")
+    check(before, source, indices, 0, 0)
     shard = root / "mutable" / "shards" / "part-0000.tar"
     shard.write_bytes(_bins_flipped(shard.read_bytes(), source))
-    time.sleep(0.01)
-    check(batch(service.url, indices, dataset="mutable"), source, indices, 0, 0)
+    # The service learns of it as of any change in the store: a reopening (here asked for; SIGHUP,
+    # or a read that finds the shard replaced). From then on, the old prepared outputs are not found.
+    assert httpx.post(f"{service.url}/v1/datasets/mutable/reload", headers=ALL, timeout=30).status_code == 200
+    misses = prepared(service.url, "miss")
+    after = batch(service.url, indices, dataset="mutable")
+    check(after, source, indices, 0, 0)
+    assert after.headers["x-shardfeed-dataset-version"] != before.headers["x-shardfeed-dataset-version"]
+    assert prepared(service.url, "miss") - misses == sum(i < PER_SHARD for i in indices)  # the other shards' kept
 
 
 def _bins_flipped(archive: bytes, source: dict) -> bytes:
@@ -238,3 +245,13 @@ def test_two_workers_each_transform_the_batches_they_receive(data, tmp_path):
                        args=["--transform", f"digest={MODULE}:digest", "--transform-processes", "2"]) as svc:
         for _ in range(4):  # the port is shared: the batches reach one worker or the other
             check(batch(svc.url, indices, seed=9), sources["train"], indices, 9, 0)
+
+
+def test_without_a_cache_nothing_prepared_is_kept(data, tmp_path):
+    root, sources = data
+    indices = [4, 8, 15]
+    with start_service({"train": (root / "train").as_uri()}, cache_dir=tmp_path / "cache", cache_size="0", env=ENV,
+                       args=["--transform", f"digest={MODULE}:digest", "--transform-processes", "1"]) as svc:
+        for _ in range(2):
+            check(batch(svc.url, indices), sources["train"], indices, 0, 0)
+        assert prepared(svc.url, "hit") == 0 and prepared(svc.url, "miss") == 2 * len(indices)
