@@ -44,7 +44,7 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate, get_worker_info
 
-from shardfeed.transforms import Transform
+from shardfeed.transforms import Transform, fields_read
 
 from .base import Pick
 from .decode import Decoder, make_decoder
@@ -112,8 +112,6 @@ class _Source:
         self.preprocess = transform if isinstance(transform, Preprocess) else None
         """The transform whose outputs a batch is (:data:`Preprocess`), or ``None``."""
         self.fields = list(fields) if fields is not None else None
-        if isinstance(transform, Transform):
-            self.fields = None if transform.fields is None else list(transform.fields)  # what it reads (the plan's)
         self.transform = None if self.preprocess is not None else transform
         """What each sample dict is mapped by (``output="samples"``), or ``None``."""
         self.continue_on_error = continue_on_error
@@ -123,12 +121,14 @@ class _Source:
         self.info = self.client.info(dataset)
         self.decoder = make_decoder(decode, self.info)  # MDS and LitData fields by the encodings the info names
         self.client.load_routing(dataset)
+        if isinstance(transform, Transform):
+            self.fields = fields_read(transform.fields, self.info["fields"])  # what it reads (the plan's)
         if isinstance(transform, str):
             served = {t["name"]: t for t in self.client.transforms()}
             if transform not in served:
                 raise ValueError(f"the service runs no transform {transform!r} "
                                  f"(it runs: {', '.join(served) or 'none'})")
-            self.fields = served[transform]["fields"]  # what it reads (the plan's)
+            self.fields = fields_read(served[transform]["fields"], self.info["fields"])  # what it reads (the plan's)
 
     @property
     def size(self) -> int:

@@ -70,6 +70,7 @@ from shardfeed.service.read.framing import TarFraming
 from shardfeed.service.read.stream import batch_groups, stream_batch
 from shardfeed.service.read.warm import HeldGroup, held_group
 from shardfeed.service.stores import StoreError
+from shardfeed.transforms import fields_read
 from shardfeed.service.transform.batch import TransformedBatch, transformed_answer
 
 MAX_PARTS = 64
@@ -194,8 +195,8 @@ def wanted_transformed(state: State, req: BatchRequest, tenant: Tenant) -> Trans
     if len(part.indices) > state.config.max_batch:
         raise ApiError(413, "too_many_items", f"{len(part.indices)} samples requested; the limit is "
                                               f"{state.config.max_batch} per batch")
-    fields = served.transform.fields
-    wanted = _wanted_part(state, part.model_copy(update={"fields": None if fields is None else list(fields)}), req)
+    fields = fields_read(served.transform.fields, state.dataset(part.dataset).index.fields)
+    wanted = _wanted_part(state, part.model_copy(update={"fields": fields}), req)
     return TransformedBatch(wanted.dataset, wanted.indices, wanted.members, served, req.transform.seed,
                             req.transform.epoch, req.continue_on_error, part.stream)
 
