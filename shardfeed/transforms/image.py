@@ -54,9 +54,9 @@ def resized_size(width: int, height: int, short_side: int = SHORT_SIDE) -> tuple
 
 def _dct_scale(width: int, height: int, wanted: tuple[int, int]) -> int:
     """The largest of 8, 4, 2, 1 that shrinks ``(width, height)`` no smaller than ``wanted`` (Pillow's
-    ``draft`` rule)."""
+    ``draft`` rule); 1 for an image smaller than ``wanted`` (a resize up)."""
     scale = min(width // wanted[0], height // wanted[1])
-    return next(s for s in (8, 4, 2, 1) if scale >= s)
+    return next((s for s in (8, 4, 2) if scale >= s), 1)
 
 
 def _decode_jpeg(data: bytes, short_side: int) -> tuple[Image.Image, tuple[int, int]]:

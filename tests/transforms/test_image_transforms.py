@@ -54,6 +54,15 @@ def test_a_jpeg_decoded_shrunk_is_resized_from_its_own_size():
         assert stock.imagenet_train().prepare({"jpg": sample_jpeg(0, 0, size), "cls": b"0"})["image"].shape == resized
 
 
+def test_a_jpeg_smaller_than_the_short_side_is_resized_up(monkeypatch):
+    # The synthetic dataset's sides start at 200 pixels, as some of ImageNet's do; Pillow's path too.
+    for decoder in (stock.simplejpeg, None):
+        monkeypatch.setattr(stock, "simplejpeg", decoder)
+        for size, resized in [((200, 150), (256, 341, 3)), ((240, 320), (341, 256, 3))]:
+            jpeg = sample_jpeg(0, 0, size)
+            assert stock.imagenet_train().prepare({"jpg": jpeg, "cls": b"0"})["image"].shape == resized
+
+
 def test_prepare_is_the_same_bytes_every_time(samples):
     first = [pack(stock.imagenet_train().prepare(sample)) for sample in samples]
     again = [pack(stock.imagenet_eval().prepare(sample)) for sample in samples]
