@@ -199,17 +199,17 @@ def ram_round(samples: int, sizes, seed: int) -> list[Epoch]:
 STREAMING_LOCK = Path(tempfile.gettempdir()) / "shardfeed-streaming-shm.lock"
 
 
-def streaming_dataset(streaming, *, clean: bool = False, **options):
-    """``streaming.StreamingDataset(**options)`` (after Streaming's leaked shared memory is
-    removed, with ``clean``), under a lock every process of the host takes: Streaming names its
-    shared memory by a prefix it finds free by trying names, and cleans by creating and removing
-    each, so two processes at it at once (tests on several workers, a benchmark beside them)
-    collide on a name (``FileExistsError``)."""
+def streaming_dataset(streaming, *, clean: bool = False, kind: type | None = None, **options):
+    """``streaming.StreamingDataset(**options)`` (or ``kind``, a subclass of it), after Streaming's
+    leaked shared memory is removed (with ``clean``), under a lock every process of the host takes:
+    Streaming names its shared memory by a prefix it finds free by trying names, and cleans by
+    creating and removing each, so two processes at it at once (tests on several workers, a
+    benchmark beside them) collide on a name (``FileExistsError``)."""
     with open(STREAMING_LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if clean:
             streaming.base.util.clean_stale_shared_memory()
-        return streaming.StreamingDataset(**options)
+        return (kind or streaming.StreamingDataset)(**options)
 
 
 def streaming_round(remote: str, local: Path, sizes, seed: int) -> list[Epoch]:
