@@ -65,6 +65,7 @@ from shardfeed.benchmarks.loaders import (
     Epoch,
     _cpu,
     _quiet,
+    chosen_loaders,
     import_streaming,
     in_fresh_process,
     paired_ratios,
@@ -357,16 +358,10 @@ def main(argv=None) -> int:
     parser.add_argument("--s3", choices=S3_SERVERS, default=default_server(),
                         help="the S3 server to start on loopback (default here: %(default)s)")
     args = parser.parse_args(argv)
-    kinds = [kind.strip() for kind in args.loaders.split(",") if kind.strip()]
-    if not kinds or set(kinds) - set(LOADERS):
-        parser.error(f"--loaders takes some of {', '.join(LOADERS)}, not {args.loaders!r}")
     if args.samples < 1 or args.rounds < 1 or args.seed < 0:
         parser.error("--samples and --rounds must be at least 1, --seed not negative")
+    kinds, streaming = chosen_loaders(parser, args.loaders, LOADERS)
     _quiet()
-    streaming = import_streaming() if "streaming" in kinds else None
-    if "streaming" in kinds and streaming is None:
-        print("MosaicML Streaming is not installed (pip install mosaicml-streaming): measuring shardfeed alone")
-        kinds.remove("streaming")
     try:
         with bucket_on(args.s3) as server, tempfile.TemporaryDirectory() as tmp:
             report(run(args, server, kinds, streaming, Path(tmp)))
