@@ -34,14 +34,17 @@ class WrongBytes(AssertionError):
     """A sample came back other than it was seeded: the run's figures count nothing."""
 
 
-def seed_by_cli(url: str, samples: int, size: str, *, shard_size: str | None = None, fields: Sequence[str] | str = (),
-         seed: int | None = None, env: Mapping[str, str] | None = None) -> None:
-    """``shardfeed seed`` the synthetic dataset at ``url`` (in a subprocess: the CLI's own path)."""
+def seed_by_cli(url: str, samples: int, size: str | None = None, *, shard_size: str | None = None,
+                fields: Sequence[str] | str = (), seed: int | None = None, jpegs: bool = False,
+                env: Mapping[str, str] | None = None) -> None:
+    """``shardfeed seed`` the synthetic dataset at ``url`` (in a subprocess: the CLI's own path);
+    with ``jpegs``, the synthetic JPEGs (``seed --jpegs``: no ``size`` or ``fields``)."""
     fields = fields if isinstance(fields, str) else ",".join(fields)
-    options = [*(["--shard-size", shard_size] if shard_size else []), *(["--fields", fields] if fields else []),
+    options = [*(["--size", size] if size else []), *(["--jpegs"] if jpegs else []),
+               *(["--shard-size", shard_size] if shard_size else []), *(["--fields", fields] if fields else []),
                *(["--seed", str(seed)] if seed is not None else [])]
-    subprocess.run([sys.executable, "-m", "shardfeed", "-q", "seed", url, "--samples", str(samples), "--size", size,
-                    *options], check=True, env={**os.environ, **(env or {})})
+    subprocess.run([sys.executable, "-m", "shardfeed", "-q", "seed", url, "--samples", str(samples), *options],
+                   check=True, env={**os.environ, **(env or {})})
 
 
 def benchmark_parser(doc: str, module: str) -> argparse.ArgumentParser:

@@ -55,6 +55,7 @@ import tempfile
 import time
 import types
 import warnings
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,6 +118,19 @@ def import_streaming() -> types.ModuleType | None:
                 module = sys.modules[name] = _StandIn(name)
                 module.__spec__ = importlib.machinery.ModuleSpec(name, None)
     return importlib.import_module("streaming")
+
+
+def chosen_loaders(parser, text: str, loaders: Sequence[str]) -> tuple[list[str], types.ModuleType | None]:
+    """``--loaders`` (comma-separated, some of ``loaders``: else a usage error) and Streaming where
+    ``"streaming"`` is among them: left out, and the run says so, where it is not installed."""
+    kinds = [kind.strip() for kind in text.split(",") if kind.strip()]
+    if not kinds or set(kinds) - set(loaders):
+        parser.error(f"--loaders takes some of {', '.join(loaders)}, not {text!r}")
+    streaming = import_streaming() if "streaming" in kinds else None
+    if "streaming" in kinds and streaming is None:
+        print("MosaicML Streaming is not installed (pip install mosaicml-streaming): measuring shardfeed alone")
+        kinds.remove("streaming")
+    return kinds, streaming
 
 
 class RamDataset(Dataset):
@@ -199,17 +213,17 @@ def ram_round(samples: int, sizes, seed: int) -> list[Epoch]:
 STREAMING_LOCK = Path(tempfile.gettempdir()) / "shardfeed-streaming-shm.lock"
 
 
-def streaming_dataset(streaming, *, clean: bool = False, **options):
-    """``streaming.StreamingDataset(**options)`` (after Streaming's leaked shared memory is
-    removed, with ``clean``), under a lock every process of the host takes: Streaming names its
-    shared memory by a prefix it finds free by trying names, and cleans by creating and removing
-    each, so two processes at it at once (tests on several workers, a benchmark beside them)
-    collide on a name (``FileExistsError``)."""
+def streaming_dataset(streaming, *, clean: bool = False, kind: type | None = None, **options):
+    """``streaming.StreamingDataset(**options)`` (or ``kind``, a subclass of it), after Streaming's
+    leaked shared memory is removed (with ``clean``), under a lock every process of the host takes:
+    Streaming names its shared memory by a prefix it finds free by trying names, and cleans by
+    creating and removing each, so two processes at it at once (tests on several workers, a
+    benchmark beside them) collide on a name (``FileExistsError``)."""
     with open(STREAMING_LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if clean:
             streaming.base.util.clean_stale_shared_memory()
-        return streaming.StreamingDataset(**options)
+        return (kind or streaming.StreamingDataset)(**options)
 
 
 def streaming_round(remote: str, local: Path, sizes, seed: int) -> list[Epoch]:
@@ -284,14 +298,8 @@ def main(argv=None) -> int:
                         help="also run the map-style loader, as 'shardfeed-map-baseline', against a service "
                              "with these arguments instead, in the same rounds: two configurations side by side")
     args = parser.parse_args(argv)
-    kinds = [kind.strip() for kind in args.loaders.split(",") if kind.strip()]
-    if not kinds or set(kinds) - set(LOADERS):
-        parser.error(f"--loaders takes some of {', '.join(LOADERS)}, not {args.loaders!r}")
+    kinds, streaming = chosen_loaders(parser, args.loaders, LOADERS)
     _quiet()
-    streaming = import_streaming() if "streaming" in kinds else None
-    if "streaming" in kinds and streaming is None:
-        print("MosaicML Streaming is not installed (pip install mosaicml-streaming): measuring shardfeed alone")
-        kinds.remove("streaming")
     if args.baseline_serve_arg:
         kinds.insert(1, BASELINE)
     for size, samples in sample_counts(args.size, args.samples):

@@ -69,6 +69,7 @@ from shardfeed.benchmarks.loaders import (
     LOADER_WORKERS,
     _collate,
     _quiet,
+    chosen_loaders,
     import_streaming,
     in_fresh_process,
     paired_ratios,
@@ -432,9 +433,7 @@ def main(argv=None) -> int:
     parser.add_argument("--service-workers", type=int, default=len(os.sched_getaffinity(0)),
                         help="shardfeed serve --workers (default: the usable cores)")
     args = parser.parse_args(argv)
-    kinds = [kind.strip() for kind in args.loaders.split(",") if kind.strip()]
-    if not kinds or set(kinds) - set(LOADERS):
-        parser.error(f"--loaders takes some of {', '.join(LOADERS)}, not {args.loaders!r}")
+    kinds, streaming = chosen_loaders(parser, args.loaders, LOADERS)
     for flag, samples in (("--samples", args.samples), ("--cache-samples", args.cache_samples)):
         if samples and not stream_samples(samples, len(args.weights), args.big)[-1]:
             parser.error(f"{flag} {samples}: too few for {len(args.weights)} streams, the first {args.big}x the "
@@ -442,10 +441,6 @@ def main(argv=None) -> int:
     if args.rounds < 1 or args.big < 1:
         parser.error("--rounds and --big must be at least 1")
     _quiet()
-    streaming = import_streaming() if "streaming" in kinds else None
-    if "streaming" in kinds and streaming is None:
-        print("MosaicML Streaming is not installed (pip install mosaicml-streaming): measuring shardfeed alone")
-        kinds.remove("streaming")
     try:
         with bucket_on(args.s3) as server, tempfile.TemporaryDirectory() as tmp:
             if args.samples:

@@ -44,7 +44,7 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate, get_worker_info
 
-from shardfeed.transforms import Transform
+from shardfeed.transforms import Transform, fields_read
 
 from .base import Pick
 from .decode import Decoder, make_decoder
@@ -121,15 +121,14 @@ class _Source:
         self.info = self.client.info(dataset)
         self.decoder = make_decoder(decode, self.info)  # MDS and LitData fields by the encodings the info names
         self.client.load_routing(dataset)
-        reads = transform.fields if isinstance(transform, Transform) else None
+        if isinstance(transform, Transform):
+            self.fields = fields_read(transform.fields, self.info["fields"])  # what it reads (the plan's)
         if isinstance(transform, str):
             served = {t["name"]: t for t in self.client.transforms()}
             if transform not in served:
                 raise ValueError(f"the service runs no transform {transform!r} "
                                  f"(it runs: {', '.join(served) or 'none'})")
-            reads = served[transform]["fields"]
-        if reads is not None:  # what it reads (the plan's): those of its fields the dataset has, as the service reads
-            self.fields = [field for field in reads if field in self.info["fields"]]
+            self.fields = fields_read(served[transform]["fields"], self.info["fields"])  # what it reads (the plan's)
 
     @property
     def size(self) -> int:

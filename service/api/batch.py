@@ -71,6 +71,7 @@ from shardfeed.service.read.planner import take
 from shardfeed.service.read.stream import batch_groups, stream_batch
 from shardfeed.service.read.warm import HeldGroup, held_group
 from shardfeed.service.stores import StoreError
+from shardfeed.transforms import fields_read
 from shardfeed.service.transform.batch import TransformedBatch, transformed_answer
 
 MAX_PARTS = 64
@@ -195,13 +196,11 @@ def wanted_transformed(state: State, req: BatchRequest, tenant: Tenant) -> Trans
     if len(part.indices) > state.config.max_batch:
         raise ApiError(413, "too_many_items", f"{len(part.indices)} samples requested; the limit is "
                                               f"{state.config.max_batch} per batch")
-    fields = served.transform.fields
-    if fields is not None:  # those of the fields it may read that the dataset has; a sample may lack some
-        have = state.dataset(part.dataset).index.fields
-        fields = [field for field in fields if field in have]
-        if not fields:
-            raise ApiError(404, "unknown_field", f"dataset {part.dataset[:200]!r} has none of transform {name!r}'s "
-                                                 f"fields {', '.join(served.transform.fields)} (it has: {', '.join(have)})")
+    have = state.dataset(part.dataset).index.fields
+    fields = fields_read(served.transform.fields, have)
+    if fields is not None and not set(fields) & set(have):
+        raise ApiError(404, "unknown_field", f"dataset {part.dataset[:200]!r} has none of transform {name!r}'s "
+                                             f"fields {', '.join(fields)} (it has: {', '.join(have)})")
     # A sample's absent fields are left out of what prepare is given (prepare decides what it needs).
     wanted = _wanted_part(state, part.model_copy(update={"fields": fields}),
                           req.model_copy(update={"continue_on_error": True}))

@@ -11,8 +11,9 @@ image transforms are in :mod:`.image`.
 """
 
 from shardfeed.transforms.base import (
-    SHAPE, Output, Transform, TransformError, apply, checked, describe, load, output_columns, pack, rng_for, unpack,
+    SHAPE, Output, Transform, TransformError, apply, checked, describe, fields_read, load, output_columns, pack, rng_for,
+    unpack,
 )
 
-__all__ = ["SHAPE", "Output", "Transform", "TransformError", "apply", "checked", "describe", "load", "output_columns",
-           "pack", "rng_for", "unpack"]
+__all__ = ["SHAPE", "Output", "Transform", "TransformError", "apply", "checked", "describe", "fields_read", "load",
+           "output_columns", "pack", "rng_for", "unpack"]

@@ -20,7 +20,7 @@ import importlib
 import json
 import re
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -129,6 +129,17 @@ def describe(transform: Transform) -> dict:
     """What ``GET /v1/transforms`` says of it (and a client checks an answer against)."""
     return {"version": str(transform.version), "fields": None if transform.fields is None else list(transform.fields),
             "outputs": {name: output.describe() for name, output in transform.outputs.items()}}
+
+
+def fields_read(declared: Sequence[str] | None, held: Sequence[str]) -> list[str] | None:
+    """The fields a transform that declares ``declared`` reads of a dataset whose samples hold
+    ``held``: the declared ones the dataset has, in declared order (a transform may declare every
+    field its input may come in, as the stock image transforms declare ``jpg``, ``jpeg``, ``png``
+    and ``webp``); all of them where it has none, so that the read names what is missing. ``None``
+    (every field) stays ``None``."""
+    if declared is None:
+        return None
+    return [field for field in declared if field in held] or list(declared)
 
 
 def checked(transform: Transform, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

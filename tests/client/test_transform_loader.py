@@ -23,6 +23,7 @@ from common.datasets import dir_put, make_dataset
 
 SAMPLES, PER_SHARD, BATCH = 40, 10, 8
 SPEC = "common.sample_transforms:digest"
+EITHER = "common.sample_transforms:digest_of_either"  # declares ``raw``, which the dataset lacks, beside ``bin``
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,8 @@ def served(tmp_path_factory):
     source = make_dataset(dir_put(root / "train"), samples=SAMPLES, per_shard=PER_SHARD, sizes=(100, 3000))
     with start_service({"train": (root / "train").as_uri()}, cache_dir=root / "cache",
                        env={"PYTHONPATH": str(REPO / "tests")},
-                       args=["--transform", f"digest={SPEC}", "--transform-processes", "2"]) as svc, \
+                       args=["--transform", f"digest={SPEC}", "--transform", f"either={EITHER}",
+                             "--transform-processes", "2"]) as svc, \
             Client(svc.url, backoff=Backoff(attempts=1)) as client:
         yield client, source
 
@@ -89,6 +91,17 @@ def test_map_style_through_dataloader_workers_is_byte_identical_either_way(serve
     assert sorted(first) == sorted(second) == list(range(SAMPLES))
     assert first == {i: expected(source, i, 11, 0) for i in range(SAMPLES)}
     assert all(first[i] != second[i] for i in range(SAMPLES))  # another epoch, other noise
+
+
+def test_a_transform_declaring_fields_the_dataset_lacks_reads_those_it_has_either_way(served, caplog):
+    client, source = served
+    for transform in ("either", load(EITHER)):
+        ds = ShardfeedDataset(client, "train", transform=transform)
+        assert ds.source.fields == ["bin", "cls"]  # what the plan and each batch ask for
+        sampler = ShardfeedSampler(ds, seed=3)
+        got = outputs_by_index(list(DataLoader(ds, batch_size=BATCH, sampler=sampler, num_workers=2)))
+        assert got == {i: expected(source, i, 3, 0) for i in range(SAMPLES)}
+    assert "plan not registered" not in caplog.text
 
 
 def test_plain_indices_take_the_datasets_seed_and_epoch(served):

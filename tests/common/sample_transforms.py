@@ -133,8 +133,22 @@ class DigestHanging(Digest):
         return super().prepare(sample)
 
 
+class DigestOfEither(Digest):
+    """``digest`` of the bytes in ``raw``, or in ``bin`` where a sample has no ``raw``: a transform that
+    declares each field its input may be in, as the stock image transforms do, not all in every dataset."""
+
+    fields = ("raw", "bin", "cls")
+
+    def prepare(self, sample):
+        return super().prepare({"bin": sample["raw"] if "raw" in sample else sample["bin"], "cls": sample["cls"]})
+
+
 def digest() -> Digest:
     return Digest(os.environ.get("SAMPLE_TRANSFORM_VERSION", "1"))
+
+
+def digest_of_either() -> DigestOfEither:
+    return DigestOfEither()
 
 
 def digest_raising() -> DigestRaising:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from shardfeed.transforms import (
-    Output, Transform, TransformError, apply, checked, describe, load, pack, rng_for, unpack,
+    Output, Transform, TransformError, apply, checked, describe, fields_read, load, pack, rng_for, unpack,
 )
 
 
@@ -227,3 +227,12 @@ def test_apply_checks_the_outputs():
 
     with pytest.raises(TransformError, match="shape"):
         apply(Wrong(), {}, 0, 0, 0)
+
+
+# fields_read
+
+def test_a_transform_reads_the_declared_fields_the_dataset_has():
+    assert fields_read(("jpg", "jpeg", "png", "webp", "cls"), ["cls", "jpg"]) == ["jpg", "cls"]  # declared order
+    assert fields_read(("jpg", "cls"), ["cls"]) == ["cls"]
+    assert fields_read(("jpg", "png"), ["bin", "cls"]) == ["jpg", "png"]  # none: all, so the read names them
+    assert fields_read(None, ["bin"]) is None
