@@ -266,8 +266,11 @@ def test_the_servecost_benchmark_measures_every_pass_of_every_configuration():
 def test_the_tenants_benchmark_times_the_light_tenant_alone_and_beside_the_heavy_one():
     out = run_benchmark("tenants", "--samples", "200", "--size", "1KiB", "--batch", "8", "--batches", "20",
                         "--heavy-inflight", "4")
-    solo, loaded, heavy = out.stdout.splitlines()[-3:]
-    assert solo.startswith("light tenant alone:") and "x the solo P99" in loaded, out.stdout
+    lines = out.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("light tenant alone:"))
+    solo, loaded, heavy = lines[at:at + 3]
+    assert "x the solo P99" in loaded, out.stdout
+    assert lines[at + 3].startswith("waiting for a CPU meanwhile, per light batch: the service's event loop"), out.stdout
     served, _ = (float(v) for v in re.findall(r"([\d.]+) batches/s served, ([\d.]+)/s refused", heavy)[0])
     assert served > 0 and heavy.endswith("other errors 0"), heavy
 
