@@ -51,6 +51,8 @@ class StoreSlots:
     def __init__(self, slots: int):
         self.slots = slots
         self.busy = 0
+        self.busy_ahead = 0
+        """Of the reads holding a slot, those that hold it ahead of a plan's reader."""
         self._need: OrderedDict[str | None, deque[Ticket]] = OrderedDict()  # tenants in turn order
         self._ahead: deque[Ticket] = deque()
 
@@ -65,6 +67,12 @@ class StoreSlots:
         return len(self._ahead)
 
     @property
+    def outstanding_ahead(self) -> int:
+        """Reads ahead waiting for a slot or holding one: what reading ahead has asked of the store
+        and not had back yet."""
+        return len(self._ahead) + self.busy_ahead
+
+    @property
     def waiting_need(self) -> int:
         """Reads a batch waits on that wait for a slot."""
         return sum(len(queue) for queue in self._need.values())
@@ -73,9 +81,12 @@ class StoreSlots:
     async def hold(self, ticket: Ticket) -> AsyncIterator[None]:
         """A slot for ``ticket``'s read, for the block's duration."""
         await self._acquire(ticket)
+        ahead = ticket.ahead  # as granted: a ticket is promoted only while it waits
+        self.busy_ahead += ahead
         try:
             yield
         finally:
+            self.busy_ahead -= ahead
             self._release()
 
     def promote(self, ticket: Ticket, tenant: str | None = None) -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from shardfeed.service.datasets.dataset import open_dataset
 from shardfeed.service.read.ranges import RangeReader
+from shardfeed.service.read.slots import StoreSlots
 
 from common.datasets import dir_put, make_dataset
 from common.wait import await_until
@@ -35,14 +36,14 @@ def spans_of(dataset, indices) -> list[tuple[int, int, int]]:
 def test_a_range_a_reader_took_is_not_read_ahead_again(dataset):
     reads: list[tuple[int, int, int]] = []
 
-    async def store_read(ds, shard: int, start: int, end: int) -> bytes:
+    async def store_read(ds, shard: int, start: int, end: int, ticket) -> bytes:
         reads.append((shard, start, end))
         return await ds.store.read_range(ds.index.shards[shard], start, end - start, ds.shard_version(shard))
 
     taken = spans_of(dataset, [0, 1, 25])  # two samples of shard 0, one of shard 1
 
     async def main() -> list:
-        ranges = RangeReader(store_read, gap=16 * 1024, max_read=1 << 20, memory=1 << 20)
+        ranges = RangeReader(store_read, StoreSlots(32), gap=16 * 1024, max_read=1 << 20, memory=1 << 20)
         got = await ranges.read(dataset, taken)
         assert len(reads) == 2  # one read per shard: the members of shard 0 merged
         ranges.read_ahead(dataset, taken)  # a plan's read-ahead lagging behind its reader
@@ -63,7 +64,7 @@ def test_a_range_read_again_while_an_earlier_sharer_still_waits_is_answered(data
     C's entry instead, and C waited forever: the chaos benchmark's 30 s stalls)."""
     gates: list[asyncio.Event] = []
 
-    async def store_read(ds, shard: int, start: int, end: int) -> bytes:
+    async def store_read(ds, shard: int, start: int, end: int, ticket) -> bytes:
         gates.append(gate := asyncio.Event())
         await gate.wait()
         return await ds.store.read_range(ds.index.shards[shard], start, end - start, ds.shard_version(shard))
@@ -74,7 +75,7 @@ def test_a_range_read_again_while_an_earlier_sharer_still_waits_is_answered(data
         return [(dataset.store.root / dataset.index.shards[s]).read_bytes()[a:b] for s, a, b in spans]
 
     async def main() -> None:
-        ranges = RangeReader(store_read, gap=0, max_read=1 << 20, memory=1 << 20)
+        ranges = RangeReader(store_read, StoreSlots(32), gap=0, max_read=1 << 20, memory=1 << 20)
         a = asyncio.create_task(ranges.read(dataset, shared))
         await await_until(lambda: len(gates) == 1, 10, "A's read")
         b = asyncio.create_task(ranges.read(dataset, shared + other))  # shares A's read, starts its own
@@ -100,12 +101,12 @@ def test_merged_ranges_are_byte_exact_for_every_field_across_shards(written, gap
     spans = spans_of(dataset, indices)
     reads = []
 
-    async def store_read(ds, shard: int, start: int, end: int) -> bytes:
+    async def store_read(ds, shard: int, start: int, end: int, ticket) -> bytes:
         reads.append(shard)
         return await ds.store.read_range(ds.index.shards[shard], start, end - start, ds.shard_version(shard))
 
     async def main() -> list:
-        ranges = RangeReader(store_read, gap=gap, max_read=1 << 20, memory=1 << 20)
+        ranges = RangeReader(store_read, StoreSlots(32), gap=gap, max_read=1 << 20, memory=1 << 20)
         try:
             return await ranges.read(dataset, spans)
         finally:
@@ -125,7 +126,7 @@ def test_a_range_read_ahead_serves_the_ranges_inside_it_and_is_let_go_once_all_a
     are taken one by one (``read/fields.py``): none of them is read again."""
     reads: list[tuple[int, int, int]] = []
 
-    async def store_read(ds, shard: int, start: int, end: int) -> bytes:
+    async def store_read(ds, shard: int, start: int, end: int, ticket) -> bytes:
         reads.append((shard, start, end))
         return await ds.store.read_range(ds.index.shards[shard], start, end - start, ds.shard_version(shard))
 
@@ -134,7 +135,7 @@ def test_a_range_read_ahead_serves_the_ranges_inside_it_and_is_let_go_once_all_a
     whole = (dataset.store.root / dataset.index.shards[shard]).read_bytes()
 
     async def main() -> None:
-        ranges = RangeReader(store_read, gap=0, max_read=1 << 20, memory=1 << 20)
+        ranges = RangeReader(store_read, StoreSlots(32), gap=0, max_read=1 << 20, memory=1 << 20)
         ranges.read_ahead(dataset, [(shard, start, end)])
         assert ranges.holds(dataset, inside) and ranges.room() == (1 << 20) - (end - start)
         assert await ranges.read(dataset, inside[:1]) == [whole[start:start + 8]]
