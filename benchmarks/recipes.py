@@ -67,7 +67,7 @@ MAX_REQUESTS = 1.05
 
 @dataclass(frozen=True)
 class Config:
-    """How the service runs and what the loader asks for; ``None`` workers: every core."""
+    """How the service runs and what the loader asks for; ``None`` workers: ``--service-workers``."""
     serve_args: tuple[str, ...] = ()
     workers: int | None = None
     fields: tuple[str, ...] = FIELDS
@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default="defaults", help=f"any of {', '.join(CONFIGS)}")
     parser.add_argument("--latency-ms", default="0,300", help="ms added to every S3 request, one run per value")
     parser.add_argument("--serve-args", default="", help="more `serve` flags for every run, e.g. '--plan-memory 0'")
+    parser.add_argument("--service-workers", type=int, default=os.cpu_count() or 1,
+                        help="serve --workers where a config names none (default: every core, as serve's own default)")
     parser.add_argument("--layout", choices=("tar", "mds"), default="tar",
                         help="the shards: tar (tarfile), or MDS (Streaming's MDSWriter), served in place")
     args = parser.parse_args(argv)
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                     config = CONFIGS[name]
                     with start_service({"data": url}, cache_dir=work / f"{recipe}-{name}-{latency:g}" / "cache",
                                        cache_size=str(cache), env={**s3.env(), "AWS_ENDPOINT_URL": proxy},
-                                       workers=config.workers or os.cpu_count() or 1,
+                                       workers=config.workers or args.service_workers,
                                        args=[*config.serve_args, *shlex.split(args.serve_args)]) as svc:
                         before = _counts(proxy).get("GET", 0)
                         began = time.perf_counter()
