@@ -8,6 +8,13 @@ plan, both at most ``plan_ahead`` payload bytes past the reader:
 - whole blocks into the cache, no farther than half the cache's horizon, so what is read
   ahead is not evicted before it is read.
 
+Reading ahead goes no faster than the store answers: a pass asks for no more once the reads
+ahead still outstanding (waiting for a store slot or in flight) reach the number of store
+slots, which keeps the store busy; it goes on at the next pass. Asked for all at once, the
+budget's thousands of reads would stand in line for the slots and age there, and a read the
+reader itself comes to need (a block no pass reads ahead) would wait at their back or, still
+waiting, be promoted among many.
+
 With replicas, only the shards this replica owns are read ahead. Once the cache holds
 every block this node reads of a plan's dataset (``Coalescer.holds_all``), a pass over
 that plan does nothing until a block leaves the cache or ownership moves.
@@ -91,6 +98,8 @@ class Prefetcher:
         # served, so what is read first must be asked for first.
         step = max(plan.batch, STEP)
         for first in range(start, stop, step):
+            if self._store_busy():
+                return
             last = min(stop, first + step)
             pieces = self._pieces(plan, first, last)
             self._ranges_ahead(plan, pieces, self.coalescer.whole_blocks_wanted(plan.dataset, pieces))
@@ -103,6 +112,8 @@ class Prefetcher:
                    else plan.position + int(horizon * plan.share / 2) + plan.batch)
         start = max(plan.ahead_blocks, plan.position)
         for first in range(start, stop, step):
+            if self._store_busy():
+                return
             last = min(stop, first + step)
             pieces = self._pieces(plan, first, last)
             whole = self.coalescer.whole_blocks_wanted(plan.dataset, pieces)
@@ -110,6 +121,11 @@ class Prefetcher:
             if self._within_memory(plan, first, last) == last:
                 self._ranges_ahead(plan, pieces, whole)
             plan.ahead_blocks = last
+
+    def _store_busy(self) -> bool:
+        """Whether the reads ahead still outstanding keep every store slot busy already."""
+        slots = self.coalescer.fetcher.slots
+        return slots.outstanding_ahead >= slots.slots
 
     def _within_memory(self, plan: Plan, start: int, stop: int) -> int:
         """How far from ``start`` the samples' bytes fit in the memory left for ranges."""

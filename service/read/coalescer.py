@@ -86,8 +86,8 @@ class Coalescer:
         self._sibling_reads: dict[BlockKey, asyncio.Future] = {}  # whole sibling blocks being read
         self._holds_all: dict[str, tuple[tuple, bool]] = {}  # dataset id -> (what it was drawn from, answer)
         self._own_blocks: dict[str, tuple] = {}  # dataset id -> ((ownership, version), blocks in all, shard ids, blocks of each)
-        self.ranges = RangeReader(self.fetcher.store_read, gap=config.range_gap, max_read=config.max_fetch,
-                                  memory=config.plan_memory)
+        self.ranges = RangeReader(self.fetcher.store_read, self.fetcher.slots, gap=config.range_gap,
+                                  max_read=config.max_fetch, memory=config.plan_memory)
         self.siblings = None if cluster is None else SiblingBlocks(
             {node: p.cache_dir for node, p in enumerate(cluster.workers) if p.cache_dir is not None
              and node != cluster.me}, config.block_size, metrics)
@@ -298,9 +298,10 @@ class Coalescer:
         return {pair for pair, whole in zip(pairs, self.fetch_policy.whole_blocks(dataset, shards, numbers)) if whole}
 
     def fetch_ahead(self, dataset: Dataset, pairs) -> None:
-        """Start reading the given ``(shard code, block)`` pairs into the cache, if missing."""
+        """Start reading the given ``(shard code, block)`` pairs into the cache, if missing, for a
+        reader that comes later (behind the reads batches wait on)."""
         if self.cache.writable:
-            self.fetcher.start(dataset, pairs, skip_cached=True)
+            self.fetcher.start(dataset, pairs, skip_cached=True, ahead=True)
 
     def prefetch(self, dataset: Dataset, members: Members) -> None:
         """Start reading every missing block of a whole batch now, merged per shard.
@@ -322,7 +323,7 @@ class Coalescer:
                 rows = [i for i, pair in enumerate(zip(pieces.shard.tolist(), pieces.block.tolist())) if pair in cold]
                 spans = pieces.spans(rows, self.block_size)
                 if sum(end - start for _, start, end in spans) <= self.ranges.room():
-                    self.ranges.read_ahead(dataset, spans)
+                    self.ranges.read_ahead(dataset, spans, needed=True)
             self.fetcher.start(dataset, pairs - cold, skip_cached=True)
 
     def cold_pairs(self, dataset: Dataset, pieces) -> set[tuple[int, int]]:

@@ -5,7 +5,9 @@ ahead along plans): one ranged read per run of nearby blocks (``planner.merge_bl
 merged across gaps up to ``merge_gap``, at most ``max_fetch`` bytes; a whole aligned window
 around a miss when the dataset fits in the cache). Each block has at most one read in
 flight (singleflight): a second request for it waits on the first's future. Store reads
-in flight are bounded by the slots every request shares (``slots.py``). A fetched block enters the
+in flight are bounded by the slots every request shares (``slots.py``): a read started ahead of a
+plan's reader waits behind the reads batches wait on, until a batch comes to wait on one of
+its blocks (``arrivals`` promotes it). A fetched block enters the
 RAM tier at once and is written to disk on threads of its own, its future kept until it
 is there, so a request that comes meanwhile shares its bytes.
 """
@@ -27,7 +29,7 @@ from shardfeed.service.config import ServiceConfig
 from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.observe.metrics import Metrics
 from shardfeed.service.read.planner import merge_blocks
-from shardfeed.service.read.slots import StoreSlots
+from shardfeed.service.read.slots import StoreSlots, Ticket
 from shardfeed.service.stores import Arrived, ObjectChanged, StoreError
 
 log = logging.getLogger("shardfeed.coalescer")
@@ -57,6 +59,8 @@ class BlockFetcher:
         """The store reads in flight (``slots.py``: by need, then by tenants' turns)."""
         self._inflight: dict[BlockKey, asyncio.Future] = {}
         """Per block being read, the future of its bytes (or the ``StoreError`` that ended the read)."""
+        self._tickets: dict[BlockKey, Ticket] = {}
+        """Per block being read, its read's place in line for a store slot."""
         self._tasks: set[asyncio.Task] = set()
         self.on_changed = on_changed or (lambda dataset: None)
         # Cache writes wait on the disk (``O_DIRECT``, ``blockfile.py``): on threads of their
@@ -70,16 +74,21 @@ class BlockFetcher:
 
     def arrivals(self, keys: list[BlockKey]) -> dict[BlockKey, Awaitable[memoryview | StoreError | None]]:
         """For each of ``keys`` being read, what its read gives: its bytes, or the ``StoreError``
-        that ended it (shielded: a waiter that is cancelled cancels no one else's wait)."""
+        that ended it (shielded: a waiter that is cancelled cancels no one else's wait). A read
+        ahead among them that still waits for a store slot is needed now: it is promoted."""
+        for key in keys:
+            if key in self._tickets:
+                self.slots.promote(self._tickets[key])
         return {key: asyncio.shield(self._inflight[key]) for key in keys if key in self._inflight}
 
     def idle(self) -> bool:
         """Whether no store read is under way."""
         return not self._inflight
 
-    def start(self, dataset: Dataset, wanted, *, skip_cached: bool) -> None:
+    def start(self, dataset: Dataset, wanted, *, skip_cached: bool, ahead: bool = False) -> None:
         """Start one store read per run of nearby wanted blocks (``(shard code, block)`` pairs)
-        that nobody is reading yet; ``arrivals`` has them on return."""
+        that nobody is reading yet; ``arrivals`` has them on return. ``ahead``: for a plan's
+        reader that comes later, so behind the reads batches wait on (``slots.py``)."""
         by_shard: dict[int, set[int]] = defaultdict(set)
         for shard, block in wanted:
             by_shard[shard].add(block)
@@ -99,10 +108,12 @@ class BlockFetcher:
                           for b in range(first, min(first + window - 1, last) + 1) if idle(b)}
                 todo = sorted(around.union(todo))
             for first, last in merge_blocks(todo, self.gap_blocks, self.max_blocks, idle):
+                ticket = self.slots.ticket(ahead=ahead)
                 for block in range(first, last + 1):
                     self._inflight[shard_key._replace(block=block)] = loop.create_future()
+                    self._tickets[shard_key._replace(block=block)] = ticket
                 self.metrics.cache_misses.inc(last - first + 1)
-                task = asyncio.create_task(self._fetch(dataset, shard, first, last))
+                task = asyncio.create_task(self._fetch(dataset, shard, first, last, ticket))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
@@ -115,7 +126,7 @@ class BlockFetcher:
         nodes = len(self.cluster.peers) if self.cluster is not None else 1
         return self.window_blocks if dataset.stored_bytes <= self.cache.capacity * nodes else 1
 
-    async def _fetch(self, dataset: Dataset, shard: int, first: int, last: int) -> None:
+    async def _fetch(self, dataset: Dataset, shard: int, first: int, last: int, ticket: Ticket) -> None:
         """One ranged read for blocks ``first..last`` of a shard. Each block's future is
         resolved the moment its bytes are in (cut-through: a batch waiting for the first
         block of an 8 MiB read does not wait for the other seven), and the block enters the
@@ -140,7 +151,7 @@ class BlockFetcher:
                 futures[key].set_result(got[key])
 
         try:
-            await self._pieces(dataset, shard, start, end, arrived=arrived)
+            await self._pieces(dataset, shard, start, end, ticket, arrived=arrived)
         except StoreError as err:
             self._settle({key: f for key, f in futures.items() if key not in got}, err)
         except BaseException as err:  # cancelled at shutdown, or a bug: waiters must not hang
@@ -171,19 +182,19 @@ class BlockFetcher:
             for key in refused:
                 self.memory.discard(key)
 
-    async def store_read(self, dataset: Dataset, shard: int, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of a shard (``RangeReader``'s reads)."""
-        return (await self._pieces(dataset, shard, start, end, whole=True))[0]
+    async def store_read(self, dataset: Dataset, shard: int, start: int, end: int, ticket: Ticket) -> bytes:
+        """Bytes ``[start, end)`` of a shard (``RangeReader``'s reads, each with its ticket)."""
+        return (await self._pieces(dataset, shard, start, end, ticket, whole=True))[0]
 
-    async def _pieces(self, dataset: Dataset, shard: int, start: int, end: int, *,
+    async def _pieces(self, dataset: Dataset, shard: int, start: int, end: int, ticket: Ticket, *,
                       whole: bool = False, arrived: Arrived | None = None) -> list[bytes]:
         """Bytes ``[start, end)`` of a shard, block by block (from a block boundary; each block
         its own object, so the RAM tier can keep any of them alone, handed to ``arrived``
-        as it comes), or ``whole`` as one piece; within the store-read slots, counted."""
+        as it comes), or ``whole`` as one piece; within a store-read slot taken with ``ticket``, counted."""
         path = dataset.index.shards[shard]
         piece = max(end - start, 1) if whole else self.block_size
         try:
-            async with self.slots.hold(self.slots.ticket()):
+            async with self.slots.hold(ticket):
                 self.metrics.inflight_store.inc()
                 began = time.perf_counter()
                 try:
@@ -211,6 +222,7 @@ class BlockFetcher:
         for key, future in futures.items():
             if self._inflight.get(key) is future:
                 del self._inflight[key]
+                del self._tickets[key]
             if not future.done():
                 future.set_result(error)
 

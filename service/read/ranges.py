@@ -10,23 +10,28 @@ ranges of one shard closer than ``range_gap`` are merged into one read. The byte
 not cached.
 
 Ranges can also be read ahead of a plan's reader (``read_ahead``), held in memory until
-the reader takes them, within ``plan_memory`` bytes; one never taken is dropped after
-``STALE`` seconds.
+the reader takes them, within ``plan_memory`` bytes; one never taken is dropped ``STALE``
+seconds after its bytes arrived (not after it was asked for: a read that waited long for a
+store slot must still be there for its reader). Such reads take the store's slots ``ahead``
+of the reads a batch waits on (``slots.py``); a batch that comes to wait on one still
+waiting for a slot promotes it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from bisect import bisect_right, insort
 from collections import OrderedDict, defaultdict
 from collections.abc import Awaitable, Callable
 
 from shardfeed.service.datasets.dataset import Dataset
+from shardfeed.service.read.slots import StoreSlots, Ticket
 from shardfeed.service.stores import StoreError
 
 STALE = 30.0
-"""Seconds a range read ahead waits for its reader before it is dropped."""
+"""Seconds a range read ahead waits for its reader, once its bytes are in, before it is dropped."""
 
 TAKEN_KEPT = 1 << 16
 """Ranges a reader took lately that are remembered, so that reading ahead, which may lag
@@ -36,7 +41,8 @@ saw last, does not read them again (the same sample is not wanted twice in an ep
 Span = tuple[int, int, int]
 """``(shard code, start, end)``: absolute byte range of a member piece in a shard."""
 
-StoreRead = Callable[[Dataset, int, int, int], Awaitable[bytes]]
+StoreRead = Callable[[Dataset, int, int, int, Ticket], Awaitable[bytes]]
+"""``(dataset, shard code, start, end, ticket)`` -> the bytes, read within a store slot taken with ``ticket``."""
 
 
 class RangeReader:
@@ -45,12 +51,15 @@ class RangeReader:
     header and each of its fields: ``read/fields.py``), and is let go once as many of its
     bytes were taken as it holds."""
 
-    def __init__(self, store_read: StoreRead, *, gap: int, max_read: int, memory: int):
+    def __init__(self, store_read: StoreRead, slots: StoreSlots, *, gap: int, max_read: int, memory: int):
         self.store_read = store_read  # raises StoreError
+        self.slots = slots  # what ``store_read``'s tickets are for
         self.gap = gap
         self.max_read = max_read
         self.memory = memory
-        self._pending: OrderedDict[tuple, tuple[asyncio.Future, float]] = OrderedDict()  # key -> (bytes, when)
+        self._pending: dict[tuple, tuple[asyncio.Future, Ticket, bool]] = {}  # key -> (bytes, its read's ticket, held)
+        self._arrived: OrderedDict[tuple, float] = OrderedDict()
+        """Ranges read ahead whose bytes are in, oldest arrival first, with its time: what goes stale."""
         self._held = 0  # bytes of ranges read ahead, in flight or waiting for their reader
         self._taken: OrderedDict[tuple, None] = OrderedDict()  # the latest TAKEN_KEPT a reader took
         self._ahead: dict[tuple[str, str], list[tuple[int, int]]] = defaultdict(list)
@@ -71,9 +80,11 @@ class RangeReader:
         """The bytes of each span (or the error that prevented reading it), in order."""
         keys = [_key(dataset, *span) for span in spans]
         sources = [self._source(key) for key in keys]
-        self._start(dataset, [span for span, source in zip(spans, sources) if source is None], ahead=False)
+        self._start(dataset, [span for span, source in zip(spans, sources) if source is None], held=False, ahead=False)
         sources = [source or key for key, source in zip(keys, sources)]
         futures = [self._pending[source][0] for source in sources]  # before any wait: a sharer may pop them
+        for source in set(sources):  # read ahead and still waiting for a slot: needed now
+            self.slots.promote(self._pending[source][1])
         out = []
         for key, source, future in zip(keys, sources, futures):
             data = await asyncio.shield(future)
@@ -91,10 +102,12 @@ class RangeReader:
             self._taken.popitem(last=False)
         return out
 
-    def read_ahead(self, dataset: Dataset, spans: list[Span]) -> None:
-        """Start reading spans for a reader that comes later (callers stay within ``room()``)."""
+    def read_ahead(self, dataset: Dataset, spans: list[Span], *, needed: bool = False) -> None:
+        """Start reading spans for a reader that comes later (callers stay within ``room()``):
+        a plan's reader (the reads wait ``ahead`` of it for the store), or, ``needed``, the
+        groups of the batch being served now."""
         self._start(dataset, [s for s in spans if (key := _key(dataset, *s)) not in self._taken
-                              and self._source(key) is None], ahead=True)
+                              and self._source(key) is None], held=True, ahead=not needed)
 
     def _source(self, key: tuple) -> tuple | None:
         """The range being read, or waiting for its reader, that holds ``key``'s bytes: ``key``
@@ -111,41 +124,45 @@ class RangeReader:
 
     def _forget(self, key: tuple) -> None:
         """Let go of a range: taken whole, or stale."""
-        _, when = self._pending.pop(key)
+        _, _, held = self._pending.pop(key)
         self._covered.pop(key, None)
-        if when > 0:  # read ahead: its memory is free now
+        self._arrived.pop(key, None)
+        if held:  # read ahead: its memory is free now
             self._held -= key[3] - key[2]
             ahead = self._ahead[key[:2]]
             ahead.remove((key[2], key[3]))
             if not ahead:
                 del self._ahead[key[:2]]
 
-    def _start(self, dataset: Dataset, spans: list[Span], *, ahead: bool) -> None:
+    def _start(self, dataset: Dataset, spans: list[Span], *, held: bool, ahead: bool) -> None:
+        """Start reading ``spans``: ``held`` in memory until their reader takes them (read ahead),
+        with tickets ``ahead`` of the reads batches wait on, or not."""
         by_shard: dict[int, list[tuple[int, int]]] = defaultdict(list)
         for shard, start, end in set(spans):
             by_shard[shard].append((start, end))
         loop = asyncio.get_running_loop()
-        now = time.monotonic() if ahead else 0.0
         for shard, ranges in by_shard.items():
             for run in _merge(sorted(ranges), self.gap, self.max_read):
+                ticket = self.slots.ticket(ahead=ahead)
                 futures = [loop.create_future() for _ in run]
                 for (start, end), future in zip(run, futures):
                     key = _key(dataset, shard, start, end)
-                    self._pending[key] = (future, now)
-                    if ahead:
+                    self._pending[key] = (future, ticket, held)
+                    if held:
                         self._held += end - start
                         insort(self._ahead[key[:2]], (start, end))
-                task = asyncio.create_task(self._fetch(dataset, shard, run, futures))
+                        future.add_done_callback(functools.partial(self._arrival, key))
+                task = asyncio.create_task(self._fetch(dataset, shard, run, futures, ticket))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
     async def _fetch(self, dataset: Dataset, shard: int, run: list[tuple[int, int]],
-                     futures: list[asyncio.Future]) -> None:
+                     futures: list[asyncio.Future], ticket: Ticket) -> None:
         """Read ``run`` and resolve its ``futures``: its own, whatever ``_pending`` holds by then
         (a reader that shared a range may have let go of it, and another read it again)."""
         first, last = run[0][0], max(end for _, end in run)
         try:
-            payload: bytes | StoreError = await self.store_read(dataset, shard, first, last)
+            payload: bytes | StoreError = await self.store_read(dataset, shard, first, last, ticket)
         except StoreError as err:
             payload = err
         except BaseException as err:  # cancelled at shutdown: waiters must not hang
@@ -154,14 +171,19 @@ class RangeReader:
             if not future.done():
                 future.set_result(payload if isinstance(payload, StoreError) else payload[start - first:end - first])
 
+    def _arrival(self, key: tuple, future: asyncio.Future) -> None:
+        """A range read ahead is in: its age counts from now (if it is still the one ``key`` names)."""
+        entry = self._pending.get(key)
+        if entry is not None and entry[0] is future:
+            self._arrived[key] = time.monotonic()
+
     def _drop_stale(self) -> None:
         cutoff = time.monotonic() - STALE
         stale = []
-        for key, (future, when) in self._pending.items():  # oldest first
+        for key, when in self._arrived.items():  # oldest arrival first
             if when >= cutoff:
                 break
-            if when > 0 and future.done():
-                stale.append(key)
+            stale.append(key)
         for key in stale:
             self._forget(key)
 

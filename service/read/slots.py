@@ -31,12 +31,13 @@ TENANT: contextvars.ContextVar[str | None] = contextvars.ContextVar("shardfeed_t
 class Ticket:
     """One store read's place in line: ``ahead`` of a plan's reader, or needed now by ``tenant``."""
 
-    __slots__ = ("ahead", "tenant", "_granted")
+    __slots__ = ("ahead", "tenant", "_granted", "_outstanding")
 
     def __init__(self, ahead: bool, tenant: str | None):
         self.ahead = ahead
         self.tenant = tenant
         self._granted: asyncio.Future | None = None
+        self._outstanding = ahead  # counted in ``StoreSlots.outstanding_ahead``
 
     @property
     def waiting(self) -> bool:
@@ -51,12 +52,17 @@ class StoreSlots:
     def __init__(self, slots: int):
         self.slots = slots
         self.busy = 0
+        self.outstanding_ahead = 0
+        """Reads ahead asked for and not done: from their ticket until their read ends, or a batch
+        comes to wait on them (how far reading ahead has run in front of the store, counted
+        before their tasks reach the line, so a pass that starts many sees them at once)."""
         self._need: OrderedDict[str | None, deque[Ticket]] = OrderedDict()  # tenants in turn order
         self._ahead: deque[Ticket] = deque()
 
     def ticket(self, *, ahead: bool = False, tenant: str | None = None) -> Ticket:
         """A place in line for a read: ``ahead`` of a plan's reader, else needed now by ``tenant``
         (by default the current request's, ``TENANT``)."""
+        self.outstanding_ahead += ahead
         return Ticket(ahead, None if ahead else (tenant if tenant is not None else TENANT.get()))
 
     @property
@@ -72,21 +78,31 @@ class StoreSlots:
     @asynccontextmanager
     async def hold(self, ticket: Ticket) -> AsyncIterator[None]:
         """A slot for ``ticket``'s read, for the block's duration."""
-        await self._acquire(ticket)
         try:
-            yield
+            await self._acquire(ticket)
+            try:
+                yield
+            finally:
+                self._release()
         finally:
-            self._release()
+            self._settle(ticket)
 
     def promote(self, ticket: Ticket, tenant: str | None = None) -> None:
         """A read waiting ahead is now needed by a batch (of ``tenant``, by default the current
         request's): it waits with the needed reads, at the back of its tenant's line."""
         if not (ticket.ahead and ticket.waiting):
             return
+        self._settle(ticket)
         self._ahead.remove(ticket)
         ticket.ahead = False
         ticket.tenant = tenant if tenant is not None else TENANT.get()
         self._need.setdefault(ticket.tenant, deque()).append(ticket)
+
+    def _settle(self, ticket: Ticket) -> None:
+        """``ticket``'s read ahead is outstanding no more (done, or needed now)."""
+        if ticket._outstanding:
+            ticket._outstanding = False
+            self.outstanding_ahead -= 1
 
     async def _acquire(self, ticket: Ticket) -> None:
         if self.busy < self.slots and not self._ahead and not self._need:

@@ -476,10 +476,25 @@ def test_the_listing_benchmark_opens_a_dataset_with_one_listing():
 
 @pytest.mark.timeout(150)
 def test_the_recipes_benchmark_reads_an_epoch_of_every_recipe_checked():
-    out = run_benchmark("recipes", "--samples", "200", "--service-workers", "1", timeout=140)
-    rows = re.findall(r"^(\S+) +(\d+\.\d\d) +(\d+\.\d\d) +(\d+) +([\d,]+)$", out.stdout, re.M)
+    # So few samples miss its bounds (the exit status: the next test); every sample is still checked.
+    out = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.recipes", "--samples", "400",
+                          "--service-workers", "1", "--latency-ms", "0"], capture_output=True, text=True, timeout=140)
+    assert out.returncode in (0, 1), out.stderr[-2000:]
+    rows = re.findall(r"^(\S+) +defaults +0 +(\d+\.\d\d) +(\d+\.\d\d) +(\d+\.\d\d) +(\d+) +([\d,]+)(?:  OVER)?$",
+                      out.stdout, re.M)
     assert [r[0] for r in rows] == ["iterable-plain", "iterable-loader", "map-sampler"], out.stdout
-    assert all(float(r[1]) >= 1 and int(r[3]) == 1 and int(r[4].replace(",", "")) > 0 for r in rows), rows
+    assert all(float(r[1]) >= 1 and int(r[4]) == 1 and int(r[5].replace(",", "")) > 0 for r in rows), rows
+
+
+@pytest.mark.timeout(150)
+def test_the_recipes_benchmark_fails_loudly_past_its_bounds():
+    """Without reading ahead (``--plan-ahead 0`` for every run) the map-style recipe through a
+    cache of one block reads samples on their own: past its bounds, exit status 1."""
+    out = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.recipes", "--samples", "400",
+                          "--service-workers", "1", "--latency-ms", "0", "--recipes", "map-sampler",
+                          "--serve-args", "--plan-ahead 0"], capture_output=True, text=True, timeout=140)
+    assert out.returncode == 1 and "map-sampler defaults 0 ms" in out.stderr, out.stdout + out.stderr[-2000:]
+    assert re.search(r"^map-sampler +defaults .* OVER$", out.stdout, re.M), out.stdout
 
 
 @pytest.mark.timeout(150)

@@ -139,3 +139,55 @@ def test_a_replica_holds_all_once_it_holds_its_own_shards_and_again_after_owners
         await coalescer.close()
 
     asyncio.run(scenario())
+
+
+def test_read_ahead_asks_for_no_more_while_its_reads_keep_every_store_slot_busy(dataset, tmp_path):
+    """With the store's two slots taken, a pass queues one step of reads ahead and stops there
+    (it once queued the whole plan_ahead budget in one tick); once the store answers, later
+    passes go on to the end. A batch that comes to wait on a block read ahead promotes it."""
+    async def scenario():
+        config = ServiceConfig(block_size=BLOCK, fetch_window=0, max_store_requests=2, max_fetch=BLOCK)
+        metrics = Metrics()
+        plans = Plans(config, metrics)
+        cache = BlockCache(tmp_path / "cache", 100 * 1024 * 1024, BLOCK, metrics, victims=plans)
+        cache.open()
+        coalescer = Coalescer(cache, metrics, config, fetch_policy=plans)
+        prefetcher = Prefetcher(plans, coalescer, config)
+        order = EpochSampler(SAMPLES, 1, seed=5).rank_order()
+        plan = plans.build(dataset, "indices", order, None, True, None)
+        plans.insert(plan)
+        slots = coalescer.fetcher.slots
+        busy, free = asyncio.Event(), asyncio.Event()
+
+        async def hold_one() -> None:
+            async with slots.hold(slots.ticket()):
+                busy.set()
+                await free.wait()
+
+        holders = [asyncio.create_task(hold_one()) for _ in range(slots.slots)]
+        await busy.wait()
+        await prefetcher.step()
+        queued, frontier = slots.outstanding_ahead, plan.ahead_blocks
+        assert queued >= slots.slots and frontier < len(order)  # one step, not the whole epoch
+        await await_until(lambda: slots.waiting_ahead == queued, 10, "the reads ahead in line")
+        await prefetcher.step()
+        assert (slots.outstanding_ahead, plan.ahead_blocks) == (queued, frontier)  # still waiting: nothing more
+
+        needed = next(key for key in all_keys(dataset) if coalescer.fetcher.reading(key))
+        arrival = coalescer.fetcher.arrivals([needed])[needed]
+        assert (slots.waiting_ahead, slots.waiting_need) == (queued - 1, 1)  # promoted to the reads needed
+        assert slots.outstanding_ahead == queued - 1
+        free.set()
+        await asyncio.gather(*holders)
+        shard = dataset.store.root / dataset.index.shards[dataset.shard_ids.index(needed.shard)]
+        assert bytes(await arrival) == shard.read_bytes()[needed.block * BLOCK:(needed.block + 1) * BLOCK]
+
+        for _ in range(100):  # passes as ticks would run them, until the epoch is read ahead
+            await prefetcher.step()
+            if coalescer.holds_all(dataset):
+                break
+            await await_until(lambda: slots.outstanding_ahead < slots.slots, 30, "the store")
+        assert coalescer.holds_all(dataset)
+        await coalescer.close()
+
+    asyncio.run(scenario())

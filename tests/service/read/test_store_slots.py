@@ -108,3 +108,29 @@ def test_the_request_tenant_is_the_context_one():
         return inside.tenant, slots.ticket(ahead=True).tenant
 
     assert asyncio.run(run()) == ("team", None)
+
+
+def test_reads_ahead_are_outstanding_from_their_ticket_until_done_needed_or_cancelled():
+    async def run():
+        slots = StoreSlots(1)
+        done, promoted, cancelled = (slots.ticket(ahead=True) for _ in range(3))
+        slots.ticket()  # a needed read is never counted
+        assert slots.outstanding_ahead == 3  # before any of them reaches the line
+        gate = asyncio.Event()
+
+        async def read(ticket) -> None:
+            async with slots.hold(ticket):
+                await gate.wait()
+
+        tasks = [asyncio.create_task(read(t)) for t in (done, promoted, cancelled)]
+        await asyncio.sleep(0)
+        slots.promote(promoted)
+        assert slots.outstanding_ahead == 2
+        tasks[2].cancel()
+        await asyncio.gather(tasks[2], return_exceptions=True)
+        assert slots.outstanding_ahead == 1
+        gate.set()
+        await asyncio.gather(*tasks[:2])
+        assert slots.outstanding_ahead == 0 and slots.busy == 0
+
+    asyncio.run(run())
