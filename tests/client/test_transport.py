@@ -501,3 +501,55 @@ def test_async_connections_in_use_are_bounded_and_a_request_beyond_waits_then_fa
         assert server.connections == 1
     finally:
         server.close()
+
+
+class SilentFirst:
+    """A TCP relay to ``target`` (the real service) whose first connection takes the request and
+    never answers, as a worker stuck behind a lost store read would; later ones are relayed."""
+
+    def __init__(self, target: str):
+        self.target = ("127.0.0.1", int(target.rsplit(":", 1)[1]))
+        self.connections = 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                sock, _ = self.listener.accept()
+                self.connections += 1
+                if self.connections == 1:
+                    threading.Thread(target=sock.recv, args=(65536,), daemon=True).start()  # held, unanswered
+                    continue
+                upstream = socket.create_connection(self.target)
+                for a, b in ((sock, upstream), (upstream, sock)):
+                    threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_batch_whose_answer_goes_silent_is_asked_again_after_the_progress_deadline(service, each_client):
+    gate = SilentFirst(service.url)
+    try:
+        client = each_client(gate.url, timeout=30, progress_timeout=1, backoff=FAST, route=False)
+        began = time.monotonic()
+        assert client.get_batch("train", [5, 3, 9]) == [expected(i) for i in (5, 3, 9)]
+        assert 0.9 < time.monotonic() - began < 10  # asked again after 1 s, not after the 30 s timeout
+        assert gate.connections == 2
+    finally:
+        gate.close()
+
+
+def test_the_progress_deadline_must_be_positive():
+    with pytest.raises(ValueError, match="progress_timeout must be positive"):
+        Client("http://127.0.0.1:1", progress_timeout=0)
