@@ -65,10 +65,11 @@ time they took to recover: from the fault's end (a kill's or a damage's moment, 
 or a fill's end, the reload after an overwrite) to the start of the first window of
 ``--window`` seconds that delivered at least 90% of the rate of the 10 s before the fault
 (min, median, max; "not by the end": faults after which no such window came before the run
-ended), and the longest stall each kind caused (a gap between two batches of one loader is
-charged to the fault under way when it began, up to 2 s past its end, else to the first that
-began during it) beside the longest fault of the kind, and how far a stall outlasted its fault. The exit status is 1 if any sample was wrong or lost, a loader hung or crashed, or a
-replica died for good.
+ended), and per kind the longest stall (gap between two batches of one loader) that overlaps a
+fault of the kind (up to 2 s past its end), beside the longest fault of the kind, and how long
+past a fault's end a loader stalled during it stayed stalled (the target: at most 5 s). Faults
+close together share their stalls; the JSON's ``gaps`` (start, end) tell which. The exit status
+is 1 if any sample was wrong or lost, a loader hung or crashed, or a replica died for good.
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ GAP = 1.0
 """Seconds between two batches of one loader past which the gap is kept, as a stall a fault may
 have caused."""
 AFTER = 2.0
-"""Seconds after a fault's end within which a stall that begins is still charged to it."""
+"""Seconds after a fault's end within which a stall that begins still overlaps it."""
 CACHE_SLACK = 4 << 20
 """Room on a cache filesystem beyond the cache's size (lock files, a block being written)."""
 
@@ -176,7 +177,9 @@ class Fault:
     recovery: float | None = None
     """Seconds from ``ended`` to the start of the first window at 90% of the pre-fault rate."""
     stall: float = 0.0
-    """The longest gap between two batches of one loader charged to the fault (``Chaos.stalls``)."""
+    """The longest gap between two batches of one loader that overlaps the fault (``Chaos.stalls``)."""
+    past: float = 0.0
+    """How long past the fault's end a loader stalled during it stayed stalled."""
 
 
 class Tally:
@@ -668,16 +671,14 @@ class Chaos:
                     break
 
     def stalls(self) -> None:
-        """Each fault's longest stall. A gap of a loader is charged to one fault: the one under way
-        when it began (up to ``AFTER`` s past its end), else the first that began during it; a
-        fault that struck while the loader was stalled already did not cause that stall."""
-        faults = sorted(self.faults, key=lambda f: f.began)
-        for start, end in self.tally.gaps:
-            under_way = [f for f in faults if f.began <= start <= f.ended + AFTER]
-            during = [f for f in faults if start < f.began < end]
-            culprit = under_way[-1] if under_way else during[0] if during else None
-            if culprit is not None:
-                culprit.stall = max(culprit.stall, end - start)
+        """Each fault's longest stall (the longest gap of a loader that overlaps it, to ``AFTER`` s
+        past its end) and how long past the fault's end that loader stayed stalled. Faults close
+        together share their gaps: the JSON's ``gaps`` tell which."""
+        for fault in self.faults:
+            overlapping = [(start, end) for start, end in self.tally.gaps
+                           if start <= fault.ended + AFTER and end >= fault.began]
+            fault.stall = max((end - start for start, end in overlapping), default=0.0)
+            fault.past = max((end - fault.ended for _, end in overlapping), default=0.0)
 
     def summary(self, seconds: float, hung: bool) -> dict:
         counts = self.tally.counts
@@ -690,7 +691,7 @@ class Chaos:
                               "median_s": statistics.median(times) if times else None,
                               "longest_fault_s": max((f.ended - f.began for f in mine), default=None),
                               "longest_stall_s": max((f.stall for f in mine), default=None),
-                              "stall_past_fault_s": max((f.stall - (f.ended - f.began) for f in mine), default=None)}
+                              "stall_past_fault_s": max((f.past for f in mine), default=None)}
         stall = self.tally.stall
         return {
             "seconds": seconds, "samples": self.args.samples, "size": self.args.size, "s3": self.args.s3,

@@ -5,8 +5,8 @@ sends ``POST /v1/batch`` in one write on a kept-alive ``asyncio.open_connection`
 and hands on the answer's body as it is read. What the bytes mean is decided in
 :mod:`.base`, shared with the blocking driver (:mod:`.sync`); the rules are the same as there: at most
 ``max_connections`` in use at once (a request beyond waits up to ``timeout``), ``timeout``
-(or the shorter ``progress_timeout``) on every read and write, ``connect_timeout`` to connect, a kept connection the server
-closed (or sent something unasked on) is dropped before reuse, a request the server
+(or the shorter ``progress_timeout``) on every read and write, ``connect_timeout`` to connect,
+a kept connection the server closed (or sent something unasked on) is dropped before reuse, a request the server
 closed a kept connection under goes out again on a new one, once, and every failure is a
 :class:`ShardfeedConnectionError` (``connect`` when no connection could be opened).
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
@@ -296,10 +297,10 @@ class Getter:
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
+        made = partial(_Connection, self.first_byte_timeout, self.progress_timeout)
         try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(self.first_byte_timeout, self.progress_timeout), self.host, self.port, ssl=self._ssl),
-                self.connect_timeout)
+            _, conn = await asyncio.wait_for(loop.create_connection(made, self.host, self.port, ssl=self._ssl),
+                                             self.connect_timeout)
         except (OSError, asyncio.TimeoutError) as err:
             why = (f"timed out after {self.connect_timeout} s" if isinstance(err, asyncio.TimeoutError)
                    else err.strerror or str(err))
