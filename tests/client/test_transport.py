@@ -11,7 +11,9 @@ import asyncio
 import contextlib
 import json
 import pickle
+import os
 import queue
+import signal
 import socket
 import threading
 import time
@@ -24,11 +26,11 @@ from shardfeed.client import AsyncClient, Client, ShardfeedConnectionError
 from shardfeed.client.transport.aio import AsyncPool
 from shardfeed.http11 import HeadReader, body_of
 from shardfeed.client.transport.sync import Pool
-from shardfeed.process import start_service
+from shardfeed.process import child_pids, start_service
 from shardfeed.retry import Backoff
 
 from common.synthetic import FAST, expected, seed_synthetic, tar_of
-from common.workers import routed_client
+from common.workers import routed_client, routed_service
 
 ONE_TRY = Backoff(attempts=1)
 
@@ -553,3 +555,17 @@ def test_a_batch_whose_answer_goes_silent_is_asked_again_after_the_progress_dead
 def test_the_progress_deadline_must_be_positive():
     with pytest.raises(ValueError, match="progress_timeout must be positive"):
         Client("http://127.0.0.1:1", progress_timeout=0)
+
+
+def test_a_routed_part_whose_worker_hangs_is_asked_again_elsewhere_after_the_progress_deadline(tmp_path):
+    many = Backoff(attempts=20, base=0.01, cap=0.1)  # the supervisor's port may hand a re-ask to the hung worker too
+    with routed_service(tmp_path, backoff=many, timeout=60, progress_timeout=1) as (svc, client):
+        hung = child_pids(svc.process.pid)[0]
+        os.kill(hung, signal.SIGSTOP)  # alive, connections accepted, nothing answered: a stuck worker
+        try:
+            indices = list(range(0, 1000, 7))  # a part for each worker
+            began = time.monotonic()
+            assert client.get_batch("train", indices) == [expected(i) for i in indices]
+            assert time.monotonic() - began < 20  # re-asked after 1 s silences, not after the 60 s timeout
+        finally:
+            os.kill(hung, signal.SIGCONT)
