@@ -65,8 +65,11 @@ time they took to recover: from the fault's end (a kill's or a damage's moment, 
 or a fill's end, the reload after an overwrite) to the start of the first window of
 ``--window`` seconds that delivered at least 90% of the rate of the 10 s before the fault
 (min, median, max; "not by the end": faults after which no such window came before the run
-ended). The exit status is 1 if any sample was wrong or lost, a loader hung or crashed, or a
-replica died for good.
+ended), and per kind the longest stall (gap between two batches of one loader) that overlaps a
+fault of the kind (up to 2 s past its end), beside the longest fault of the kind, and how long
+past a fault's end a loader stalled during it stayed stalled (the target: at most 5 s). Faults
+close together share their stalls; the JSON's ``gaps`` (start, end) tell which. The exit status
+is 1 if any sample was wrong or lost, a loader hung or crashed, or a replica died for good.
 """
 
 from __future__ import annotations
@@ -149,6 +152,11 @@ PRE_FAULT = 10.0
 RECOVERED = 0.9
 HANG_GRACE = 180.0
 """Seconds the loaders have, after the end, to finish their batch before the run counts as hung."""
+GAP = 1.0
+"""Seconds between two batches of one loader past which the gap is kept, as a stall a fault may
+have caused."""
+AFTER = 2.0
+"""Seconds after a fault's end within which a stall that begins still overlaps it."""
 CACHE_SLACK = 4 << 20
 """Room on a cache filesystem beyond the cache's size (lock files, a block being written)."""
 
@@ -168,6 +176,10 @@ class Fault:
     note: str
     recovery: float | None = None
     """Seconds from ``ended`` to the start of the first window at 90% of the pre-fault rate."""
+    stall: float = 0.0
+    """The longest gap between two batches of one loader that overlaps the fault (``Chaos.stalls``)."""
+    past: float = 0.0
+    """How long past the fault's end a loader stalled during it stayed stalled."""
 
 
 class Tally:
@@ -180,6 +192,9 @@ class Tally:
         """``(time, samples)`` of every batch delivered, both loaders."""
         self.stall = (0.0, "", 0.0)
         """The longest gap between two batches of one loader: ``(seconds, loader, when it ended)``."""
+        self.gaps: list[tuple[float, float]] = []
+        """``(start, end)`` of every gap of more than ``GAP`` s between two batches of one loader:
+        the stalls each fault is charged with (``Chaos.stalls``)."""
         self.errors: list[str] = []
         self.began = time.monotonic()
         self._lock = threading.Lock()
@@ -215,6 +230,8 @@ class Tally:
             self.arrivals.append((t, len(got)))
             if t - last > self.stall[0]:
                 self.stall = (t - last, loader, t)
+            if t - last > GAP:
+                self.gaps.append((last, t))
         return t
 
     def _exact(self, want: int, sample: dict) -> bool:
@@ -653,6 +670,16 @@ class Chaos:
                     fault.recovery = float(start - fault.ended)
                     break
 
+    def stalls(self) -> None:
+        """Each fault's longest stall (the longest gap of a loader that overlaps it, to ``AFTER`` s
+        past its end) and how long past the fault's end that loader stayed stalled. Faults close
+        together share their gaps: the JSON's ``gaps`` tell which."""
+        for fault in self.faults:
+            overlapping = [(start, end) for start, end in self.tally.gaps
+                           if start <= fault.ended + AFTER and end >= fault.began]
+            fault.stall = max((end - start for start, end in overlapping), default=0.0)
+            fault.past = max((end - fault.ended for _, end in overlapping), default=0.0)
+
     def summary(self, seconds: float, hung: bool) -> dict:
         counts = self.tally.counts
         per_kind = {}
@@ -661,7 +688,10 @@ class Chaos:
             times = [f.recovery for f in mine if f.recovery is not None]
             per_kind[kind] = {"count": len(mine), "recovered": len(times), "never": len(mine) - len(times),
                               "min_s": min(times, default=None), "max_s": max(times, default=None),
-                              "median_s": statistics.median(times) if times else None}
+                              "median_s": statistics.median(times) if times else None,
+                              "longest_fault_s": max((f.ended - f.began for f in mine), default=None),
+                              "longest_stall_s": max((f.stall for f in mine), default=None),
+                              "stall_past_fault_s": max((f.past for f in mine), default=None)}
         stall = self.tally.stall
         return {
             "seconds": seconds, "samples": self.args.samples, "size": self.args.size, "s3": self.args.s3,
@@ -670,7 +700,8 @@ class Chaos:
             "map_epochs": counts["map_epochs"], "iterable_epochs": counts["iterable_epochs"],
             "wrong": counts["wrong"], "lost": counts["lost"], "duplicate": counts["duplicate"],
             "failed_batches": counts["failed"], "longest_stall_s": stall[0], "longest_stall_loader": stall[1],
-            "longest_stall_at_s": stall[2], "faults": per_kind, "skipped": self.skipped,
+            "longest_stall_at_s": stall[2], "gaps": sorted(self.tally.gaps, key=lambda g: g[0] - g[1])[:20],
+            "faults": per_kind, "skipped": self.skipped,
             "events": [vars(f) for f in self.faults], "harness_errors": self.tally.errors,
             "dead": self.stack.dead, "hung": hung, "crashed": counts["crashed"],
             "up": [i for i in range(REPLICAS) if self.stack.replicas[i] is not None
@@ -690,11 +721,13 @@ def report(s: dict, out) -> None:
     print(f"wrong samples {s['wrong']}, lost {s['lost']}, duplicate {s['duplicate']}, failed batches "
           f"{s['failed_batches']}; longest stall {s['longest_stall_s']:.1f} s ({s['longest_stall_loader'] or '-'}, "
           f"ending at {s['longest_stall_at_s']:.1f} s)", file=out)
-    print("\n| fault | injected | recovered to 90% | min s | median s | max s |", file=out)
-    print("|---|---|---|---|---|---|", file=out)
+    print("\n| fault | injected | recovered to 90% | min s | median s | max s | longest fault s | longest stall s "
+          "| stall past fault s |", file=out)
+    print("|---|---|---|---|---|---|---|---|---|", file=out)
     for kind, row in s["faults"].items():
         late = f" ({row['never']} not by the end)" if row["never"] else ""
-        spread = " | ".join(_seconds(row[k]) for k in ("min_s", "median_s", "max_s"))
+        spread = " | ".join(_seconds(row[k]) for k in ("min_s", "median_s", "max_s", "longest_fault_s",
+                                                       "longest_stall_s", "stall_past_fault_s"))
         print(f"| {kind} | {row['count']} | {row['recovered']}{late} | {spread} |", file=out)
     for line in s["skipped"]:
         print(f"skipped: {line}", file=out)
@@ -758,6 +791,7 @@ def run_chaos(args: argparse.Namespace, out=sys.stdout) -> dict:
         if hung:
             faulthandler.dump_traceback(file=sys.stderr)
         chaos.recoveries(end)
+        chaos.stalls()
         summary = chaos.summary(end, hung)
         if args.logs:
             services.stop()  # their last words too

@@ -11,6 +11,8 @@ the next matching requests:
 ``reset``   upstream's status and headers, half the body, then a TCP reset
 ``truncate`` upstream's status and correct Content-Length, half the body, then close
 ``stall``   wait ``ms`` (default 60 s, past any sane read timeout), then forward
+``hang``    upstream's status and headers, half the body, then silence for ``ms`` (default
+            60 s), then the rest: a read that goes silent mid-body
 ``latency`` wait ``ms`` more, then forward (a latency spike)
 =========== ===================================================================
 
@@ -52,7 +54,7 @@ from yarl import URL
 
 from shardfeed.process import free_port, stop_process
 
-KINDS = ("503", "500", "reset", "truncate", "stall", "latency")
+KINDS = ("503", "500", "reset", "truncate", "stall", "latency", "hang")
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "upgrade", "trailer",
                "proxy-authenticate", "proxy-authorization", "proxy-connection"}
 _ERROR_XML = ('<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
@@ -100,14 +102,14 @@ class FaultProxy:
 
         match: regular expression searched in ``"METHOD /path?query"``, e.g. ``"^GET "``
         or ``"shard-0003"``; ``None`` matches every request.
-        ms: delay for ``stall`` (default 60000) and ``latency`` (default 1000).
+        ms: delay for ``stall`` and ``hang`` (default 60000) and ``latency`` (default 1000).
         """
         if kind not in KINDS:
             raise ValueError(f"unknown fault kind {kind!r} (expected one of {', '.join(KINDS)})")
         if count is not None and count < 1:
             raise ValueError(f"fault count must be at least 1 or None, not {count}")
         if ms is None:
-            ms = {"stall": 60_000, "latency": 1_000}.get(kind, 0)
+            ms = {"stall": 60_000, "hang": 60_000, "latency": 1_000}.get(kind, 0)
         fault = _Fault(kind, count, re.compile(match) if match else None, float(ms))
         with self._lock:
             self._faults.append(fault)
@@ -187,9 +189,13 @@ class FaultProxy:
         # Keep upstream's length (a HEAD has none of the body it announces).
         response.content_length = int(up_headers.get("Content-Length", len(body)))
         await response.prepare(request)
-        if kind in ("reset", "truncate"):
+        if kind in ("reset", "truncate", "hang"):
             await response.write(body[: len(body) // 2])
-            self._cut(request, kind)
+            if kind == "hang":
+                await asyncio.sleep(fault.ms / 1000)
+                body = body[len(body) // 2:]
+            else:
+                self._cut(request, kind)
         await response.write(body)
         await response.write_eof()
         return response

@@ -169,6 +169,7 @@ class BaseClient:
         token: str | None = None,
         timeout: float = 60.0,
         connect_timeout: float = 5.0,
+        progress_timeout: float = 10.0,
         backoff: Backoff = DEFAULT_BACKOFF,
         down_for: float = 5.0,
         max_connections: int = 16,
@@ -185,6 +186,10 @@ class BaseClient:
             timeout: seconds to wait for any read or write on a connection (not for a
                 whole batch: a large batch may stream for longer, as long as bytes flow).
             connect_timeout: seconds to wait for a connection to open.
+            progress_timeout: seconds a batch's answer may go without a byte (its head awaited
+                included; at most ``timeout``) before the batch, or its routed part, is asked
+                again, of the next URL: a batch stuck behind a store read that went silent or a
+                worker that died is re-asked in seconds, not after ``timeout``.
             backoff: retry policy for 429, 502-504, 409 ``dataset_changed``, connection failures
                 and broken streams.
             down_for: seconds a URL that refused a connection stays out of the rotation.
@@ -202,8 +207,8 @@ class BaseClient:
                 bytes output always reads tar.
         """
         self.urls = parse_urls(url)
-        if timeout <= 0 or connect_timeout <= 0:
-            raise ValueError("timeout and connect_timeout must be positive")
+        if timeout <= 0 or connect_timeout <= 0 or progress_timeout <= 0:
+            raise ValueError("timeout, connect_timeout and progress_timeout must be positive")
         if max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, not {max_connections}")
         token = token if token is not None else os.environ.get("SHARDFEED_TOKEN") or None
@@ -212,6 +217,7 @@ class BaseClient:
             self.headers["Authorization"] = f"Bearer {token}"
         self.timeout = timeout
         self.connect_timeout = connect_timeout
+        self.progress_timeout = progress_timeout
         self.backoff = backoff
         self.max_connections = max_connections
         self.verify = verify
@@ -257,7 +263,7 @@ class BaseClient:
 
     def _pool_options(self) -> dict:
         """The arguments of the batch transport's pool (:mod:`.transport`)."""
-        return dict(timeout=self.timeout, connect_timeout=self.connect_timeout,
+        return dict(timeout=self.timeout, connect_timeout=self.connect_timeout, progress_timeout=self.progress_timeout,
                     max_connections=self.max_connections, verify=self.verify)
 
     def _own(self, attr: str, owner: Any, make: Callable[[], T]) -> T:

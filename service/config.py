@@ -546,7 +546,8 @@ class ServiceConfig:
         "samples from the store itself"))
 
     store_options: dict = field(default_factory=dict)
-    """Passed to the store backends (timeouts, pool size, retries: ``--store-timeout``, ``--store-retries``)."""
+    """Passed to the store backends (timeouts, pool size, retries: ``--store-timeout``,
+    ``--store-first-byte-timeout``, ``--store-progress-timeout``, ``--store-retries``)."""
 
     hedge: HedgePolicy | None = setting(factory=HedgePolicy, group=Group.STORE, kind=Switch(negatable=True), help=(
         "hedged store reads (stores/hedge.py): a range read slower than most recent ones gets a second, "
@@ -617,6 +618,12 @@ OPTIONS = (
             PATH, flag="--data-dir", default=DEFAULT_DATA_DIR),
     Setting(Group.STORE, "longest silence while reading from S3, per try", SECONDS, flag="--store-timeout",
             positive=True, shown="30 s"),
+    Setting(Group.STORE, "longest wait for the first byte of a ranged read's answer from S3, per try (at most "
+            "--store-timeout): a read gone silent is asked again, on another connection", SECONDS,
+            flag="--store-first-byte-timeout", positive=True, shown="3 s"),
+    Setting(Group.STORE, "longest silence in a ranged read's answer from S3 once it began, per try (at most "
+            "--store-timeout); then it is asked again, on another connection", SECONDS,
+            flag="--store-progress-timeout", positive=True, shown="2 s"),
     Setting(Group.STORE, "retries of an S3 request that failed with 5xx, SlowDown, a reset, a timeout or a "
             "short body", INT, flag="--store-retries", metavar="N", low=0, shown=str(Backoff().attempts - 1)),
     Setting(Group.ACCESS, "require 'Authorization: Bearer TOKEN': tokens with full access, one a line in this "

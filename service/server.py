@@ -68,8 +68,10 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                  for s in settings(ServiceConfig) if s.node is not None} | given
     hedge = HedgePolicy(**_given(args, HedgePolicy)) if given.pop("hedge", True) else None
     store_options: dict = {}
-    if args.store_timeout is not None:
-        store_options["read_timeout"] = args.store_timeout
+    for option, name in (("store_timeout", "read_timeout"), ("store_first_byte_timeout", "first_byte_timeout"),
+                         ("store_progress_timeout", "progress_timeout")):
+        if getattr(args, option) is not None:
+            store_options[name] = getattr(args, option)
     if args.store_retries is not None:
         store_options["backoff"] = Backoff(attempts=args.store_retries + 1)
     full_access = full_access_tokens(args.token_file, os.environ.get("SHARDFEED_TOKENS", ""))

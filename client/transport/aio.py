@@ -5,8 +5,8 @@ sends ``POST /v1/batch`` in one write on a kept-alive ``asyncio.open_connection`
 and hands on the answer's body as it is read. What the bytes mean is decided in
 :mod:`.base`, shared with the blocking driver (:mod:`.sync`); the rules are the same as there: at most
 ``max_connections`` in use at once (a request beyond waits up to ``timeout``), ``timeout``
-on every read and write, ``connect_timeout`` to connect, a kept connection the server
-closed (or sent something unasked on) is dropped before reuse, a request the server
+(or the shorter ``progress_timeout``) on every read and write, ``connect_timeout`` to connect,
+a kept connection the server closed (or sent something unasked on) is dropped before reuse, a request the server
 closed a kept connection under goes out again on a new one, once, and every failure is a
 :class:`ShardfeedConnectionError` (``connect`` when no connection could be opened).
 
@@ -193,7 +193,7 @@ class AsyncPool(PoolBase):
         except (OSError, asyncio.TimeoutError) as exc:
             raise ShardfeedConnectionError(base, reason(exc), connect=True) from None
         writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return Connection(reader, writer, self.timeout)
+        return Connection(reader, writer, self.read_timeout)
 
     async def _answer(self, endpoint: Endpoint, conn: Connection, base: str) -> AsyncResponse:
         """Read the status line and headers of the answer on ``conn``."""

@@ -72,6 +72,9 @@ class PoolBase:
     Args:
         timeout: seconds any read or write on a connection may wait.
         connect_timeout: seconds to open a connection (TLS handshake included).
+        progress_timeout: seconds an answer may go without a byte (its head awaited
+            included), at most ``timeout``: a batch stuck behind a lost read or a dead
+            connection fails in seconds, to be asked again (``PartRequest.wait``).
         max_connections: connections in use at once; a request beyond waits up to ``timeout``.
         verify: for HTTPS, check the server's certificate (True), against a CA bundle
             file (a path), or not at all (False).
@@ -79,10 +82,13 @@ class PoolBase:
 
     slots: Callable[[int], Any]
 
-    def __init__(self, *, timeout: float, connect_timeout: float, max_connections: int, verify: bool | str):
+    def __init__(self, *, timeout: float, connect_timeout: float, max_connections: int, verify: bool | str,
+                 progress_timeout: float | None = None):
         self.pid = os.getpid()
         self.timeout = timeout
         self.connect_timeout = connect_timeout
+        self.read_timeout = min(timeout, progress_timeout or timeout)
+        """Seconds a read or write on a connection waits: ``timeout``, or less (``progress_timeout``)."""
         self.max_connections = max_connections
         self.verify = verify
         self._idle: dict[Endpoint, list[Any]] = {}

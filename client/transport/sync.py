@@ -183,7 +183,7 @@ class Pool(PoolBase):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if endpoint.tls:
                 sock = self.tls_context().wrap_socket(sock, server_hostname=endpoint.host)
-            sock.settimeout(self.timeout)
+            sock.settimeout(self.read_timeout)
         except OSError as exc:
             sock.close()
             raise ShardfeedConnectionError(base, reason(exc), connect=True) from None

@@ -12,6 +12,7 @@ that version or raises ``ObjectChanged``, never bytes of another. Callers that k
 from __future__ import annotations
 
 import posixpath
+from contextvars import ContextVar
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -67,6 +68,18 @@ def clean_path(path: str) -> str:
     if norm == ".." or norm.startswith("../") or norm == ".":
         raise InvalidPath(f"object path {path!r} escapes the dataset root")
     return norm
+
+
+class Tries:
+    """How often a read failed and was tried again, as the store that retries it counts them."""
+
+    def __init__(self) -> None:
+        self.failed = 0
+
+
+RETRIED: ContextVar[Tries | None] = ContextVar("shardfeed_store_retried", default=None)
+"""Set for a read (its task's context) by whoever needs to know whether the store had to retry it:
+the hedger (``hedge.py``) spends no hedge on a read being retried, which is failing, not late."""
 
 
 Arrived = Callable[[int, bytes | bytearray], None]

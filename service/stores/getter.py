@@ -12,8 +12,10 @@ pieces (an error answer, a chunked body, another ``Content-Length``) is read who
 that framing instead, at most ``limit`` bytes, for the caller to judge.
 
 The rules: at most ``connections`` in use at once (more requests wait their turn);
-``connect_timeout`` to connect (TLS included); ``read_timeout`` of silence while an answer
-is awaited or read (``TimeoutError``); a request on a kept connection that the server closed
+``connect_timeout`` to connect (TLS included); ``first_byte_timeout`` from the request to the
+answer's first byte, then ``progress_timeout`` of silence while it is read (``TimeoutError``:
+a read gone silent is given up in seconds, for the caller to ask again on another connection,
+not waited out on one long budget); a request on a kept connection that the server closed
 before a byte of the answer goes out again on a new one, once; a connection whose answer was
 not read whole (cut, timed out, cancelled, past ``limit``) is closed, never kept. A
 ``Getter`` belongs to the event loop it is first used on.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
@@ -58,8 +61,9 @@ class Answer(NamedTuple):
 class _Connection(asyncio.BufferedProtocol):
     """One kept connection; one exchange (request, answer) at a time."""
 
-    def __init__(self, read_timeout: float):
-        self.read_timeout = read_timeout
+    def __init__(self, first_byte_timeout: float, progress_timeout: float):
+        self.first_byte_timeout = first_byte_timeout
+        self.progress_timeout = progress_timeout
         self.transport: asyncio.Transport | None = None
         self.open = False
         self._loop = asyncio.get_running_loop()
@@ -80,7 +84,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.answered = False  # a byte of the answer arrived
         self.reusable = False
         self._progress = self._loop.time()
-        self._timer = self._loop.call_at(self._progress + self.read_timeout, self._check_silence)
+        self._timer = self._loop.call_at(self._progress + self.first_byte_timeout, self._check_silence)
         self.transport.write(request)
         return self._answer
 
@@ -93,8 +97,11 @@ class _Connection(asyncio.BufferedProtocol):
         if self._answer is None or self._answer.done():  # bytes nobody asked for: out of step
             self.close()
             return
-        self.answered = True
         self._progress = self._loop.time()
+        if not self.answered:  # from here the (usually shorter) progress deadline, not the first byte's
+            self.answered = True
+            self._stop_timer()
+            self._timer = self._loop.call_at(self._progress + self.progress_timeout, self._check_silence)
         try:
             if self._pieces is not None and self._index < len(self._pieces):
                 self._body.took(n)
@@ -178,9 +185,11 @@ class _Connection(asyncio.BufferedProtocol):
         self.close()
 
     def _check_silence(self) -> None:
-        due = self._progress + self.read_timeout
+        allowed = self.progress_timeout if self.answered else self.first_byte_timeout
+        due = self._progress + allowed
         if self._loop.time() >= due:
-            self._fail(TimeoutError(f"no answer bytes for {self.read_timeout} s"))
+            what = "no more answer bytes" if self.answered else "no answer's first byte"
+            self._fail(TimeoutError(f"{what} for {allowed} s"))
         else:
             self._timer = self._loop.call_at(due, self._check_silence)
 
@@ -234,14 +243,16 @@ class _Connection(asyncio.BufferedProtocol):
 class Getter:
     """Kept connections to one HTTP(S) endpoint, and GETs over them (see the module's rules)."""
 
-    def __init__(self, endpoint: str, *, connections: int, connect_timeout: float, read_timeout: float):
+    def __init__(self, endpoint: str, *, connections: int, connect_timeout: float, first_byte_timeout: float,
+                 progress_timeout: float):
         parts = urlsplit(endpoint)
         self.tls = parts.scheme == "https"
         self.host = parts.hostname or ""
         self.port = parts.port or (443 if self.tls else 80)
         self.endpoint = endpoint
         self.connect_timeout = connect_timeout
-        self.read_timeout = read_timeout
+        self.first_byte_timeout = first_byte_timeout
+        self.progress_timeout = progress_timeout
         self._slots = asyncio.Semaphore(connections)
         self._idle: list[_Connection] = []
         self._ssl = ssl.create_default_context() if self.tls else None
@@ -286,10 +297,10 @@ class Getter:
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
+        made = partial(_Connection, self.first_byte_timeout, self.progress_timeout)
         try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(self.read_timeout), self.host, self.port, ssl=self._ssl),
-                self.connect_timeout)
+            _, conn = await asyncio.wait_for(loop.create_connection(made, self.host, self.port, ssl=self._ssl),
+                                             self.connect_timeout)
         except (OSError, asyncio.TimeoutError) as err:
             why = (f"timed out after {self.connect_timeout} s" if isinstance(err, asyncio.TimeoutError)
                    else err.strerror or str(err))

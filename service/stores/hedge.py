@@ -14,11 +14,19 @@ percent more requests.
 ``read_pieces``) are hedged; every other call goes straight through. Only completed reads
 feed the latency window: a read that lost a race is cancelled and says nothing about the
 store.
+
+Hedges are for reads that are late, not for reads that fail: a read the store is retrying
+(a reset, a 5xx, a silence past its first-byte or progress deadline: ``s3.py``) is failing
+already, and a second copy would only double the requests while the store is down, spending
+the budget the reads that are merely late need once it is back. So a read that has been
+retried by its deadline is not hedged, and its time does not enter the latency window (an
+outage would otherwise push the deadline to its maximum).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -28,6 +36,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from shardfeed.service.config import HedgePolicy
 from shardfeed.service.stores import Arrived, ObjectInfo, Store
+from shardfeed.service.stores.base import RETRIED, Tries
 
 log = logging.getLogger("shardfeed.hedge")
 
@@ -106,27 +115,35 @@ class HedgedStore(Store):
         return await self._hedged(lambda: self.store.read_pieces(path, offset, size, piece, version, arrived=arrived),
                                   path, offset, size)
 
-    async def _timed(self, read: Callable[[], Awaitable[T]]) -> T:
+    async def _timed(self, read: Callable[[], Awaitable[T]], tries: Tries) -> T:
         loop = asyncio.get_running_loop()
         began = loop.time()
         data = await read()
-        self.latencies.record(loop.time() - began)
+        if not tries.failed:  # a retried read's time is the store's failures', not its latency
+            self.latencies.record(loop.time() - began)
         return data
 
+    def _racer(self, read: Callable[[], Awaitable[T]]) -> tuple[asyncio.Task, Tries]:
+        """``read()`` in a task of its own, and the count of its tries that failed (``RETRIED``)."""
+        tries = Tries()
+        context = contextvars.copy_context()
+        context.run(RETRIED.set, tries)
+        return asyncio.get_running_loop().create_task(self._timed(read, tries), context=context), tries
+
     async def _hedged(self, read: Callable[[], Awaitable[T]], path: str, offset: int, size: int) -> T:
-        """``read()``, and the same again if it is still running at the deadline; the first
-        to succeed."""
+        """``read()``, and the same again if it is still running at the deadline, unless the
+        store is retrying it; the first to succeed."""
         self.hedger._earn()
-        primary = asyncio.ensure_future(self._timed(read))
+        primary, tries = self._racer(read)
         racers = [primary]
         try:
             done, _ = await asyncio.wait(racers, timeout=self.latencies.deadline)
-            if done or not self.hedger._spend():
+            if done or tries.failed or not self.hedger._spend():
                 return await primary
             self.hedger.hedges.inc()
             log.debug("hedging read of %s [%d, +%d) after %.0f ms", path, offset, size,
                       1e3 * self.latencies.deadline)
-            racers.append(asyncio.ensure_future(self._timed(read)))
+            racers.append(self._racer(read)[0])
             pending = set(racers)
             failures: dict[asyncio.Future, BaseException] = {}
             while pending:

@@ -44,8 +44,8 @@ from yarl import URL
 from shardfeed.http11 import Head
 from shardfeed.retry import Backoff, retry_async
 from shardfeed.service.stores.base import (
-    AccessDenied, Arrived, ObjectChanged, ObjectInfo, ObjectNotFound, ShortRead, Store, StoreError, StoreUnavailable,
-    clean_path, handed_on,
+    RETRIED, AccessDenied, Arrived, ObjectChanged, ObjectInfo, ObjectNotFound, ShortRead, Store, StoreError,
+    StoreUnavailable, clean_path, handed_on,
 )
 from shardfeed.service.stores.getter import Answer, CannotConnect, CutShort, Getter
 
@@ -78,6 +78,8 @@ class S3Store(Store):
         pool_size: int = 64,
         connect_timeout: float = 5,
         read_timeout: float = 30,
+        first_byte_timeout: float = 3,
+        progress_timeout: float = 2,
         backoff: Backoff | None = None,
         endpoint_url: str | None = None,
         region: str | None = None,
@@ -87,12 +89,17 @@ class S3Store(Store):
         pool_size: most simultaneous connections to the endpoint (more requests queue).
         connect_timeout: seconds to open a TCP (and TLS) connection, per try.
         read_timeout: longest silence in seconds while waiting for response bytes, per try.
+        first_byte_timeout: a ranged read's longest wait in seconds for its answer's first byte,
+            per try (at most ``read_timeout``): a read gone silent is asked again, on another
+            connection, in seconds rather than after ``read_timeout``.
+        progress_timeout: a ranged read's longest silence in seconds once its answer began, per
+            try (at most ``read_timeout``).
         backoff: retry policy for 5xx, SlowDown, timeouts, resets and truncated bodies.
         endpoint_url: overrides ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``.
         region: overrides the region from the AWS config (signing scope and default endpoint).
         part_size: ``write_stream`` part size (S3 allows 5 MiB to 5 GiB, and 10,000 parts).
         """
-        if pool_size < 1 or connect_timeout <= 0 or read_timeout <= 0:
+        if pool_size < 1 or min(connect_timeout, read_timeout, first_byte_timeout, progress_timeout) <= 0:
             raise StoreError(f"{url}: pool_size and timeouts must be positive")
         self.url = url
         self.bucket = bucket
@@ -115,6 +122,8 @@ class S3Store(Store):
             raise StoreError(f"{url}: cannot read the AWS configuration: {err}") from None
         self.endpoint = resolve_endpoint(endpoint_url, self.region)
         self._host = host_header(self.endpoint)
+        self._ranged_timeouts = (min(first_byte_timeout, read_timeout), min(progress_timeout, read_timeout))
+        """A ranged read's deadlines: its answer's first byte, then no byte for this long."""
         self._timeout = aiohttp.ClientTimeout(
             # Not `connect`: that would also count the wait for a free pooled connection.
             total=None, sock_connect=connect_timeout, sock_read=read_timeout)
@@ -152,8 +161,9 @@ class S3Store(Store):
     def _ranged_reader(self) -> Getter:
         loop = asyncio.get_running_loop()
         if self._getter is None or self._getter_loop is not loop:  # a new loop: the old one's sockets went with it
+            first_byte, progress = self._ranged_timeouts
             self._getter = Getter(self.endpoint, connections=self.pool_size, connect_timeout=self._timeout.sock_connect,
-                                  read_timeout=self._timeout.sock_read)
+                                  first_byte_timeout=first_byte, progress_timeout=progress)
             self._getter_loop = loop
         return self._getter
 
@@ -230,11 +240,15 @@ class S3Store(Store):
                                      on_retry=self._count_retry)
         except (Truncated, Overloaded, aiohttp.ClientError, OSError) as err:
             after = f"after {self.backoff.attempts} attempts"
-            timeouts = f"connect {self._timeout.sock_connect}s, read {self._timeout.sock_read}s"
+            first_byte, progress = self._ranged_timeouts
+            timeouts = (f"connect {self._timeout.sock_connect}s, read {self._timeout.sock_read}s, a range's first "
+                        f"byte {first_byte}s, then silence {progress}s")
             raise gave_up(err, object_url, self.endpoint, timeouts, after) from None
 
     def _count_retry(self, err: Exception, delay: float) -> None:
         self.retries += 1
+        if (tries := RETRIED.get()) is not None:
+            tries.failed += 1
 
     async def _body(self, resp: aiohttp.ClientResponse, name: str, expected: int | None = None) -> bytes:
         data = await read_body(resp, name, expected)

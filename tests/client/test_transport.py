@@ -11,7 +11,9 @@ import asyncio
 import contextlib
 import json
 import pickle
+import os
 import queue
+import signal
 import socket
 import threading
 import time
@@ -24,11 +26,11 @@ from shardfeed.client import AsyncClient, Client, ShardfeedConnectionError
 from shardfeed.client.transport.aio import AsyncPool
 from shardfeed.http11 import HeadReader, body_of
 from shardfeed.client.transport.sync import Pool
-from shardfeed.process import start_service
+from shardfeed.process import child_pids, start_service
 from shardfeed.retry import Backoff
 
 from common.synthetic import FAST, expected, seed_synthetic, tar_of
-from common.workers import routed_client
+from common.workers import routed_client, routed_service
 
 ONE_TRY = Backoff(attempts=1)
 
@@ -501,3 +503,69 @@ def test_async_connections_in_use_are_bounded_and_a_request_beyond_waits_then_fa
         assert server.connections == 1
     finally:
         server.close()
+
+
+class SilentFirst:
+    """A TCP relay to ``target`` (the real service) whose first connection takes the request and
+    never answers, as a worker stuck behind a lost store read would; later ones are relayed."""
+
+    def __init__(self, target: str):
+        self.target = ("127.0.0.1", int(target.rsplit(":", 1)[1]))
+        self.connections = 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                sock, _ = self.listener.accept()
+                self.connections += 1
+                if self.connections == 1:
+                    threading.Thread(target=sock.recv, args=(65536,), daemon=True).start()  # held, unanswered
+                    continue
+                upstream = socket.create_connection(self.target)
+                for a, b in ((sock, upstream), (upstream, sock)):
+                    threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_batch_whose_answer_goes_silent_is_asked_again_after_the_progress_deadline(service, each_client):
+    gate = SilentFirst(service.url)
+    try:
+        client = each_client(gate.url, timeout=30, progress_timeout=1, backoff=FAST, route=False)
+        began = time.monotonic()
+        assert client.get_batch("train", [5, 3, 9]) == [expected(i) for i in (5, 3, 9)]
+        assert 0.9 < time.monotonic() - began < 10  # asked again after 1 s, not after the 30 s timeout
+        assert gate.connections == 2
+    finally:
+        gate.close()
+
+
+def test_the_progress_deadline_must_be_positive():
+    with pytest.raises(ValueError, match="progress_timeout must be positive"):
+        Client("http://127.0.0.1:1", progress_timeout=0)
+
+
+def test_a_routed_part_whose_worker_hangs_is_asked_again_elsewhere_after_the_progress_deadline(tmp_path):
+    many = Backoff(attempts=20, base=0.01, cap=0.1)  # the supervisor's port may hand a re-ask to the hung worker too
+    with routed_service(tmp_path, backoff=many, timeout=60, progress_timeout=1) as (svc, client):
+        hung = child_pids(svc.process.pid)[0]
+        os.kill(hung, signal.SIGSTOP)  # alive, connections accepted, nothing answered: a stuck worker
+        try:
+            indices = list(range(0, 1000, 7))  # a part for each worker
+            began = time.monotonic()
+            assert client.get_batch("train", indices) == [expected(i) for i in indices]
+            assert time.monotonic() - began < 20  # re-asked after 1 s silences, not after the 60 s timeout
+        finally:
+            os.kill(hung, signal.SIGCONT)

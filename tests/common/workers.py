@@ -10,7 +10,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from shardfeed.client import Client
-from shardfeed.process import child_pids, start_service
+from shardfeed.process import ServiceProcess, child_pids, start_service
 
 from common.datasets import dir_put, make_dataset
 from common.synthetic import seed_synthetic
@@ -69,6 +69,13 @@ def each_workers_shards(url: str, worker_urls: list[str], samples: int, at_least
 def routed_client(root: Path, **client_options) -> Iterator[Client]:
     """A client of ``serve --workers 2`` over 1000 synthetic samples (about 13 shards: each
     worker owns some; all on one: p < 0.001), once its routing table lists both workers."""
+    with routed_service(root, **client_options) as (_, client):
+        yield client
+
+
+@contextmanager
+def routed_service(root: Path, **client_options) -> Iterator[tuple[ServiceProcess, Client]]:
+    """``routed_client``'s service (the workers' supervisor) and client."""
     url = seed_synthetic(root / "train", samples=1000)
     with start_service({"train": url}, cache_dir=root / "cache", workers=2) as svc, \
             Client(svc.url, **client_options) as client:
@@ -77,4 +84,4 @@ def routed_client(root: Path, **client_options) -> Iterator[Client]:
             return len({part.owner for part in client.router.split("train", list(range(1000)))}) == 2
 
         wait_until(both_listed, 60, "the routing table listing both workers")
-        yield client
+        yield svc, client

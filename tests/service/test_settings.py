@@ -76,6 +76,8 @@ def test_no_flag_leaves_every_default_of_the_config(parse):
     (["--hedge-min-ms", "5", "--hedge-quantile", "0.5"], "hedge", HedgePolicy(quantile=0.5, min_delay=0.005)),
     (["--store-timeout", "7", "--store-retries", "2"], "store_options",
      {"read_timeout": 7.0, "backoff": Backoff(attempts=3)}),
+    (["--store-first-byte-timeout", "1.5", "--store-progress-timeout", "0.5"], "store_options",
+     {"first_byte_timeout": 1.5, "progress_timeout": 0.5}),
     (["--workers", "1", "--restart-pause", "0.5", "--peers-refresh", "1"], "restart_pause", 0.5),
 ])
 def test_each_flag_sets_its_field_in_the_field_s_units(parse, monkeypatch, tmp_path, argv, name, value):

@@ -16,7 +16,8 @@ BODY = bytes(range(256)) * 64  # 16 KiB
 
 class Server:
     """Answers each request with the next of ``answers``: a list of byte strings sent in turn,
-    waiting ``gate`` (an event) between them when given; ``None`` closes the connection."""
+    waiting ``gate`` (an event) between them when given, or a number of seconds where a number
+    stands among them; ``None`` closes the connection."""
 
     def __init__(self, answers: list):
         self.answers = list(answers)
@@ -35,7 +36,10 @@ class Server:
                 if answer is None:
                     return
                 for number, part in enumerate(answer):
-                    if number:
+                    if isinstance(part, float):
+                        await asyncio.sleep(part)
+                        continue
+                    if number and not isinstance(answer[number - 1], float):
                         await self.gate.wait()
                     writer.write(part)
                     await writer.drain()
@@ -54,8 +58,9 @@ def sized(body: bytes, status: str = "206 Partial Content", extra: str = "") -> 
     return f"HTTP/1.1 {status}\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode() + body
 
 
-def getter(url: str, read_timeout: float = 5) -> Getter:
-    return Getter(url, connections=4, connect_timeout=2, read_timeout=read_timeout)
+def getter(url: str, read_timeout: float = 5, progress_timeout: float | None = None) -> Getter:
+    return Getter(url, connections=4, connect_timeout=2, first_byte_timeout=read_timeout,
+                  progress_timeout=progress_timeout or read_timeout)
 
 
 def run(coro):
@@ -151,4 +156,31 @@ def test_a_cut_body_and_silence_fail_and_the_pieces_in_before_stay_whole():
                 await getter(url).get("/x", {"Host": "h"}, [10], limit=1 << 20)
         with pytest.raises(CannotConnect, match="cannot connect"):
             await getter(url).get("/x", {"Host": "h"}, [10], limit=1 << 20)  # nobody listens there now
+    run(main())
+
+
+def test_the_first_byte_and_the_silence_after_it_have_deadlines_of_their_own():
+    async def main():
+        whole = sized(BODY)
+        half = len(whole) - len(BODY) // 2
+        # A first byte later than the progress deadline, within its own: the answer is read.
+        async with Server([[0.6, whole]]) as url:
+            got = await getter(url, read_timeout=2, progress_timeout=0.3).get("/x", {"Host": "h"}, [len(BODY)],
+                                                                               limit=1 << 20)
+            assert bytes(got.pieces[0]) == BODY
+        # No first byte by its deadline: given up then, not after a longer budget.
+        server = Server([[3.0, whole]])
+        async with server as url:
+            began = asyncio.get_running_loop().time()
+            with pytest.raises(TimeoutError, match="first byte for 0.5 s"):
+                await getter(url, read_timeout=0.5, progress_timeout=5).get("/x", {"Host": "h"}, [len(BODY)],
+                                                                             limit=1 << 20)
+            assert asyncio.get_running_loop().time() - began < 2
+        # Silent mid-body past the progress deadline, however long the first-byte one.
+        async with Server([[whole[:half], 3.0, whole[half:]]]) as url:
+            began = asyncio.get_running_loop().time()
+            with pytest.raises(TimeoutError, match="no more answer bytes for 0.3 s"):
+                await getter(url, read_timeout=5, progress_timeout=0.3).get("/x", {"Host": "h"}, [len(BODY)],
+                                                                             limit=1 << 20)
+            assert asyncio.get_running_loop().time() - began < 2
     run(main())

@@ -12,9 +12,13 @@ import time
 import httpx
 import pytest
 
+from prometheus_client import CollectorRegistry
+
 from shardfeed.benchmarks.s3proxy import start_proxy
 from shardfeed.process import free_port
 from shardfeed.retry import Backoff
+from shardfeed.service.config import HedgePolicy
+from shardfeed.service.stores.hedge import Hedger
 from shardfeed.service.stores import (
     AccessDenied, InvalidPath, ObjectChanged, ObjectNotFound, ShortRead, StoreUnavailable, open_store,
 )
@@ -28,7 +32,7 @@ def run(coro):
 
 
 def s3(bucket: str, prefix: str = "data", **options):
-    return open_store(f"s3://{bucket}/{prefix}", backoff=FAST, **options)
+    return open_store(f"s3://{bucket}/{prefix}", **{"backoff": FAST, **options})
 
 
 @pytest.fixture(scope="module")
@@ -231,6 +235,49 @@ def test_a_stall_past_the_read_timeout_is_retried(via_proxy, proxy):
         assert store.retries == 1  # the stalled try timed out (waited out, it would have answered)
 
     via_proxy(body, read_timeout=0.5)
+
+
+@pytest.mark.parametrize("kind", ["stall", "hang"], ids=["no-first-byte", "silent-mid-body"])
+def test_a_read_gone_silent_is_asked_again_in_seconds_not_after_the_read_timeout(proxy, bucket, kind):
+    async def main():
+        async with s3(bucket, endpoint_url=proxy.url, read_timeout=30, first_byte_timeout=1,
+                      progress_timeout=0.5) as store:
+            await store.write("shard.bin", DATA)
+            before = proxy.counts.get("GET range", 0)
+            proxy.inject(kind, count=1, ms=60_000, match="^GET ")
+            began = time.monotonic()
+            assert await store.read_range("shard.bin", 0, len(DATA)) == DATA
+            assert time.monotonic() - began < 10  # not the 30 s read timeout, nor the 60 s silence
+            assert store.retries == 1 and proxy.counts["GET range"] - before == 2
+
+    proxy.clear()
+    try:
+        run(main())
+    finally:
+        proxy.clear()
+
+
+def test_retries_spend_no_hedges_and_late_reads_still_get_them(proxy, bucket):
+    hedger = Hedger(HedgePolicy(min_delay=0.02, max_delay=0.02), CollectorRegistry())
+
+    async def main():
+        raw = s3(bucket, endpoint_url=proxy.url, backoff=Backoff(attempts=5, base=0.2, cap=0.2))
+        async with raw:
+            await raw.write("shard.bin", DATA)
+            store = hedger.wrap(raw)
+            before = proxy.counts.get("GET range", 0)
+            proxy.inject("503", count=3, match="^GET ")  # failing, not late: retried, never hedged
+            assert await store.read_range("shard.bin", 0, 1000) == DATA[:1000]
+            assert (hedger.hedges._value.get(), proxy.counts["GET range"] - before) == (0, 4)
+            proxy.inject("latency", count=1, ms=1000, match="^GET ")  # late: hedged, the hedge wins
+            assert await store.read_range("shard.bin", 0, 1000) == DATA[:1000]
+            assert (hedger.hedges._value.get(), hedger.wins._value.get()) == (1, 1)
+
+    proxy.clear()
+    try:
+        run(main())
+    finally:
+        proxy.clear()
 
 
 def test_the_store_works_again_under_a_new_event_loop(bucket):
