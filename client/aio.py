@@ -222,7 +222,7 @@ class AsyncClient(BaseClient):
         """Send one try of ``request``; its answer once the head arrived (``Client._open``)."""
         pool = self._wire()  # first: a new pool starts the rotation at a random URL
         base, body = request.next_try()
-        response = await pool.post(base, BATCH_PATH, body, self.headers)
+        response = await pool.post(base, BATCH_PATH, body, self.headers, head_timeout=request.head_timeout)
         if response.status >= 400:
             with closing(response):
                 error = request.error(response, await response.read(ERROR_BODY_LIMIT))

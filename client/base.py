@@ -351,6 +351,9 @@ class PartRequest:
         """A transform's outputs, as the last answer's head declared them."""
         self.transformed_by: str | None = None
         """The transform and version the last answer names (``TRANSFORM_HEADER``)."""
+        self.head_timeout = client.timeout if transform is not None else None
+        """Seconds its answer's head may take (``None``: the client's ``progress_timeout``): a
+        transformed batch is computed whole before its first byte, for as long as its transform takes."""
         self.reader = BatchReader(dataset, part.indices, fields)
         self._client = client
         self.via = Via(client.endpoints, client.router, dataset, part.owner)
@@ -449,6 +452,7 @@ class PartsRequest:
         self.base = ""
         self.url = ""
         self.declared = self.transformed_by = None  # a mixed batch runs no transform (:func:`outputs_of`)
+        self.head_timeout = None
         self.arrow = False
         """Whether the last answer's head named Arrow (a request of parts is answered as nothing else)."""
         parts = [r.part for r in requests]

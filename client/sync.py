@@ -301,7 +301,7 @@ class Client(BaseClient):
         """Send one try of ``request``, its answer not waited for."""
         pool = self._wire()  # first: a new pool starts the rotation at a random URL
         base, body = request.next_try()
-        return pool.send(base, BATCH_PATH, body, self.headers)
+        return pool.send(base, BATCH_PATH, body, self.headers, head_timeout=request.head_timeout)
 
     def _answer(self, request: PartRequest, sent: Sent, exact_head: bool = False) -> Response:
         """The answer to ``sent``, a try of ``request``, once its head arrived (see :meth:`_open`)."""

@@ -157,8 +157,10 @@ class AsyncPool(PoolBase):
 
     slots = asyncio.BoundedSemaphore
 
-    async def post(self, base: str, path: str, body: bytes, headers: Mapping[str, str]) -> AsyncResponse:
-        """Send ``POST base+path`` with a JSON ``body``; the answer once its head arrived."""
+    async def post(self, base: str, path: str, body: bytes, headers: Mapping[str, str], *,
+                   head_timeout: float | None = None) -> AsyncResponse:
+        """Send ``POST base+path`` with a JSON ``body``; the answer once its head arrived
+        (``head_timeout``: seconds that may take, in place of ``read_timeout``)."""
         endpoint = self.endpoint(base)
         request = post_request(endpoint, path, body, headers)
         await self._take_slot(base)
@@ -167,7 +169,10 @@ class AsyncPool(PoolBase):
                 conn = kept or await self._connect(endpoint, base)
                 try:
                     await conn.send(request)
-                    return await self._answer(endpoint, conn, base)
+                    conn.timeout = head_timeout or self.read_timeout
+                    answer = await self._answer(endpoint, conn, base)
+                    conn.timeout = self.read_timeout
+                    return answer
                 except BaseException as exc:
                     self.failed(conn, exc, kept is not None, base)
 

@@ -106,8 +106,9 @@ class Sent:
     answer holds it then) or :meth:`close`. A kept connection that fails before the answer's first
     byte gets the request again on a new one, as :meth:`Pool.post` does."""
 
-    def __init__(self, pool: Pool, endpoint: Endpoint, base: str, request: bytes):
+    def __init__(self, pool: Pool, endpoint: Endpoint, base: str, request: bytes, head_timeout: float | None = None):
         self._pool, self._endpoint, self._base, self._request = pool, endpoint, base, request
+        self._head_timeout = head_timeout
         self._tries = pool.tries(endpoint)
         self._sock: socket.socket | None = None
         self._reused = False
@@ -132,7 +133,10 @@ class Sent:
         with pool.slot_held():
             while True:
                 try:
-                    return pool._answer(self._endpoint, sock, self._base, exact_head and not self._endpoint.tls)
+                    sock.settimeout(self._head_timeout or pool.read_timeout)
+                    answer = pool._answer(self._endpoint, sock, self._base, exact_head and not self._endpoint.tls)
+                    sock.settimeout(pool.read_timeout)
+                    return answer
                 except BaseException as exc:
                     pool.failed(sock, exc, self._reused, self._base)
                     self._send()
@@ -159,15 +163,17 @@ class Pool(PoolBase):
         peeked at first), so :meth:`Response.read_into` can put every one where it belongs."""
         return self.send(base, path, body, headers).answer(exact_head)
 
-    def send(self, base: str, path: str, body: bytes, headers: Mapping[str, str]) -> Sent:
+    def send(self, base: str, path: str, body: bytes, headers: Mapping[str, str], *,
+             head_timeout: float | None = None) -> Sent:
         """Send ``POST base+path`` and return without waiting for its answer (:meth:`Sent.answer`):
-        a batch's parts go out to their owners one after another on one thread, then are read."""
+        a batch's parts go out to their owners one after another on one thread, then are read.
+        ``head_timeout``: seconds the answer's head may take, in place of ``read_timeout``."""
         endpoint = self.endpoint(base)
         request = post_request(endpoint, path, body, headers)
         if not self._slots.acquire(timeout=self.timeout):
             raise self.no_free_connection(base)
         with self.slot_held():
-            return Sent(self, endpoint, base, request)
+            return Sent(self, endpoint, base, request, head_timeout)
 
     def usable(self, sock: socket.socket) -> bool:
         # An idle connection has nothing to read; if it does, the server closed it (or

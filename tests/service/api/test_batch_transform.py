@@ -20,7 +20,9 @@ import pyarrow as pa
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from shardfeed.client import Client
 from shardfeed.process import start_service
+from shardfeed.retry import Backoff
 from shardfeed.transforms.base import apply
 
 from common import REPO
@@ -253,3 +255,13 @@ def test_without_a_cache_nothing_prepared_is_kept(data, tmp_path):
         for _ in range(2):
             check(batch(svc.url, indices), sources["train"], indices, 0, 0)
         assert prepared(svc.url, "hit") == 0 and prepared(svc.url, "miss") == 2 * len(indices)
+
+
+def test_a_client_waits_out_a_transform_longer_than_its_progress_deadline(service):
+    # The head of a transformed batch comes once the whole batch is computed (here: after the
+    # 1 s deadline of the hanging sample): not taken for a stuck answer and asked again.
+    with Client(service.url, token="all-9f2c", progress_timeout=0.3, backoff=Backoff(attempts=1)) as client:
+        began = time.monotonic()
+        batch = client.get_batch_tensors("train", [3, 5], transform="hanging", continue_on_error=True)
+        assert time.monotonic() - began >= TIMEOUT
+        assert batch.missing.tolist() == [True, False]
