@@ -182,7 +182,7 @@ def wanted_transformed(state: State, req: BatchRequest, tenant: Tenant) -> Trans
         raise ApiError(400, "unsupported_format", f"format {req.format!r}: a transformed batch is answered as "
                                                   'Arrow only ("format": "arrow")')
     for given in ("parts", "fields"):
-        if given in req.model_fields_set:
+        if getattr(req, given) is not None:  # null is as good as absent
             raise InvalidRequest(f"invalid request: a transformed batch takes no {given} (the transform reads "
                                  "its declared fields of one dataset's samples)")
     part = req.batch_parts()[0]
@@ -444,20 +444,26 @@ async def _in_turn(streams: list[AsyncIterator[list]]) -> AsyncIterator[list]:
 
 
 def _request_schema() -> dict:
-    """``BatchRequest``'s schema as ``batch_parts`` reads it: a plain batch (a part's fields at the
-    top) or ``parts`` (with format 'arrow'), one or the other."""
+    """``BatchRequest``'s schema as ``batch_parts`` and ``wanted_transformed`` read it: a plain batch
+    (a part's fields at the top), ``parts`` (with format 'arrow'), or a transformed batch (one
+    dataset's samples and ``transform``, format 'arrow', no fields): one of the three."""
     part, answer = BatchPart.model_json_schema(), BatchRequest.model_json_schema()["properties"]
+    arrow = {"type": "string", "enum": ["arrow"]}
     plain = {**part, "title": "Batch", "description": "One dataset's samples.",
              "properties": {**part["properties"], "format": answer["format"],
-                            "continue_on_error": answer["continue_on_error"],
-                            "transform": {**TransformRequest.model_json_schema(),
-                                          "description": answer["transform"]["description"]}}}
+                            "continue_on_error": answer["continue_on_error"]}}
     parts = {"title": "BatchOfParts", "type": "object", "additionalProperties": False, "required": ["parts", "format"],
              "properties": {"parts": {"type": "array", "items": part, "minItems": 1, "maxItems": MAX_PARTS,
                                       "description": answer["parts"]["description"]},
-                            "format": {"type": "string", "enum": ["arrow"]},
-                            "continue_on_error": answer["continue_on_error"]}}
-    return {"oneOf": [plain, parts]}
+                            "format": arrow, "continue_on_error": answer["continue_on_error"]}}
+    transformed = {"title": "TransformedBatch", "type": "object", "additionalProperties": False,
+                   "description": "One dataset's samples, each run through a served transform.",
+                   "required": ["dataset", "indices", "transform", "format"],
+                   "properties": {**{k: v for k, v in part["properties"].items() if k != "fields"}, "format": arrow,
+                                  "continue_on_error": answer["continue_on_error"],
+                                  "transform": {**TransformRequest.model_json_schema(),
+                                                "description": answer["transform"]["description"]}}}
+    return {"oneOf": [plain, parts, transformed]}
 
 
 OPENAPI = {"/v1/batch": {"post": {
