@@ -55,7 +55,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -387,6 +387,21 @@ def print_small_cache(results: dict[str, list[list[Epoch]]], datasets: Mapping[s
           f"{'met' if min(m / s for m, s in zip(rate['mixture'], rate['single'])) >= 0.9 else 'missed'}")
 
 
+def checked_runs(prog: str, s3: str, runs: Callable[[S3Server, Path], None],
+                 failed_checks: tuple[type[Exception], ...] = (WrongBytes,)) -> int:
+    """``runs(server, tmp)`` on an S3 server ``s3`` with a bucket ``bench`` (``bucket_on``) and a
+    temporary directory; the exit status: 1 with the failed check printed, else 0 after the
+    machine's load (the figures' context)."""
+    try:
+        with bucket_on(s3) as server, tempfile.TemporaryDirectory() as tmp:
+            runs(server, Path(tmp))
+    except failed_checks as err:
+        print(f"{prog}: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    print(load_note())
+    return 0
+
+
 @contextmanager
 def bucket_on(kind: str) -> Iterator[S3Server]:
     """An S3 server ``kind`` with a bucket ``bench``, its settings in this process's environment
@@ -441,17 +456,14 @@ def main(argv=None) -> int:
     if args.rounds < 1 or args.big < 1:
         parser.error("--rounds and --big must be at least 1")
     _quiet()
-    try:
-        with bucket_on(args.s3) as server, tempfile.TemporaryDirectory() as tmp:
-            if args.samples:
-                side_by_side(args, server, kinds, streaming, Path(tmp))
-            if args.cache_samples:
-                through_small_cache(args, server, Path(tmp))
-    except (WrongBytes, WrongCount) as err:
-        print(f"{parser.prog}: {type(err).__name__}: {err}", file=sys.stderr)
-        return 1
-    print(load_note())
-    return 0
+
+    def runs(server: S3Server, tmp: Path) -> None:
+        if args.samples:
+            side_by_side(args, server, kinds, streaming, tmp)
+        if args.cache_samples:
+            through_small_cache(args, server, tmp)
+
+    return checked_runs(parser.prog, args.s3, runs, (WrongBytes, WrongCount))
 
 
 if __name__ == "__main__":

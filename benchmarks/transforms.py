@@ -45,8 +45,6 @@ import multiprocessing
 import os
 import shutil
 import statistics
-import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -58,7 +56,7 @@ import numpy as np
 from torch.utils.data import DataLoader
 from xxhash import xxh3_64
 
-from shardfeed.benchmarks.common import WrongBytes, benchmark_parser, load_note, seed_by_cli, table, upload
+from shardfeed.benchmarks.common import WrongBytes, benchmark_parser, seed_by_cli, table, upload
 from shardfeed.benchmarks.loaders import (
     BATCH,
     LOADER_WORKERS,
@@ -72,7 +70,7 @@ from shardfeed.benchmarks.loaders import (
     peer_round,
     streaming_dataset,
 )
-from shardfeed.benchmarks.mixture import COLD_WARM, bucket_on, shard_bytes
+from shardfeed.benchmarks.mixture import COLD_WARM, checked_runs, shard_bytes
 from shardfeed.client.tensors import Batch
 from shardfeed.client.torch import ShardfeedDataset, ShardfeedSampler
 from shardfeed.process import start_service
@@ -362,14 +360,7 @@ def main(argv=None) -> int:
         parser.error("--samples and --rounds must be at least 1, --seed not negative")
     kinds, streaming = chosen_loaders(parser, args.loaders, LOADERS)
     _quiet()
-    try:
-        with bucket_on(args.s3) as server, tempfile.TemporaryDirectory() as tmp:
-            report(run(args, server, kinds, streaming, Path(tmp)))
-    except WrongBytes as err:
-        print(f"{parser.prog}: {type(err).__name__}: {err}", file=sys.stderr)
-        return 1
-    print(load_note())
-    return 0
+    return checked_runs(parser.prog, args.s3, lambda server, tmp: report(run(args, server, kinds, streaming, tmp)))
 
 
 if __name__ == "__main__":

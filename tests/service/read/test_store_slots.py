@@ -103,11 +103,16 @@ def test_a_cancelled_waiter_leaves_the_line_and_its_slot_goes_on():
 def test_the_request_tenant_is_the_context_one():
     async def run():
         slots = StoreSlots(4)
-        TENANT.set("team")
-        inside = await asyncio.create_task(asyncio.sleep(0, slots.ticket()))  # a task inherits the context
-        return inside.tenant, slots.ticket(ahead=True).tenant
 
-    assert asyncio.run(run()) == ("team", None)
+        async def in_a_task():  # the ticket made inside the task a request started
+            return slots.ticket()
+
+        TENANT.set("team")
+        inside = await asyncio.create_task(in_a_task())  # a task inherits the context it was created in
+        TENANT.set("other")
+        return inside.tenant, slots.ticket().tenant, slots.ticket(ahead=True).tenant
+
+    assert asyncio.run(run()) == ("team", "other", None)
 
 
 def test_reads_ahead_are_outstanding_from_their_ticket_until_done_needed_or_cancelled():
