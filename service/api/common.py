@@ -280,6 +280,17 @@ class TarStreamResponse(StreamingResponse):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
+def parts_response(parts: list, media_type: str) -> TarStreamResponse:
+    """A 200 whose body is all in memory as ``parts`` (members' pieces, views of blocks among
+    them, and their framing), sent as one held batch group is: in one gathered write, uncopied."""
+
+    async def body() -> AsyncIterator[list]:
+        yield parts
+
+    return TarStreamResponse(body(), in_memory=True, media_type=media_type,
+                             headers={"Content-Length": str(sum(map(len, parts)))})
+
+
 def relayed_copy(request: Request) -> str | None:
     """Which relayed copy this request is (``peers.COPY_HEADER``); ``None`` from a client."""
     copy = request.headers.get(COPY_HEADER)

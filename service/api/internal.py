@@ -12,10 +12,11 @@ from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.responses import Response
 
-from shardfeed.service.api.common import AppState, json_body, read_json
+from shardfeed.service.api.common import AppState, json_body, parts_response, read_json
 from shardfeed.service.api.status import worker_figures
 from shardfeed.service.datasets.index import Members
 from shardfeed.service.http.errors import DatasetChanged, InvalidRequest, StoreUnavailable
+from shardfeed.service.read.planner import pieces
 from shardfeed.service.stores import StoreError
 
 router = APIRouter(tags=["internal"])
@@ -43,7 +44,7 @@ class RangeRead(BaseModel):
 
 @router.post("/v1/internal/read", response_class=Response, openapi_extra=json_body(RangeRead))
 async def internal_read(request: Request, state: AppState) -> Response:
-    """The members' bytes, concatenated in request order."""
+    """The members' bytes, concatenated in request order (sent from their pieces, unjoined)."""
     req = await read_json(request, RangeRead, 4 * state.config.max_body)
     dataset = state.dataset(req.dataset)
     if req.version is not None and req.version != dataset.version:
@@ -67,7 +68,7 @@ async def internal_read(request: Request, state: AppState) -> Response:
     for payload in payloads:
         if isinstance(payload, StoreError):
             raise StoreUnavailable(str(payload))
-    return Response(b"".join(payloads), media_type="application/octet-stream")
+    return parts_response([piece for payload in payloads for piece in pieces(payload)], "application/octet-stream")
 
 
 @router.get("/v1/internal/stats", response_class=Response)

@@ -10,12 +10,13 @@ import time
 from fastapi import APIRouter
 from starlette.responses import Response
 
-from shardfeed.service.api.common import TAR, AppState, State, answer_changed_once, not_located
+from shardfeed.service.api.common import TAR, AppState, State, answer_changed_once, not_located, parts_response
 from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.datasets.index import UnknownField
 from shardfeed.service.datasets.indexfile import IndexFormatError
 from shardfeed.service.http.errors import ApiError, DatasetChanged, StoreUnavailable
 from shardfeed.service.read.fields import known_member
+from shardfeed.service.read.planner import pieces, size_of
 from shardfeed.service.read.warm import held_member as held_bytes
 from shardfeed.service.stores import ObjectChanged, StoreError
 from shardfeed.tar import END_OF_ARCHIVE, frame
@@ -39,7 +40,7 @@ async def _member(state: State, name: str, i: str, field: str) -> Response:
     parts = await _read_sample(state, dataset, sample, code)
     if not parts:
         raise ApiError(404, "unknown_field", f"sample {sample} of dataset {name!r} has no field {field!r}")
-    return Response(bytes(parts[0][1]), media_type="application/octet-stream")
+    return parts_response([*pieces(parts[0][1])], "application/octet-stream")
 
 
 @router.get("/v1/datasets/{name}/samples/{i}", response_class=Response)
@@ -54,9 +55,9 @@ async def _sample(state: State, name: str, i: str) -> Response:
     key = dataset.index.key(sample)
     out = []
     for code, payload in parts:
-        out += frame(f"{key}.{dataset.index.fields[code]}", payload)
+        out += frame(f"{key}.{dataset.index.fields[code]}", *pieces(payload))
     out.append(END_OF_ARCHIVE)
-    return Response(b"".join(out), media_type=TAR)
+    return parts_response(out, TAR)
 
 
 async def held_member(state: State, scope, send) -> bool:
@@ -110,7 +111,7 @@ async def _read_sample(state: State, dataset: Dataset, sample: int, field: int) 
             metrics.requests.labels("sample", "503").inc()
             raise StoreUnavailable(f"sample {sample} of {dataset.name!r} could not be read from the store: {payload}")
     if parts:  # none: the sample lacks the field, and the caller answers 404
-        _count_served(state, dataset, sample, len(parts), sum(len(p) for _, p in parts), began)
+        _count_served(state, dataset, sample, len(parts), sum(size_of(p) for _, p in parts), began)
     return parts
 
 

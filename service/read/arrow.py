@@ -18,7 +18,7 @@ field (every field asked for implicitly) is a null in that column only.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import cached_property, lru_cache
 
 import numpy as np
@@ -162,7 +162,7 @@ class ArrowFraming:
         group = self._group(dataset, members, indices, {})
         return self._record_batch(group, lambda rows: held.payloads(base + rows))
 
-    def read(self, dataset: Dataset, members: Members, indices: np.ndarray, data: Callable[[int], list],
+    def read(self, dataset: Dataset, members: Members, indices: np.ndarray, data: Callable[[int], Sequence],
              failed: dict[int, BaseException | None]) -> tuple[list, int]:
         """The record batch of a group member by member (``data(row)``: a member's payload as parts;
         ``failed``: positions of samples not served), and how many samples it served."""

@@ -41,7 +41,7 @@ from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.datasets.index import Members
 from shardfeed.service.observe.metrics import Metrics
 from shardfeed.service.read.fetcher import BlockFetcher
-from shardfeed.service.read.planner import assemble, distinct_blocks, plan_pieces, take
+from shardfeed.service.read.planner import Payload, assemble, distinct_blocks, plan_pieces, take
 from shardfeed.service.read.ranges import RangeReader
 from shardfeed.service.read.slots import StoreSlots
 from shardfeed.service.stores import StoreError
@@ -95,8 +95,10 @@ class Coalescer:
         self.fetch_policy = fetch_policy
 
     async def read_members(self, dataset: Dataset, members: Members, *,
-                           scope: str = "cluster") -> list[bytes | StoreError | None]:
-        """The bytes of each member row, in order.
+                           scope: str = "cluster") -> list[Payload | StoreError | None]:
+        """The bytes of each member row, in order: one piece (bytes or a view), or, for a
+        member over several blocks, its pieces unjoined (``planner.Parts``; ``planner.pieces``
+        and ``size_of`` read either).
 
         ``None`` for a member the index says is absent, a ``StoreError`` for one whose
         bytes could not be read; never partial bytes. ``scope`` says who reads members
@@ -224,7 +226,7 @@ class Coalescer:
                 self.memory.put(key, parts[0])
             pieces.take(key, memoryview(parts[0]))
 
-    async def _read_local(self, dataset: Dataset, members: Members) -> list[bytes | StoreError | None]:
+    async def _read_local(self, dataset: Dataset, members: Members) -> list[Payload | StoreError | None]:
         pieces = _Pieces(dataset, members, self.block_size)
         blocks, starts, ends, piece_bytes = pieces.blocks, pieces.starts, pieces.ends, pieces.bytes
         remaining = self._take_held(pieces)

@@ -21,6 +21,7 @@ from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.datasets.index import Index, Members
 from shardfeed.service.datasets.mapped import member_scratch
 from shardfeed.service.read.coalescer import Coalescer
+from shardfeed.service.read.planner import joined
 from shardfeed.service.read.warm import held_group
 from shardfeed.service.stores import StoreError
 
@@ -126,7 +127,7 @@ def _learn(dataset: Dataset, heads: Members, extents: np.ndarray, payloads: list
     records = dataset.records
     headers = np.zeros((len(heads), records.header_bytes // 4), np.uint32)
     for i, payload in enumerate(payloads):
-        head = bytes(payload)
+        head = joined(payload)  # a few bytes, read as numbers: one piece even over two blocks
         if len(head) < records.header_bytes:  # a record shorter than its header: check() names it
             head += bytes(records.header_bytes - len(head))
         headers[i] = np.frombuffer(head, "<u4")

@@ -22,7 +22,7 @@ Names come from a naming class: ``SampleNames`` for ``/v1/batch``, GetBatch's ow
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -99,7 +99,7 @@ def held_parts(held: HeldGroup, base: int, dataset: Dataset, members: Members, i
     return out
 
 
-def read_parts(dataset: Dataset, members: Members, indices: np.ndarray, data: Callable[[int], list],
+def read_parts(dataset: Dataset, members: Members, indices: np.ndarray, data: Callable[[int], Sequence],
                failed: dict[int, BaseException | None], names) -> tuple[list, int]:
     """The tar parts of a group member by member, and how many samples it served.
 
@@ -138,7 +138,7 @@ class TarFraming:
     def held(self, held: HeldGroup, base: int, dataset: Dataset, members: Members, indices: np.ndarray) -> list:
         return held_parts(held, base, dataset, members, indices, self.names)
 
-    def read(self, dataset: Dataset, members: Members, indices: np.ndarray, data: Callable[[int], list],
+    def read(self, dataset: Dataset, members: Members, indices: np.ndarray, data: Callable[[int], Sequence],
              failed: dict[int, BaseException | None]) -> tuple[list, int]:
         return read_parts(dataset, members, indices, data, failed, self.names)
 

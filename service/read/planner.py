@@ -1,5 +1,6 @@
 """The planner: requested members -> the block pieces that hold their bytes -> merged store reads,
-and back: each member's pieces joined (``assemble``).
+and back: each member's pieces put together (``assemble``), unjoined: a member over several blocks
+is its ``Parts``, which a framing sends one after another as the warm path sends block views.
 
 Pure, vectorised functions; the coalescer runs the plan.
 """
@@ -93,8 +94,39 @@ def distinct_blocks(members: Members, block_size: int) -> int:
     return np.unique(np.stack([np.repeat(members.shard[found].astype(np.int64), spans), blocks]), axis=1).shape[1]
 
 
-def assemble(members: Members, piece_member: np.ndarray, piece_bytes: dict) -> list:
-    """Join each member's pieces; a member with a failed piece becomes that error."""
+class Parts(tuple):
+    """The bytes of a member over several blocks: its pieces in order (views of the blocks, or
+    bytes), never joined. ``len()`` counts the pieces; ``nbytes`` is the member's size. Joining
+    them would copy every byte of almost every large member only to send it."""
+
+    __slots__ = ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(map(len, self))
+
+
+Payload = bytes | memoryview | Parts
+"""A member's bytes as ``Coalescer.read_members`` gives them: one piece, or ``Parts``."""
+
+
+def pieces(payload: Payload) -> tuple:
+    """A member's bytes as the pieces to send one after another."""
+    return payload if isinstance(payload, Parts) else (payload,)
+
+
+def size_of(payload: Payload) -> int:
+    """A member's size in bytes (``len`` of ``Parts`` counts its pieces)."""
+    return payload.nbytes if isinstance(payload, Parts) else len(payload)
+
+
+def joined(payload: Payload) -> bytes:
+    """A member's bytes as one ``bytes`` (a copy), for a reader that needs them whole."""
+    return b"".join(pieces(payload))
+
+
+def assemble(members: Members, piece_member: np.ndarray, piece_bytes: dict) -> list[Payload | StoreError | None]:
+    """Each member's pieces, as one piece or ``Parts``; a member with a failed piece becomes that error."""
     out: list = [None] * len(members.found)
     found = members.found
     for row in np.flatnonzero(found & (members.size == 0)).tolist():
@@ -104,16 +136,16 @@ def assemble(members: Members, piece_member: np.ndarray, piece_bytes: dict) -> l
     for i, row in enumerate(piece_member.tolist()):
         if row != current:
             if parts:
-                out[current] = join_parts(parts)
+                out[current] = _member_of(parts)
             parts, current = [], row
         parts.append(piece_bytes[i])
     if parts:
-        out[current] = join_parts(parts)
+        out[current] = _member_of(parts)
     return out
 
 
-def join_parts(parts: list):
+def _member_of(parts: list) -> Payload | StoreError:
     for part in parts:
         if isinstance(part, StoreError):
             return part
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+    return parts[0] if len(parts) == 1 else Parts(parts)

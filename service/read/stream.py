@@ -21,7 +21,7 @@ from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.datasets.index import Members
 from shardfeed.service.read.coalescer import Coalescer
 from shardfeed.service.read.framing import TarFraming
-from shardfeed.service.read.planner import take
+from shardfeed.service.read.planner import pieces, take
 from shardfeed.service.read.warm import HeldGroup, held_group
 from shardfeed.service.stores import StoreError
 
@@ -74,8 +74,8 @@ async def render_group(coalescer: Coalescer, dataset: Dataset, members: Members,
         payloads = await coalescer.read_members(dataset, members)
         failed_rows = [i for i, p in enumerate(payloads) if p is None or isinstance(p, StoreError)]
 
-        def data(row: int) -> list:
-            return [payloads[row]]
+        def data(row: int) -> tuple:  # a member over blocks: its pieces, unjoined, as held blocks' views go
+            return pieces(payloads[row])
     else:
         payloads = None
         failed_rows = np.flatnonzero(~members.found).tolist()

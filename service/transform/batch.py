@@ -28,7 +28,7 @@ from shardfeed.service.http.errors import ApiError
 from shardfeed.service.observe.metrics import Metrics
 from shardfeed.service.read.coalescer import Coalescer
 from shardfeed.service.read.fields import located
-from shardfeed.service.read.planner import take
+from shardfeed.service.read.planner import joined, take
 from shardfeed.service.read.stream import SampleFailed
 from shardfeed.service.read.warm import held_group
 from shardfeed.service.stores import StoreError
@@ -127,5 +127,6 @@ async def _read_samples(coalescer: Coalescer, batch: TransformedBatch, positions
                 raise SampleFailed(dataset.name, int(batch.indices[position]), payload)
             failed.setdefault(position, f"could not be read: {payload or 'a field is missing'}")
             continue
-        samples.setdefault(position, {})[fields[field]] = bytes(payload)
+        # Joined here, as the held path's are: ``prepare`` takes each field as one ``bytes``.
+        samples.setdefault(position, {})[fields[field]] = joined(payload)
     return {position: sample for position, sample in samples.items() if position not in failed}
