@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Annotated, TypeVar
@@ -280,15 +280,23 @@ class TarStreamResponse(StreamingResponse):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def parts_response(parts: list, media_type: str) -> TarStreamResponse:
+class PartsResponse(Response):
     """A 200 whose body is all in memory as ``parts`` (members' pieces, views of blocks among
-    them, and their framing), sent as one held batch group is: in one gathered write, uncopied."""
+    them, and their framing): with a server that offers ``protocol.PARTS``, one gathered write
+    of them, uncopied, as a held batch group goes; otherwise joined."""
 
-    async def body() -> AsyncIterator[list]:
-        yield parts
+    def __init__(self, parts: Sequence, media_type: str):
+        super().__init__(media_type=media_type, headers={"content-length": str(sum(map(len, parts)))})
+        self.parts = parts
 
-    return TarStreamResponse(body(), in_memory=True, media_type=media_type,
-                             headers={"Content-Length": str(sum(map(len, parts)))})
+    async def __call__(self, scope, receive, send) -> None:
+        gathered = PARTS in scope.get("extensions", {})
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers,
+                    "parts": gathered})  # with the parts, in one write
+        if gathered:
+            await send({"type": "http.response.body", "parts": self.parts})
+        else:
+            await send({"type": "http.response.body", "body": b"".join(self.parts)})
 
 
 def relayed_copy(request: Request) -> str | None:

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.responses import Response
 
-from shardfeed.service.api.common import AppState, json_body, parts_response, read_json
+from shardfeed.service.api.common import AppState, PartsResponse, json_body, read_json
 from shardfeed.service.api.status import worker_figures
 from shardfeed.service.datasets.index import Members
 from shardfeed.service.http.errors import DatasetChanged, InvalidRequest, StoreUnavailable
@@ -68,7 +68,7 @@ async def internal_read(request: Request, state: AppState) -> Response:
     for payload in payloads:
         if isinstance(payload, StoreError):
             raise StoreUnavailable(str(payload))
-    return parts_response([piece for payload in payloads for piece in pieces(payload)], "application/octet-stream")
+    return PartsResponse([piece for payload in payloads for piece in pieces(payload)], "application/octet-stream")
 
 
 @router.get("/v1/internal/stats", response_class=Response)

@@ -10,7 +10,7 @@ import time
 from fastapi import APIRouter
 from starlette.responses import Response
 
-from shardfeed.service.api.common import TAR, AppState, State, answer_changed_once, not_located, parts_response
+from shardfeed.service.api.common import TAR, AppState, PartsResponse, State, answer_changed_once, not_located
 from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.datasets.index import UnknownField
 from shardfeed.service.datasets.indexfile import IndexFormatError
@@ -40,7 +40,7 @@ async def _member(state: State, name: str, i: str, field: str) -> Response:
     parts = await _read_sample(state, dataset, sample, code)
     if not parts:
         raise ApiError(404, "unknown_field", f"sample {sample} of dataset {name!r} has no field {field!r}")
-    return parts_response([*pieces(parts[0][1])], "application/octet-stream")
+    return PartsResponse(pieces(parts[0][1]), "application/octet-stream")
 
 
 @router.get("/v1/datasets/{name}/samples/{i}", response_class=Response)
@@ -57,7 +57,7 @@ async def _sample(state: State, name: str, i: str) -> Response:
     for code, payload in parts:
         out += frame(f"{key}.{dataset.index.fields[code]}", *pieces(payload))
     out.append(END_OF_ARCHIVE)
-    return parts_response(out, TAR)
+    return PartsResponse(out, TAR)
 
 
 async def held_member(state: State, scope, send) -> bool:
