@@ -121,7 +121,7 @@ def size_of(payload: Payload) -> int:
 
 
 def joined(payload: Payload) -> bytes:
-    """A member's bytes as one ``bytes`` (a copy), for a reader that needs them whole."""
+    """A member's bytes as one ``bytes``, for a reader that needs them whole (``Parts`` copied into one)."""
     return b"".join(pieces(payload))
 
 
