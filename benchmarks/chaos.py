@@ -35,8 +35,8 @@ kinds spread out), none begun later than 5 s before the end:
 ``enospc``         fill each replica's cache filesystem to ENOSPC with a filler file, hold it
                    ``--enospc-for`` seconds, delete it (skipped, with a note, when not root:
                    the filesystems are tmpfs mounts)
-``cache-damage``   flip, truncate, delete or overwrite ``--damage-blocks`` random block files
-                   (``shardfeed.faults.damage_block_file``)
+``cache-damage``   flip, cut short, lose the header of or overwrite ``--damage-blocks`` random
+                   cached blocks in their slabs (``shardfeed.faults.damage_block``)
 ``overwrite``      write a new version of a random shard with the same samples in another
                    byte layout (a padding member without an extension, which the index skips,
                    at its start, and the fields of each sample in the other order), then a
@@ -106,7 +106,9 @@ from shardfeed.benchmarks.common import BENCH_DATA, seeded_s3, seeded_s3_argumen
 from shardfeed.benchmarks.s3proxy import start_proxy_process
 from shardfeed.client.sampling import epoch_order
 from shardfeed.client.torch import ShardfeedDataset, ShardfeedIterableDataset, ShardfeedLoader, ShardfeedSampler
-from shardfeed.faults import DAMAGE, damage_block_file
+from shardfeed.faults import DAMAGE, cached_blocks, damage_block
+from shardfeed.service.cache.catalog import CATALOG
+from shardfeed.service.cache.slabs import SlotLocation
 from shardfeed.process import (
     ServiceProcess,
     child_pids,
@@ -123,7 +125,6 @@ from shardfeed.seeds.synthetic import member_bytes, parse_sizes, sample_key, sam
 from shardfeed.service.datasets.index import Index, index_from_parquet, parquet_bytes
 from shardfeed.service.datasets.indexfile import INDEX_FILE
 from shardfeed.service.datasets.tarscan import ShardScan
-from shardfeed.sizes import parse_size
 from shardfeed.tar import END_OF_ARCHIVE, frame
 
 DATASET = "chaos"
@@ -138,7 +139,8 @@ LOADER_WORKERS = 4
 CLIENT_OPTIONS = {"timeout": 30.0, "connect_timeout": 2.0, "backoff": Backoff(attempts=100, base=0.1, cap=2.0),
                   "down_for": 2.0}
 """Retries for about two minutes (503s ask for 1 s, so each try waits 1-1.5 s): more than any fault lasts."""
-SERVE_ARGS = ("--memory-cache", "0", "--block-size", "256KiB", "--store-timeout", "5", "--log-level", "warning")
+BLOCK_SIZE = 256 << 10
+SERVE_ARGS = ("--memory-cache", "0", "--block-size", str(BLOCK_SIZE), "--store-timeout", "5", "--log-level", "warning")
 KINDS = ("worker-kill", "replica-kill", "s3-outage", "enospc", "cache-damage", "overwrite")
 PERIODS = {"worker-kill": 20.0, "replica-kill": 60.0, "s3-outage": 150.0, "enospc": 120.0, "cache-damage": 15.0,
            "overwrite": 120.0}
@@ -370,8 +372,10 @@ class Stack:
                      f"{service.log_path}.{self.restarts[i] + 1})")
                 self._restart(i, time.monotonic(), service.log_path)
 
-    def block_files(self) -> list[Path]:
-        return [p for i in self.up() for p in self.cache_dir(i).rglob("*.blk")]
+    def cached_blocks(self) -> list[SlotLocation]:
+        """Where the blocks of every live replica's workers are (each worker's catalogue on disk)."""
+        return [where for i in self.up() for catalog in self.cache_dir(i).rglob(CATALOG)
+                for where in cached_blocks(catalog.parent).values()]
 
     def fill(self, seconds: float) -> str:
         """Fill every cache filesystem to ENOSPC, hold it ``seconds``, free it again."""
@@ -595,12 +599,12 @@ class Chaos:
                 return None
             return self.stack.fill(args.enospc_for)
         if kind == "cache-damage":
-            files = self.stack.block_files()
-            picked = self.rng.sample(files, min(args.damage_blocks, len(files)))
+            blocks = self.stack.cached_blocks()
+            picked = self.rng.sample(blocks, min(args.damage_blocks, len(blocks)))
             hows = [self.rng.choice(DAMAGE) for _ in picked]
-            for path, how in zip(picked, hows):
-                damage_block_file(path, how, self.rng)
-            return f"{len(picked)} block files of {len(files)}: {', '.join(sorted(hows))}"
+            for where, how in zip(picked, hows):
+                damage_block(where, how, self.rng)
+            return f"{len(picked)} cached blocks of {len(blocks)}: {', '.join(sorted(hows))}"
         if kind == "overwrite":
             with self._lock:
                 self.versions += 1
@@ -743,7 +747,7 @@ def run_chaos(args: argparse.Namespace, out=sys.stdout) -> dict:
     """Run the chaos for ``args.duration`` seconds; print and return the summary."""
     sizes = parse_sizes(args.size)
     total = sum(sample_size(DATA_SEED, i, sizes) for i in range(args.samples))
-    cache_size = max(total // (2 * REPLICAS), 4 * parse_size("256KiB") * WORKERS)
+    cache_size = max(total // (2 * REPLICAS), 4 * BLOCK_SIZE * WORKERS)
     tmpfs = os.geteuid() == 0 and shutil.which("mount") is not None
     with tempfile.TemporaryDirectory(prefix="shardfeed-chaos-") as tmp, ExitStack() as stack:
         root = Path(tmp)
@@ -819,7 +823,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds S3 is unreachable (default: %(default)s)")
     parser.add_argument("--enospc-for", type=float, default=10, help="seconds the cache's disk stays full "
                                                                      "(default: %(default)s)")
-    parser.add_argument("--damage-blocks", type=int, default=4, help="block files damaged each time "
+    parser.add_argument("--damage-blocks", type=int, default=4, help="cached blocks damaged each time "
                                                                      "(default: %(default)s)")
     parser.add_argument("--window", type=float, default=2, help="seconds of the sliding window of rates "
                                                                 "(default: %(default)s)")

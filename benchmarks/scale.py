@@ -20,8 +20,8 @@ Synthetic indexes (no shards needed): two fields a sample (``bin``, ``cls``), 10
   ``sampler`` kind's order computation alone.
 
 The block cache (``--cache-blocks``): a kept cache of that many 1 MiB blocks (a synthetic
-catalogue, ``service/cache/catalog.py``, 1,000 blocks a shard; no block files: none is
-read), opened by ``BlockCache.open``: seconds, and RAM per block (what ``tracemalloc`` sees
+catalogue, ``service/cache/catalog.py``, 1,000 blocks a shard, each in a slot of its own; no
+slabs: none is read), opened by ``BlockCache.open``: seconds, and RAM per block (what ``tracemalloc`` sees
 allocated, numpy's arrays included, and what the catalogue counts); then the cost of one eviction, LRU and with a plan of 10^6
 samples over the first shards (``Plans.victim_order``), each ranking 64 blocks drawn at
 random. ``--first-batch``: ``shardfeed serve`` on the largest such cache and a small real
@@ -55,9 +55,9 @@ import pyarrow as pa
 from shardfeed.benchmarks.serverside import process_tree
 from shardfeed.process import start_service
 from shardfeed.seeds.synthetic import seed_dataset
-from shardfeed.service.cache.blockfile import file_size
 from shardfeed.service.cache.catalog import CATALOG, MAGIC, RECORD, STREAMS
 from shardfeed.service.cache.disk import BlockCache
+from shardfeed.service.cache.slabs import SIZE_SHIFT, slot_sizes
 from shardfeed.service.cluster.peers import Cluster, Peer
 from shardfeed.service.config import ServiceConfig
 from shardfeed.service.datasets.dataset import Dataset
@@ -238,7 +238,7 @@ CACHE_SHARD_BLOCKS = 1000
 
 
 def synthetic_cache(directory: Path, blocks: int) -> None:
-    """A kept cache's catalogue of ``blocks`` 1 MiB blocks of dataset ``d1``, no files."""
+    """A kept cache's catalogue of ``blocks`` 1 MiB blocks of dataset ``d1``, no slabs."""
     directory.mkdir(parents=True, exist_ok=True)
     shards = -(-blocks // CACHE_SHARD_BLOCKS)
     (directory / STREAMS).write_text("".join(json.dumps([i, "d1", f"shard{i:07d}", MiB]) + "\n"
@@ -246,7 +246,8 @@ def synthetic_cache(directory: Path, blocks: int) -> None:
     records = np.zeros(blocks, RECORD)
     records["stream"] = np.arange(blocks) // CACHE_SHARD_BLOCKS
     records["block"] = np.arange(blocks) % CACHE_SHARD_BLOCKS
-    records["size"], records["op"] = file_size(MiB), 1
+    records["place"] = (len(slot_sizes(MiB)) - 1) << SIZE_SHIFT | np.arange(blocks)
+    records["op"] = 1
     with open(directory / CATALOG, "wb") as f:
         f.write(MAGIC)
         records.tofile(f)
@@ -257,7 +258,7 @@ def cache_row(blocks: int, workdir: Path) -> dict:
     synthetic_cache(directory, blocks)
     row: dict = {"blocks": blocks}
     tracemalloc.start()  # numpy's buffers are traced too
-    cache = BlockCache(directory, blocks * file_size(MiB), MiB, Metrics())
+    cache = BlockCache(directory, blocks * MiB, MiB, Metrics())
     _, row["open_s"] = timed(cache.open)
     row["heap_bytes_per_block"] = tracemalloc.get_traced_memory()[0] / blocks
     tracemalloc.stop()
@@ -267,7 +268,7 @@ def cache_row(blocks: int, workdir: Path) -> dict:
         with cache._lock:
             began = time.perf_counter()
             for _ in range(count):
-                cache.capacity -= file_size(MiB)  # one block too many each time: one eviction
+                cache.capacity -= MiB  # one block too many each time: one eviction
                 cache._evict_locked()
             return (time.perf_counter() - began) / count
 
@@ -301,7 +302,7 @@ def first_batch_seconds(blocks: int, workdir: Path) -> float:
 
         asyncio.run(seed())
     began = time.perf_counter()
-    with start_service({"d": data.as_uri()}, cache_dir=cache, cache_size=f"{blocks * file_size(MiB)}",
+    with start_service({"d": data.as_uri()}, cache_dir=cache, cache_size=f"{blocks * MiB}",
                        args=["--block-size", "1MiB"], timeout=300) as svc:
         httpx.post(f"{svc.url}/v1/batch", json={"dataset": "d", "indices": list(range(64))},
                    timeout=120).raise_for_status()

@@ -11,7 +11,7 @@ function of its sample number and can be checked without a copy.
 
 The run is cut into phases of equal length: no faults; each store fault of the proxy
 (503 SlowDown, 500, reset mid-body, truncated body, stall past the read timeout, latency
-spike) injected at a steady rate; block files of the cache damaged at a steady rate;
+spike) injected at a steady rate; blocks in the cache's slabs damaged at a steady rate;
 and all of these at once. Client threads (``shardfeed.client.Client``, which retries
 429, 503 and broken streams) ask for random batches and single fields all along.
 
@@ -38,7 +38,7 @@ from pathlib import Path
 
 from shardfeed.benchmarks.s3proxy import KINDS, FaultProxy, start_proxy
 from shardfeed.client import Client, ShardfeedError
-from shardfeed.faults import DAMAGE, damage_block_file, peak_rss_mib
+from shardfeed.faults import DAMAGE, cached_blocks, damage_block, peak_rss_mib
 from shardfeed.process import ServiceProcess, start_service
 from shardfeed.s3server import start_moto
 from shardfeed.seeds.synthetic import member_bytes, sample_size
@@ -101,9 +101,9 @@ class Soak:
         while time.monotonic() < stop:
             kind = rng.choice([*KINDS, "cache"]) if name == "all" else name
             if kind == "cache":
-                blocks = list(self.cache_dir.glob("*/*.blk"))
+                blocks = list(cached_blocks(self.cache_dir).values())
                 if blocks:
-                    damage_block_file(rng.choice(blocks), rng.choice(DAMAGE), rng)
+                    damage_block(rng.choice(blocks), rng.choice(DAMAGE), rng)
                     self.count(damaged=1)
             elif kind != "none":
                 self.proxy.inject(kind, count=1, match=SHARD_READS, ms=3000 if kind == "stall" else 300)

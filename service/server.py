@@ -18,6 +18,7 @@ from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
+from shardfeed.buffers import BufferPool
 from shardfeed.node import announce, node_service, remove_record
 from shardfeed.retry import Backoff
 from shardfeed.service.api.tenants import full_access_tokens, load_tenants
@@ -137,8 +138,11 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
     # Routed clients send each node its own part of a batch.
     plans = Plans(config, metrics, parts=(lambda: 1) if cluster is None
                   else (lambda: len(cluster.workers) * len(cluster.hosts)))
-    memory = MemoryTier(config.memory_cache, metrics, config.block_size) if config.memory_cache else None
-    cache = BlockCache(config.cache_dir, config.cache_size, config.block_size, metrics,
+    # Block buffers for the RAM tier and the store reads in flight (four blocks a slot), reused.
+    buffers = BufferPool(config.block_size, config.memory_cache + 4 * config.max_store_requests * config.block_size)
+    memory = MemoryTier(config.memory_cache, metrics, config.block_size, buffers) if config.memory_cache else None
+    cache = BlockCache(config.cache_dir, config.cache_size, config.block_size, metrics, buffers=buffers,
+                       hints=place is not None,
                        direct_writes=config.direct_writes, victims=plans,
                        on_forget=memory.discard if memory is not None else None)
     await asyncio.to_thread(cache.open)

@@ -74,18 +74,18 @@ def frame(name: str, *data: bytes | memoryview) -> list[bytes | memoryview]:
     return [member_header(name, size), *data, bytes(pad)] if pad else [member_header(name, size), *data]
 
 
-def names_member(data: bytes, at: int, name: bytes, size: int) -> bool:
+def names_member(data: bytes | memoryview, at: int, name: bytes, size: int) -> bool:
     """Whether the 512 bytes of ``data`` at ``at`` are a plain ustar header of a regular file
     exactly ``name``, ``size`` bytes long: then they can be sent as they are, instead of a
     new header.
 
     Checks the fields a reader acts on (name, ustar prefix, size, type), not the checksum:
     the bytes come from a shard whose headers were read and checked when it was indexed.
-    Compares in place (``startswith`` at an offset): no slice is made.
     """
     n = len(name)
-    return (n <= 100 and data.startswith(name, at) and (n == 100 or data[at + n] == 0) and data[at + 345] == 0
-            and data[at + 156] in (48, 0) and data.startswith(b"%011o\0" % size, at + 124))
+    header = bytes(data[at:at + BLOCK])
+    return (n <= 100 and header.startswith(name) and (n == 100 or header[n] == 0) and header[345] == 0
+            and header[156] in (48, 0) and header.startswith(b"%011o\0" % size, 124))
 
 
 # The fields a reader acts on, in one unpack: name, size, checksum, typeflag, magic, prefix.

@@ -1,21 +1,22 @@
-"""The block cache's catalogue: which blocks it holds, in a few dozen bytes each, kept on disk.
+"""The block cache's catalogue: which blocks it holds and where, in a few dozen bytes each, kept on disk.
 
 In memory there is no Python object per block: a slot per block in numpy arrays (its key,
-file size and last use), found through a sorted array of the keys plus a dict of the keys
+its place in the slabs, the disk it takes and its last use), found through a sorted array of the keys plus a dict of the keys
 added since that array was sorted (sorted again when the dict reaches an eighth of the
 blocks: amortised O(log n) an insertion). A block's key is its stream's code (a dataset,
 a shard version and a block size: ``streams``) and its number, in one 64-bit integer.
 A few dozen bytes a block (``python -m shardfeed.benchmarks.scale`` measures them; figures in
 docs/benchmarks.md).
 
-On disk, beside the blocks: ``catalog`` holds 16-byte records appended as blocks come (the
-record goes before the file is renamed into place) and go (before the file is removed), and
-``streams`` one JSON line per stream. An open reads them in one go and keeps the last
-record of each block, so a kept cache of millions of blocks opens without a look at its
-files; a torn tail (a crash mid-append) is ignored. What the records cannot vouch for is
-still never served: every block file is verified as it is read (``blockfile.py``), and a
-file the catalogue does not list is removed by a scan after the open, while serving
-(``orphans``). When the records outnumber the blocks two to one they are rewritten.
+On disk, beside the slabs: ``catalog`` holds 16-byte records appended as blocks come (the
+record goes after the block is written in its place, ``slabs.py``) and go (before its place
+is given back), and ``streams`` one JSON line per stream. An open reads them in one go and
+keeps the last record of each block, so a kept cache of millions of blocks opens without a
+look at the slabs; a torn tail (a crash mid-append) is ignored, and so are the blocks of
+another block size (a previous run's: their places are free again). What the records cannot
+vouch for is still never served: every read checks the slot's header names the block and
+verifies the chunks it reads (``slabs.py``); a place no record lists is free. When the
+records outnumber the blocks two to one they are rewritten.
 
 Not thread-safe: the cache calls it with its lock held.
 """
@@ -26,19 +27,21 @@ import json
 import logging
 import os
 import struct
-import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
-from shardfeed.service.cache.names import SUFFIX, BlockKey
+from shardfeed.service.cache.names import BlockKey
+from shardfeed.service.cache.slabs import SIZE_SHIFT
+
 
 log = logging.getLogger("shardfeed.cache")
 
 CATALOG = "catalog"
 STREAMS = "streams"
-MAGIC = b"shardfeed-cat-1\n"
-RECORD = np.dtype([("stream", "<u4"), ("block", "<u4"), ("size", "<u4"), ("op", "<u4")])
+MAGIC = b"shardfeed-cat-2\n"
+RECORD = np.dtype([("stream", "<u4"), ("block", "<u4"), ("place", "<u4"), ("op", "<u4")])
 _PACK = struct.Struct("<IIII").pack  # one RECORD
 _ADD, _REMOVE = 1, 0
 
@@ -55,16 +58,27 @@ def block_key(stream: int, block: int) -> int:
 
 
 class Catalog:
-    """The blocks of one cache directory: slots in memory, records on disk."""
+    """The blocks of one cache directory: slots in memory, records on disk.
 
-    def __init__(self, directory: Path):
+    Args:
+        directory: the cache directory.
+        block_size: the blocks kept; records of another block size are dropped at ``load``
+            (``None``: none is, for ``listed``).
+        slot_sizes: the bytes of each slot size (``slabs.slot_sizes``): a block takes its slot's,
+            what ``bytes`` counts.
+    """
+
+    def __init__(self, directory: Path, block_size: int | None, slot_sizes: list[int]):
         self.directory = directory
+        self.block_size = block_size
+        self.slot_sizes = np.array(slot_sizes, np.int64)
         self.streams: list[Stream] = []
         self.stream_code: dict[Stream, int] = {}
         self.count = 0
         self.bytes = 0
         self._key = np.zeros(0, np.uint64)
         self._size = np.zeros(0, np.uint32)
+        self._place = np.zeros(0, np.uint32)
         self._tick = np.zeros(0, np.int64)
         self._live = np.zeros(0, bool)
         self._high = 0  # slots below this have been used
@@ -91,15 +105,21 @@ class Catalog:
         except FileNotFoundError:
             return False
         self._read_streams()
-        # A stream line lost to a crash, or never written: its blocks' files are orphans.
+        self._records = len(records)
+        # A stream line lost to a crash, or never written: its blocks' places are free.
         records = records[(records["stream"] < len(self.streams)) & ~np.isin(records["stream"], self._lost)]
         keys = records["stream"].astype(np.uint64) << np.uint64(32) | records["block"].astype(np.uint64)
         unique, last_reversed = np.unique(keys[::-1], return_index=True)
         last = len(keys) - 1 - last_reversed
         kept = records["op"][last] == _ADD
-        order = np.argsort(last[kept], kind="stable")  # oldest record first: the LRU order of the last run
-        self._fill(unique[kept][order], records["size"][last[kept]][order])
-        self._records = len(records)
+        if self.block_size is not None:
+            stream_block_size = np.array([stream[2] for stream in self.streams] or [0], np.int64)
+            kept &= stream_block_size[(unique >> np.uint64(32)).astype(np.int64)] == self.block_size
+        last = np.sort(last[kept])
+        # Two blocks in one place (records lost to a full disk): the later one's, if any, is there.
+        _, latest = np.unique(records["place"][last][::-1], return_index=True)
+        last = np.sort(last[::-1][latest])  # oldest record first: the LRU order of the last run
+        self._fill(keys[last], records["place"][last])
         return True
 
     def _read_streams(self) -> None:
@@ -119,10 +139,11 @@ class Catalog:
             self._stream(dataset, shard, block_size, write=False)
         self._lost = np.array(sorted(set(range(len(self.streams))) - set(named)), np.uint32)
 
-    def _fill(self, keys: np.ndarray, sizes: np.ndarray) -> None:
+    def _fill(self, keys: np.ndarray, places: np.ndarray) -> None:
         n = len(keys)
+        sizes = self.slot_sizes[np.minimum(places >> SIZE_SHIFT, len(self.slot_sizes) - 1)]
         self._grow(n)
-        self._key[:n], self._size[:n] = keys, sizes
+        self._key[:n], self._size[:n], self._place[:n] = keys, sizes, places
         self._tick[:n] = np.arange(n)
         self._live[:n] = True
         self._high = self.count = n
@@ -156,7 +177,7 @@ class Catalog:
         records = np.zeros(len(slots), RECORD)
         records["stream"] = self._key[slots] >> np.uint64(32)
         records["block"] = self._key[slots] & np.uint64(0xFFFFFFFF)
-        records["size"], records["op"] = self._size[slots], _ADD
+        records["place"], records["op"] = self._place[slots], _ADD
         lines = "".join(_line(code, stream) for code, stream in enumerate(self.streams))
         temp = self.directory / f".tmp-{STREAMS}"
         temp.write_text(lines)
@@ -175,58 +196,6 @@ class Catalog:
             self.rewrite()
         except OSError as err:
             self._stop(err)
-
-    def scan(self) -> None:
-        """Take up the block files of a directory without a catalogue (an older shardfeed's,
-        or a catalogue lost), least recently read first: one ``stat`` a file."""
-        found = []
-        for path in self.directory.glob(f"*/*{SUFFIX}"):
-            try:
-                key, block_size = BlockKey.parse(str(path.relative_to(self.directory)))
-                found.append((path.stat().st_atime, key, block_size, path.stat().st_size))
-            except (FileNotFoundError, ValueError):
-                continue
-        for path in self.directory.glob("*/.tmp-*"):  # a crash mid-write leaves these
-            path.unlink(missing_ok=True)
-        for _, key, block_size, size in sorted(found):
-            self.add(block_key(self.stream(key.dataset, key.shard, block_size), key.block), size)
-
-    def remove_orphans(self, began: float, lock: threading.Lock) -> None:
-        """Remove the block files no record lists (a crash between an eviction's record and its
-        unlink, or a lost stream line) and what a crash mid-write left (temporary files older
-        than ``began``, this open). Runs in a thread beside requests, taking ``lock`` only to
-        look a name up."""
-        removed = 0
-        try:
-            for folder in self.directory.iterdir():
-                if not folder.is_dir():
-                    continue
-                for entry in os.scandir(folder):
-                    try:
-                        if entry.name.startswith(".tmp-"):
-                            stale = entry.stat().st_mtime < began
-                        elif entry.name.endswith(SUFFIX):
-                            with lock:
-                                stale = self._find_file(f"{folder.name}/{entry.name}") < 0
-                        else:
-                            continue
-                        if stale:
-                            os.unlink(entry.path)
-                            removed += 1
-                    except FileNotFoundError:  # dropped meanwhile (a block that failed its check): go on
-                        continue
-        except OSError as err:
-            log.info("block cache %s: orphan scan stopped (%s)", self.directory, err)
-        if removed:
-            log.info("block cache %s: %d files no record listed removed", self.directory, removed)
-
-    def _find_file(self, name: str) -> int:
-        try:
-            key, block_size = BlockKey.parse(name)
-        except ValueError:
-            return -1
-        code = self.stream_code.get((key.dataset, key.shard, block_size))
-        return -1 if code is None else self.find(block_key(code, key.block))
 
     # -- streams -------------------------------------------------------------------------
     def stream(self, dataset: str, shard: str, block_size: int) -> int:
@@ -261,6 +230,14 @@ class Catalog:
                 return slot
         return -1
 
+    def place(self, slot: int) -> int:
+        """Where the block of ``slot`` is in the slabs (``slabs.py``)."""
+        return int(self._place[slot])
+
+    def places(self) -> np.ndarray:
+        """The places of every block held (O(n))."""
+        return self._place[self.slots()]
+
     def touch(self, slot: int) -> None:
         self._clock += 1
         self._tick[slot] = self._clock
@@ -271,9 +248,10 @@ class Catalog:
     def key(self, slot: int) -> int:
         return int(self._key[slot])
 
-    def add(self, key: int, size: int) -> int:
-        """Hold block ``key`` (not held yet), its record written first."""
-        self._record(key, size, _ADD)
+    def add(self, key: int, place: int) -> int:
+        """Hold block ``key`` (not held yet), written in ``place``; its record written first."""
+        size = int(self.slot_sizes[place >> SIZE_SHIFT])
+        self._record(key, place, _ADD)
         if self._free_top:
             self._free_top -= 1
             slot = int(self._free[self._free_top])
@@ -281,7 +259,7 @@ class Catalog:
             self._grow(self._high + 1)
             slot = self._high
             self._high += 1
-        self._key[slot], self._size[slot], self._live[slot] = key, size, True
+        self._key[slot], self._size[slot], self._place[slot], self._live[slot] = key, size, place, True
         self.touch(slot)
         self._recent[key] = slot
         self.count += 1
@@ -343,18 +321,18 @@ class Catalog:
     @property
     def nbytes(self) -> int:
         """Memory the catalogue holds for its blocks (arrays and the dict of recent keys)."""
-        arrays = (self._key, self._size, self._tick, self._live, self._free, self._sorted_keys, self._sorted_slots)
+        arrays = (self._key, self._size, self._place, self._tick, self._live, self._free, self._sorted_keys, self._sorted_slots)
         return sum(a.nbytes for a in arrays) + len(self._recent) * 100  # a dict entry and two ints
 
     # -- internals -----------------------------------------------------------------------
-    def _record(self, key: int, size: int, op: int) -> None:
+    def _record(self, key: int, place: int, op: int) -> None:
         # Rewritten before this record is written, as the table does not show it yet.
         if self._journal is not None and self._records > 2 * self.count + 4096:
             self.renew()
         if self._journal is None:
             return
         try:
-            os.write(self._journal, _PACK(key >> 32, key & 0xFFFFFFFF, size, op))
+            os.write(self._journal, _PACK(key >> 32, key & 0xFFFFFFFF, place, op))
         except OSError as err:
             self._stop(err)
             return
@@ -362,8 +340,8 @@ class Catalog:
 
     def _stop(self, err: OSError) -> None:
         """Write no more records (until the next ``rewrite``): the catalogue on disk then lists
-        blocks that may be gone, which reads verify, and lacks new ones, which the next open's
-        scan removes. Serving goes on."""
+        blocks that may be gone, which reads verify, and lacks new ones, whose places the next open
+        takes for free. Serving goes on."""
         log.warning("cannot write the block catalogue in %s (%s): blocks cached from now on are "
                     "not kept across a restart", self.directory, err.strerror)
         self.close()
@@ -374,6 +352,7 @@ class Catalog:
         size = max(1024, n, len(self._key) * 3 // 2)
         self._key = np.resize(self._key, size)
         self._size = np.resize(self._size, size)
+        self._place = np.resize(self._place, size)
         self._tick = np.resize(self._tick, size)
         live = np.zeros(size, bool)
         live[:len(self._live)] = self._live
@@ -385,3 +364,22 @@ class Catalog:
         order = np.argsort(keys, kind="stable")
         self._sorted_keys, self._sorted_slots = keys[order], slots[order]
         self._recent.clear()
+
+
+class Listed(NamedTuple):
+    key: BlockKey
+    block_size: int
+    place: int
+
+
+def listed(directory: Path) -> list[Listed]:
+    """The blocks a cache directory's catalogue lists on disk, read without its lock (for tools
+    and tests, while the cache's own process serves)."""
+    catalog = Catalog(Path(directory), None, [0])
+    catalog.load()
+    out = []
+    for slot in catalog.slots().tolist():
+        key = catalog.key(slot)
+        dataset, shard, block_size = catalog.streams[key >> 32]
+        out.append(Listed(BlockKey(dataset, shard, key & 0xFFFFFFFF), block_size, catalog.place(slot)))
+    return out

@@ -32,6 +32,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Hashable
 
+from shardfeed.buffers import BufferPool
 from shardfeed.service.observe.metrics import Metrics
 
 
@@ -39,9 +40,11 @@ class MemoryTier:
     """A bounded LRU of verified block payloads, keyed by the block's ``BlockKey`` (a hashable
     tuple: a lookup formats no file name)."""
 
-    def __init__(self, capacity: int, metrics: Metrics, block_size: int):
+    def __init__(self, capacity: int, metrics: Metrics, block_size: int, buffers: BufferPool | None = None):
+        """``buffers``: the pool the blocks' buffers come from, told of each block let go of."""
         self.capacity = capacity
         self.metrics = metrics
+        self.buffers = buffers
         self._blocks: OrderedDict[Hashable, bytes] = OrderedDict()
         self._seen_once: OrderedDict[Hashable, None] = OrderedDict()  # blocks read from disk once lately
         self._seen_limit = max(16, capacity // block_size // 2)
@@ -91,11 +94,13 @@ class MemoryTier:
             old = self._blocks.pop(key, None)
             if old is not None:
                 self._bytes -= len(old)
+                self._let_go(old)
             self._blocks[key] = payload
             self._bytes += size
             while self._bytes > self.capacity:
                 _, victim = self._blocks.popitem(last=False)
                 self._bytes -= len(victim)
+                self._let_go(victim)
         self.metrics.memory_cache_bytes.set(self._bytes)
 
     def discard(self, key: Hashable) -> None:
@@ -104,5 +109,10 @@ class MemoryTier:
             old = self._blocks.pop(key, None)
             if old is not None:
                 self._bytes -= len(old)
+                self._let_go(old)
         if old is not None:
             self.metrics.memory_cache_bytes.set(self._bytes)
+
+    def _let_go(self, payload) -> None:
+        if self.buffers is not None and isinstance(payload, memoryview):
+            self.buffers.returned(payload)

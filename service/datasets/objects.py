@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
+from shardfeed.buffers import BufferPool
 from shardfeed.service.datasets.dataset import Dataset
 from shardfeed.service.datasets.tarscan import scan_shard
 from shardfeed.service.stores import AccessDenied, Arrived, InvalidPath, ObjectInfo, ObjectNotFound, Store
@@ -84,9 +85,10 @@ class BucketStores(Store):
         return await store.read_range(key, offset, size, version)
 
     async def read_pieces(self, path: str, offset: int, size: int, piece: int,
-                          version: str | None = None, *, arrived: Arrived | None = None) -> list[bytes]:
+                          version: str | None = None, *, arrived: Arrived | None = None,
+                          buffers: BufferPool | None = None) -> list[bytes]:
         store, key = self._split(path)
-        return await store.read_pieces(key, offset, size, piece, version, arrived=arrived)
+        return await store.read_pieces(key, offset, size, piece, version, arrived=arrived, buffers=buffers)
 
     async def read(self, path: str, version: str | None = None) -> bytes:
         store, key = self._split(path)

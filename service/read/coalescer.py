@@ -90,7 +90,7 @@ class Coalescer:
                                   max_read=config.max_fetch, memory=config.plan_memory)
         self.siblings = None if cluster is None else SiblingBlocks(
             {node: p.cache_dir for node, p in enumerate(cluster.workers) if p.cache_dir is not None
-             and node != cluster.me}, config.block_size, metrics)
+             and node != cluster.me}, config.block_size, metrics, cache.buffers)
         self.ranges_first = config.ranges_first
         self.fetch_policy = fetch_policy
 

@@ -63,7 +63,7 @@ class BlockFetcher:
         """Per block being read, its read's place in line for a store slot."""
         self._tasks: set[asyncio.Task] = set()
         self.on_changed = on_changed or (lambda dataset: None)
-        # Cache writes wait on the disk (``O_DIRECT``, ``blockfile.py``): on threads of their
+        # Cache writes wait on the disk (``O_DIRECT``, ``slabs.py``): on threads of their
         # own, so a slow disk never queues the cache reads on the default executor behind them.
         self._writer = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="cache-write")
         self._queued = 0  # bytes handed to the writer threads and not written yet
@@ -199,7 +199,8 @@ class BlockFetcher:
                 began = time.perf_counter()
                 try:
                     pieces = await dataset.store.read_pieces(path, start, end - start, piece,
-                                                             dataset.shard_version(shard), arrived=arrived)
+                                                             dataset.shard_version(shard), arrived=arrived,
+                                                             buffers=None if whole else self.cache.buffers)
                 finally:
                     self.metrics.inflight_store.dec()
         except ObjectChanged as err:

@@ -60,7 +60,7 @@ class HeaderMemo:
             keys = index.keys(members.sample[unknown])
             fields = index.fields
             for r, key, field in zip(unknown.tolist(), keys, members.field[unknown].tolist()):
-                found = names_member(blocks[block[r]].obj, int(header[r]), f"{key}.{fields[field]}".encode(),
+                found = names_member(blocks[block[r]], int(header[r]), f"{key}.{fields[field]}".encode(),
                                      int(members.size[r]))
                 memo[members.row[r]] = _VERBATIM if found else _BUILT
             state = np.where(candidate, memo[members.row], _BUILT)

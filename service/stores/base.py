@@ -17,6 +17,8 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from shardfeed.buffers import BufferPool
+
 
 class StoreError(Exception):
     """Base error of the storage layer. ``str(err)`` names the object or URL at fault."""
@@ -94,6 +96,15 @@ def handed_on(pieces: list, arrived: Arrived | None) -> list:
     return pieces
 
 
+def copied(data: bytes | memoryview, buffers: BufferPool | None) -> bytes | memoryview:
+    """A piece of its own holding ``data``: a pool buffer where there is a pool."""
+    if buffers is None:
+        return bytes(data)
+    piece = buffers.take(len(data))
+    piece[:] = data
+    return piece
+
+
 class Store(ABC):
     """Async access to the objects under one root URL."""
 
@@ -105,18 +116,22 @@ class Store(ABC):
         ``version``: only of that version (``ObjectInfo.etag``); ``ObjectChanged`` otherwise."""
 
     async def read_pieces(self, path: str, offset: int, size: int, piece: int,
-                          version: str | None = None, *, arrived: Arrived | None = None) -> list[bytes]:
+                          version: str | None = None, *, arrived: Arrived | None = None,
+                          buffers: BufferPool | None = None) -> list[bytes]:
         """``read_range`` as consecutive pieces of ``piece`` bytes (the last may be shorter),
         each an object of its own (``bytes`` or ``bytearray``): a cache can keep any piece
         without the others' bytes.
         ``arrived(number, piece)`` is called for each piece once it is complete, before the
         call returns, possibly again for the same piece (a read retried or hedged: the same
-        bytes). This default splits one read with a copy; backends that can fill the pieces
-        as the bytes arrive do so, and hand each on as soon as it is in (``s3.py``)."""
+        bytes). ``buffers``: where the pieces go (``shardfeed/buffers.py``: reused, page-aligned
+        buffers), else each a new object. This default splits one read with a copy; backends
+        that can fill the pieces as the bytes arrive do so, and hand each on as soon as it is in
+        (``s3.py``)."""
         data = await self.read_range(path, offset, size, version)
         view = memoryview(data)
-        return handed_on([data] if size <= piece else [bytes(view[at:at + piece]) for at in range(0, size, piece)],
-                         arrived)
+        if size <= piece and buffers is None:
+            return handed_on([data], arrived)
+        return handed_on([copied(view[at:at + piece], buffers) for at in range(0, max(size, 1), piece)], arrived)
 
     @abstractmethod
     async def read(self, path: str, version: str | None = None) -> bytes:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import xxhash
 
+from shardfeed.buffers import BufferPool
 from shardfeed.service.stores.base import AccessDenied, Arrived, CorruptObject, ObjectInfo, ShortRead, Store
 from shardfeed.service.stores.framed import FrameTable, FrameTableError, table_size
 from shardfeed.service.stores.lru import Lru
@@ -127,10 +128,11 @@ class CompressedShards(Store):
         return self._cut(path, await self.held.get(whole), offset, size)
 
     async def read_pieces(self, path: str, offset: int, size: int, piece: int,
-                          version: str | None = None, *, arrived: Arrived | None = None) -> list[bytes]:
+                          version: str | None = None, *, arrived: Arrived | None = None,
+                          buffers: BufferPool | None = None) -> list[bytes]:
         if path in self.shards:  # cut from one read_range (base.Store's way)
-            return await super().read_pieces(path, offset, size, piece, version, arrived=arrived)
-        return await self.store.read_pieces(path, offset, size, piece, version, arrived=arrived)
+            return await super().read_pieces(path, offset, size, piece, version, arrived=arrived, buffers=buffers)
+        return await self.store.read_pieces(path, offset, size, piece, version, arrived=arrived, buffers=buffers)
 
     async def read(self, path: str, version: str | None = None) -> bytes:
         shard = self.shards.get(path)

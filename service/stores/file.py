@@ -10,6 +10,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from shardfeed.buffers import BufferPool
 from shardfeed.service.stores.base import (
     Arrived, InvalidPath, ObjectChanged, ObjectInfo, ObjectNotFound, ShortRead, Store, StoreError, clean_path,
     handed_on,
@@ -20,6 +21,14 @@ def file_version(st: os.stat_result) -> str:
     """The version (``ObjectInfo.etag``) of a file of status ``st``."""
     return f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"
 
+
+
+def _read_piece(f, size: int, buffers: BufferPool | None) -> bytes | memoryview:
+    """The next ``size`` bytes of ``f`` (fewer at its end), into a pool buffer where there is a pool."""
+    if buffers is None:
+        return f.read(size)
+    piece = buffers.take(size)
+    return piece[:f.readinto(piece)]
 
 class FileStore(Store):
     def __init__(self, url: str, root: str | os.PathLike):
@@ -33,13 +42,14 @@ class FileStore(Store):
             raise InvalidPath(f"object path {path!r} escapes the dataset root {self.url}")
         return full
 
-    def _read_pieces(self, path: str, offset: int, size: int, piece: int, version: str | None) -> list[bytes]:
+    def _read_pieces(self, path: str, offset: int, size: int, piece: int, version: str | None,
+                     buffers: BufferPool | None = None) -> list[bytes | memoryview]:
         full = self._resolve(path)
         try:
             with open(full, "rb") as f:
                 self._check(f, path, version)
                 f.seek(offset)
-                pieces = [f.read(min(piece, size - at)) for at in range(0, size, piece)] if size else [b""]
+                pieces = [_read_piece(f, min(piece, size - at), buffers) for at in range(0, size, piece)] or [b""]
         except FileNotFoundError:
             raise ObjectNotFound(f"{self.url}/{path}: no such object") from None
         except IsADirectoryError:
@@ -113,8 +123,10 @@ class FileStore(Store):
         return (await asyncio.to_thread(self._read_pieces, path, offset, size, max(size, 1), version))[0]
 
     async def read_pieces(self, path: str, offset: int, size: int, piece: int,
-                          version: str | None = None, *, arrived: Arrived | None = None) -> list[bytes]:
-        return handed_on(await asyncio.to_thread(self._read_pieces, path, offset, size, piece, version), arrived)
+                          version: str | None = None, *, arrived: Arrived | None = None,
+                          buffers: BufferPool | None = None) -> list[bytes]:
+        return handed_on(await asyncio.to_thread(self._read_pieces, path, offset, size, piece, version, buffers),
+                         arrived)
 
     async def read(self, path: str, version: str | None = None) -> bytes:
         return await asyncio.to_thread(self._read, path, version)

@@ -30,6 +30,7 @@ from functools import partial
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
+from shardfeed.buffers import BufferPool
 from shardfeed.http11 import Body, Closed, Head, HeadReader, Sized, body_of, resendable
 from shardfeed.service.stores.base import Arrived
 
@@ -73,12 +74,13 @@ class _Connection(asyncio.BufferedProtocol):
 
     # -- one exchange ------------------------------------------------------------------
     def exchange(self, request: bytes, sizes: list[int] | None, limit: int, arrived: Arrived | None,
-                 accept: Accept | None) -> asyncio.Future:
+                 accept: Accept | None, buffers: BufferPool | None) -> asyncio.Future:
         """Send ``request``; the future of its ``Answer``."""
         self._answer = self._loop.create_future()
         self._head = HeadReader()
         self._body: Body | None = None
         self._sizes, self._limit, self._arrived, self._accept = sizes, limit, arrived, accept
+        self._new_piece = bytearray if buffers is None else buffers.take
         self._pieces: list[bytearray] | None = None
         self._collected = bytearray()
         self.answered = False  # a byte of the answer arrived
@@ -127,7 +129,7 @@ class _Connection(asyncio.BufferedProtocol):
                 and self._body.left == sum(sizes) and len(rest) <= self._body.left):
             if self._accept is not None:
                 self._accept(head)
-            self._pieces = [bytearray(size) for size in sizes]
+            self._pieces = [self._new_piece(size) for size in sizes]
             self._index = self._filled = 0
             self._skip_empty()
             if rest:
@@ -258,10 +260,12 @@ class Getter:
         self._ssl = ssl.create_default_context() if self.tls else None
 
     async def get(self, target: str, headers: Mapping[str, str], sizes: list[int] | None = None, *,
-                  limit: int, arrived: Arrived | None = None, accept: Accept | None = None) -> Answer:
+                  limit: int, arrived: Arrived | None = None, accept: Accept | None = None,
+                  buffers: BufferPool | None = None) -> Answer:
         """``GET target`` (path and query) with ``headers`` (Host among them). A 2xx body of
         exactly ``sum(sizes)`` bytes lands in pieces of ``sizes``, each handed to ``arrived``
-        once complete, after ``accept(head)`` let it (what ``accept`` raises, ``get`` raises);
+        once complete (each a ``buffers`` buffer where given), after ``accept(head)`` let it
+        (what ``accept`` raises, ``get`` raises);
         any other body is read whole, up to ``limit`` bytes. Raises ``OSError``
         (``CannotConnect``, ``Closed``, ``TimeoutError``, ``CutShort``, a malformed answer)."""
         request = (f"GET {target} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
@@ -273,7 +277,7 @@ class Getter:
                 if conn is None:
                     conn = await self._connect()
                 try:
-                    answer = await conn.exchange(request, sizes, limit, arrived, accept)
+                    answer = await conn.exchange(request, sizes, limit, arrived, accept, buffers)
                 except OSError as err:
                     conn.close()
                     if reused and not conn.answered and resendable(err):

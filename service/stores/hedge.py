@@ -34,6 +34,7 @@ from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter
 
+from shardfeed.buffers import BufferPool
 from shardfeed.service.config import HedgePolicy
 from shardfeed.service.stores import Arrived, ObjectInfo, Store
 from shardfeed.service.stores.base import RETRIED, Tries
@@ -110,9 +111,11 @@ class HedgedStore(Store):
         return await self._hedged(lambda: self.store.read_range(path, offset, size, version), path, offset, size)
 
     async def read_pieces(self, path: str, offset: int, size: int, piece: int,
-                          version: str | None = None, *, arrived: Arrived | None = None) -> list[bytes]:
+                          version: str | None = None, *, arrived: Arrived | None = None,
+                          buffers: BufferPool | None = None) -> list[bytes]:
         # Both racers hand their pieces on: the same bytes, whichever comes first.
-        return await self._hedged(lambda: self.store.read_pieces(path, offset, size, piece, version, arrived=arrived),
+        return await self._hedged(lambda: self.store.read_pieces(path, offset, size, piece, version, arrived=arrived,
+                                                                 buffers=buffers),
                                   path, offset, size)
 
     async def _timed(self, read: Callable[[], Awaitable[T]], tries: Tries) -> T:

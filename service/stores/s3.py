@@ -41,6 +41,7 @@ from botocore.awsrequest import AWSRequest
 from botocore.credentials import RefreshableCredentials
 from yarl import URL
 
+from shardfeed.buffers import BufferPool
 from shardfeed.http11 import Head
 from shardfeed.retry import Backoff, retry_async
 from shardfeed.service.stores.base import (
@@ -264,14 +265,16 @@ class S3Store(Store):
         return bytes((await self._ranged(path, offset, size, version, [size]))[0])
 
     async def read_pieces(self, path: str, offset: int, size: int, piece: int,
-                          version: str | None = None, *, arrived: Arrived | None = None) -> list[bytearray]:
+                          version: str | None = None, *, arrived: Arrived | None = None,
+                          buffers: BufferPool | None = None) -> list[bytearray | memoryview]:
         sizes = [min(piece, size - at) for at in range(0, size, piece)] or [0]
-        return await self._ranged(path, offset, size, version, sizes, arrived)
+        return await self._ranged(path, offset, size, version, sizes, arrived, buffers)
 
     async def _ranged(self, path: str, offset: int, size: int, version: str | None, sizes: list[int],
-                      arrived: Arrived | None = None) -> list[bytearray]:
+                      arrived: Arrived | None = None, buffers: BufferPool | None = None) -> list[bytearray]:
         """A ranged GET of ``size`` bytes from ``offset`` (of ``version``), its body landing in
-        pieces of ``sizes`` (``getter.py``), each handed to ``arrived`` once complete."""
+        pieces of ``sizes`` (``getter.py``; in ``buffers`` where given), each handed to ``arrived``
+        once complete."""
         if offset < 0 or size < 0:
             raise ValueError(f"read_range({path!r}, {offset}, {size}): negative offset or size")
         key = self._key(path)
@@ -290,7 +293,8 @@ class S3Store(Store):
             self.requests += 1
             try:
                 answer = await self._ranged_reader().get(target, signed, sizes, limit=max(size + 1, ERROR_BODY_LIMIT),
-                                                         arrived=arrived, accept=lambda head: accept(head, size))
+                                                         arrived=arrived, accept=lambda head: accept(head, size),
+                                                         buffers=buffers)
             except CutShort as err:
                 raise Truncated(f"{object_url}: body cut short ({err})") from None
             pieces = ranged_pieces(answer, sizes, accept, arrived, object_url, key, self.bucket)

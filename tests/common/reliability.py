@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from shardfeed.faults import damage_block_file, peak_rss_mib  # noqa: F401 (re-exported)
+from shardfeed.faults import cached_blocks, damage_block, peak_rss_mib  # noqa: F401 (re-exported)
 
 
 def expected_members(source: dict, dataset: str, indices, fields=None) -> list[tuple[str, bytes]]:

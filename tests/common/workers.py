@@ -10,6 +10,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from shardfeed.client import Client
+from shardfeed.faults import cached_blocks
 from shardfeed.process import ServiceProcess, child_pids, start_service
 
 from common.datasets import dir_put, make_dataset
@@ -41,9 +42,9 @@ def sibling_blocks(url: str, result: str) -> float:
                if s.name == "shardfeed_sibling_blocks_total" and s.labels["result"] == result)
 
 
-def cached_blocks(cache: Path, worker: int) -> set[str]:
-    """The names of the block files in a worker's cache directory."""
-    return {p.name for p in (cache / f"worker-{worker}").glob("*/*.blk")}
+def worker_blocks(cache: Path, worker: int) -> set:
+    """The blocks a worker's cache holds (its catalogue on disk)."""
+    return set(cached_blocks(cache / f"worker-{worker}"))
 
 
 def owned_shards(url: str, worker_url: str, samples: int, dataset: str = "train") -> list[list[int]]:

@@ -19,6 +19,7 @@ from shardfeed.process import launch_service, start_service
 
 from common.cli import refusals
 from common.datasets import bucket_dataset, make_dataset, s3_put
+from common.reliability import cached_blocks, damage_block
 from common.service import metrics, tar_members
 
 pytestmark = pytest.mark.xdist_group("service")  # one worker: its module services start once
@@ -274,15 +275,13 @@ def test_cache_is_reused_after_restart_and_corrupt_blocks_are_refetched(s3_datas
             expected(source, indices)
         assert metrics(svc.url)["shardfeed_store_requests_total"] == 0  # all from the cache
 
-    blocks = sorted((tmp_path / "cache").glob("*/*.blk"))
+    blocks = sorted(cached_blocks(tmp_path / "cache").values())
     assert blocks
-    flipped = blocks[len(blocks) // 2]
-    data = bytearray(flipped.read_bytes())
-    data[100] ^= 0xFF
-    flipped.write_bytes(bytes(data))
-    truncated = blocks[0]
-    truncated.write_bytes(truncated.read_bytes()[:5000])
-    blocks[-1].unlink()
+    rng = random.Random(4)
+    damage_block(blocks[len(blocks) // 2]._replace(size=100), "flip", rng)
+    damage_block(blocks[-1], "delete", rng)  # its header lost
+    last = max(blocks, key=lambda where: (where.data, where.offset))
+    damage_block(last._replace(size=5000), "truncate", rng)  # its slab cut short within it
     with start_service({"train": url}, cache_dir=tmp_path / "cache", env=s3_server.env(), args=args) as svc:
         assert tar_members(batch(svc.url, {"dataset": "train", "indices": indices}).content) == \
             expected(source, indices)
@@ -309,14 +308,8 @@ def test_cache_stays_within_its_bound_under_churn(s3_dataset, s3_server, tmp_pat
 
 
 def _bytes_on_disk(cache: Path) -> int:
-    """Bytes of the cached blocks; a block evicted while we look counts nothing."""
-    total = 0
-    for path in cache.glob("*/*.blk"):
-        try:
-            total += path.stat().st_size
-        except FileNotFoundError:
-            pass
-    return total
+    """Disk the slabs take (an evicted block's slot is a hole: it takes nothing)."""
+    return sum(path.stat().st_blocks * 512 for path in (cache / "slabs").glob("*.data"))
 
 
 @pytest.mark.slow
@@ -360,7 +353,7 @@ def test_a_removed_cache_dir_is_recreated_and_locked_again(s3_dataset, s3_server
         assert tar_members(batch(svc.url, {"dataset": "train", "indices": [150, 3]}).content) == \
             expected(source, [150, 3])
         deadline = time.monotonic() + 30  # blocks reach the disk after their waiters are served
-        while not list(cache.glob("*/*.blk")):
+        while not cached_blocks(cache):
             assert time.monotonic() < deadline, "no block was written to the recreated cache"
             time.sleep(0.05)
         assert (cache / ".lock").exists()  # locked again when the first block was written

@@ -16,10 +16,9 @@ import httpx
 import pytest
 
 from shardfeed.process import start_service
-from shardfeed.service.cache.names import dataset_id
 
 from common.datasets import bucket_dataset
-from common.reliability import SteadyClient, damage_block_file, expected_members, received_members
+from common.reliability import SteadyClient, cached_blocks, damage_block, expected_members, received_members
 from common.service import metrics
 
 pytestmark = pytest.mark.slow  # starts several services, S3 servers or a browser; not in `make check`
@@ -50,7 +49,8 @@ def read_all(url: str, source: dict, seed: int) -> None:
 
 
 def blocks(cache_dir) -> list:
-    return sorted(cache_dir.glob("*/*.blk"))
+    """Where each block the cache holds is (its catalogue on disk), in its order."""
+    return list(cached_blocks(cache_dir).values())
 
 
 def test_block_files_damaged_between_requests_are_detected_and_refetched(service, dataset, tmp_path):
@@ -60,7 +60,7 @@ def test_block_files_damaged_between_requests_are_detected_and_refetched(service
     for round_ in range(4):
         files = blocks(tmp_path / "cache")
         for path in rng.sample(files, min(6, len(files))):
-            damage_block_file(path, rng.choice(["flip", "truncate", "delete", "garbage"]), rng)
+            damage_block(path, rng.choice(["flip", "truncate", "delete", "garbage"]), rng)
         read_all(service.url, source, round_ + 1)
     m = metrics(service.url)
     assert m["shardfeed_cache_corrupt_total"] > 0
@@ -79,7 +79,7 @@ def test_block_files_damaged_while_requests_run_never_reach_a_client(service, da
     while time.monotonic() < deadline:
         files = blocks(tmp_path / "cache")
         if files:
-            damage_block_file(rng.choice(files), rng.choice(["flip", "truncate", "delete", "garbage"]), rng)
+            damage_block(rng.choice(files), rng.choice(["flip", "truncate", "delete", "garbage"]), rng)
             damaged += 1
         time.sleep(0.01)
     tallies = [client.stop() for client in clients]
@@ -124,8 +124,8 @@ def test_a_cache_that_refuses_writes_degrades_to_the_store_with_a_warning_and_a_
         # Its log file is opened in append mode and stays far below that.
         soft, hard = resource.prlimit(pid, resource.RLIMIT_FSIZE, (16 * 1024, resource.RLIM_INFINITY))
     else:
-        # Where the cache wants the dataset's directory there is now a file.
-        (tmp_path / "cache" / dataset_id(dataset[0])).write_bytes(b"in the way")
+        # Where the cache wants its slabs' directory there is now a file.
+        (tmp_path / "cache" / "slabs").write_bytes(b"in the way")
     read_all(service.url, source, 0)
     read_all(service.url, source, 1)
     m = metrics(service.url)
@@ -184,7 +184,7 @@ def test_concurrent_readers_of_a_damaged_cache_agree_with_the_source(service, da
     while any(t.is_alive() for t in threads):
         files = blocks(tmp_path / "cache")
         if files:
-            damage_block_file(rng.choice(files[:8]), rng.choice(["flip", "garbage", "truncate"]), rng)
+            damage_block(rng.choice(files[:8]), rng.choice(["flip", "garbage", "truncate"]), rng)
         time.sleep(0.005)
     for t in threads:
         t.join()

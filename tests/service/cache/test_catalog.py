@@ -1,25 +1,28 @@
 """The block cache's catalogue (``service/cache/catalog.py``): a kept cache reopens from it
-without looking at its files, survives a crash at any point of a write or an eviction
+without looking at its slabs, survives a crash at any point of a write or an eviction
 without ever serving an unverified byte, and eviction ranks a few blocks, not all."""
 
 from __future__ import annotations
 
+import random
 
 import numpy as np
 import pytest
 
-from shardfeed.service.cache.catalog import CATALOG, MAGIC, RECORD, STREAMS, Catalog, block_key
+from shardfeed.service.cache.catalog import CATALOG, MAGIC, RECORD, STREAMS, Catalog, block_key, listed
 from shardfeed.service.cache.disk import BlockCache
 from shardfeed.service.cache.names import BlockKey
+from shardfeed.service.cache.slabs import Slabs, block_name, place_of, slot_sizes
 from shardfeed.service.observe.metrics import Metrics
 
+from common.reliability import cached_blocks, damage_block
 from common.wait import wait_until
 
 BLOCK = 4096
 
 
 def cache_at(directory, capacity_blocks: int = 1000, victims=None) -> BlockCache:
-    cache = BlockCache(directory, capacity_blocks * (BLOCK + 64), BLOCK, Metrics(), direct_writes=False,
+    cache = BlockCache(directory, capacity_blocks * BLOCK, BLOCK, Metrics(), direct_writes=False,
                        victims=victims)
     cache.open()
     return cache
@@ -57,35 +60,58 @@ def test_a_kept_cache_reopens_from_its_catalogue_with_every_block_and_their_orde
     small.close()
 
 
-def test_a_crash_at_any_point_leaves_nothing_unverified_served_and_orphans_are_removed(tmp_path):
+def test_a_crash_at_any_point_leaves_nothing_unverified_served(tmp_path):
     kept(tmp_path, keys(6))
-    directory = tmp_path / "d1"
-    name = keys(6)[0].filename(BLOCK).split("/")[1]
-    # A block whose file is cut short (a disk that lost a tail), one whose file is gone (a
-    # crash between an eviction's record and its unlink, reversed), a torn record at the end.
-    (directory / keys(6)[1].filename(BLOCK).split("/")[1]).write_bytes(payload(1)[:100])
-    (directory / keys(6)[2].filename(BLOCK).split("/")[1]).unlink()
-    (directory / name).write_bytes(b"\0" * (BLOCK + 64))  # overwritten in place: checksums fail
+    slots = cached_blocks(tmp_path)
+    rng = random.Random(3)
+    # A block overwritten in place (checksums fail), one whose header is lost (a crash while a
+    # place was written again, its record lost), one with a flipped byte, a torn record at the end.
+    damage_block(slots[keys(6)[0]], "garbage", rng)
+    damage_block(slots[keys(6)[1]], "delete", rng)
+    damage_block(slots[keys(6)[2]]._replace(size=BLOCK - 1), "flip", rng)
     with open(tmp_path / CATALOG, "ab") as f:
         f.write(b"\x07" * 9)
-    # A file no record names (a crash after an eviction's record, before its unlink), and a
-    # temporary file of a write that never finished.
-    orphan = directory / BlockKey("d1", "s1", 99).filename(BLOCK).split("/")[1]
-    orphan.write_bytes(payload(99))
-    temp = directory / f".tmp-{orphan.name}-1"
-    temp.write_bytes(b"half")
+    # A block written in a free place whose record never was (a crash between the two).
+    Slabs(tmp_path, BLOCK).write(place_of(0, 6), block_name("d1", "s1", BLOCK, 99), payload(99))
     again = cache_at(tmp_path)
     assert [again.read(k, None) for k in keys(6)] == [None, None, None] + [[payload(i)] for i in (3, 4, 5)]
     assert [k in again for k in keys(6)] == [False] * 3 + [True] * 3  # the bad ones dropped
-    wait_until(lambda: not orphan.exists() and not temp.exists(), 10, "the orphan scan removing what no record names")
     assert again.read(BlockKey("d1", "s1", 99), None) is None
-    # The torn tail was cut off: records appended from here on read back.
-    again.write(BlockKey("d1", "s2", 0), payload(7))
+    # The torn tail was cut off: records appended from here on read back, and the places
+    # given back are written again.
+    for i in range(4):
+        assert again.write(BlockKey("d1", "s2", i), payload(10 + i))
     again.close()
     third = cache_at(tmp_path)
-    assert third.read(BlockKey("d1", "s2", 0), None) == [payload(7)]
+    assert [third.read(BlockKey("d1", "s2", i), None) for i in range(4)] == [[payload(10 + i)] for i in range(4)]
+    assert sorted(e.place for e in listed(tmp_path)) == list(range(7))
     assert (tmp_path / CATALOG).stat().st_size % RECORD.itemsize == len(MAGIC) % RECORD.itemsize
     third.close()
+
+
+def test_two_records_of_one_place_leave_it_to_the_later_block(tmp_path):
+    # Records lost to a full disk: a place let go of and written again, the first block still listed.
+    kept(tmp_path, keys(1))
+    slabs = Slabs(tmp_path, BLOCK)
+    slabs.write(place_of(0, 0), block_name("d1", "s9", BLOCK, 0), payload(9))
+    catalog = Catalog(tmp_path, BLOCK, slot_sizes(BLOCK))
+    catalog.load()
+    catalog.start()
+    catalog.add(block_key(catalog.stream("d1", "s9", BLOCK), 0), place_of(0, 0))
+    catalog.close()
+    again = cache_at(tmp_path)
+    assert keys(1)[0] not in again and again.read(BlockKey("d1", "s9", 0), None) == [payload(9)]
+    again.close()
+
+
+def test_blocks_of_another_block_size_are_let_go_of_at_open(tmp_path):
+    kept(tmp_path, keys(3))
+    other = BlockCache(tmp_path, 10 * 2 * BLOCK, 2 * BLOCK, Metrics(), direct_writes=False)
+    other.open()
+    assert [k in other for k in keys(3)] == [False] * 3 and other.bytes == 0
+    assert other.write(keys(1)[0], payload(5) * 2)  # into a place a 4 KiB block had
+    assert other.read(keys(1)[0], None) == [payload(5) * 2]
+    other.close()
 
 
 def test_a_torn_streams_file_loses_only_the_blocks_of_the_torn_line(tmp_path):
@@ -99,13 +125,21 @@ def test_a_torn_streams_file_loses_only_the_blocks_of_the_torn_line(tmp_path):
     again.close()
 
 
-def test_a_directory_without_a_catalogue_is_scanned_once_and_then_catalogued(tmp_path):
+def test_a_directory_without_a_catalogue_starts_empty_and_an_older_shardfeeds_files_go(tmp_path):
     kept(tmp_path, keys(4))
-    (tmp_path / CATALOG).write_bytes(b"not a catalogue")  # or an older shardfeed's directory
+    (tmp_path / CATALOG).write_bytes(b"not a catalogue")  # or a catalogue lost
     (tmp_path / STREAMS).unlink()
+    older = tmp_path / "older"
+    old = older / "0123456789ab"  # an older shardfeed's dataset folder of block files
+    old.mkdir(parents=True)
+    (old / "s-1000-00000000.blk").write_bytes(payload(1))
+    (older / CATALOG).write_bytes(b"shardfeed-cat-1\n")
+    assert cache_at(older).bytes == 0
     again = cache_at(tmp_path)
-    assert [again.read(k, None) for k in keys(4)] == [[payload(i)] for i in range(4)]
+    assert [k in again for k in keys(4)] == [False] * 4 and again.bytes == 0
+    assert again.write(keys(1)[0], payload(8)) and again.read(keys(1)[0], None) == [payload(8)]
     assert (tmp_path / CATALOG).read_bytes().startswith(MAGIC)
+    wait_until(lambda: not old.exists(), 10, "the older shardfeed's block files removed")
     again.close()
 
 
@@ -140,11 +174,11 @@ def test_eviction_keeps_the_capacity_and_asks_the_policy_about_a_sample_of_block
 
 
 def test_the_catalogue_holds_under_a_hundred_bytes_a_block():
-    catalog = Catalog(None)
+    catalog = Catalog(None, 1 << 20, slot_sizes(1 << 20))
     n = 200_000
     streams = [catalog.stream("d", f"s{i}", 1 << 20) for i in range(n // 1000)]
     for i in range(n):
-        catalog.add(block_key(streams[i % len(streams)], i // len(streams)), 1 << 20)
+        catalog.add(block_key(streams[i % len(streams)], i // len(streams)), place_of(8, i))
     assert catalog.count == n and catalog.nbytes / n < 100
     rng = np.random.default_rng(0)
     slots = catalog.candidates(rng, 64)
@@ -172,24 +206,9 @@ def test_concurrent_writes_reads_and_evictions_agree_with_the_catalogue(tmp_path
     with ThreadPoolExecutor(readers) as pool:
         list(pool.map(work, range(readers)))
     assert cache.bytes <= cache.capacity
-    files = sorted(p.name for p in (tmp_path / "d1").glob("*.blk"))
-    held = sorted(BlockKey("d1", "s1", i).filename(BLOCK).split("/")[1] for i in range(200)
-                  if BlockKey("d1", "s1", i) in cache)
-    assert files == held
+    on_disk = listed(tmp_path)
+    assert sorted(e.key for e in on_disk) == [BlockKey("d1", "s1", i) for i in range(200)
+                                             if BlockKey("d1", "s1", i) in cache]
+    assert len({e.place for e in on_disk}) == len(on_disk)  # no place twice
+    assert all(cache.read(e.key, None) == [payload(e.key.block)] for e in on_disk)
     cache.close()
-
-
-def test_a_file_that_vanishes_during_the_orphan_scan_does_not_stop_it(tmp_path):
-    # A file gone between the listing and its stat or unlink (a block dropped by a read at
-    # that moment) once ended the scan, leaving the orphans after it: a dangling temporary
-    # name, whose stat fails so, stands in for it anywhere in the listing.
-    kept(tmp_path, keys(2))
-    directory = tmp_path / "d1"
-    orphans = [directory / BlockKey("d1", "s1", 100 + i).filename(BLOCK).split("/")[1] for i in range(50)]
-    for path in orphans:
-        path.write_bytes(payload(1))
-    (directory / ".tmp-vanished").symlink_to(directory / "no-such-file")
-    again = cache_at(tmp_path)
-    wait_until(lambda: not any(path.exists() for path in orphans), 10, "the orphan scan past the vanished file")
-    assert [again.read(k, None) for k in keys(2)] == [[payload(0)], [payload(1)]]
-    again.close()

@@ -14,13 +14,13 @@ import pytest
 from shardfeed.process import start_service
 from shardfeed.service.cache.disk import BlockCache
 from shardfeed.service.cache.memtier import MemoryTier
-from shardfeed.service.cache.names import BlockKey, dataset_id
+from shardfeed.service.cache.names import BlockKey
 from shardfeed.service.config import machine_memory
 from shardfeed.service.observe.metrics import Metrics
 from shardfeed.sizes import format_size
 
 from common.datasets import dir_put, make_dataset
-from common.reliability import damage_block_file, expected_members, received_members
+from common.reliability import cached_blocks, damage_block, expected_members, received_members
 from common.service import metrics
 
 
@@ -79,14 +79,12 @@ def test_a_block_found_corrupt_on_disk_leaves_the_tier(tmp_path):
     cache.open()
     key = BlockKey("d", "s", 0)
     cache.write(key, b"q" * 4096)
-    name = key.filename(4096)
     t.put(key, b"q" * 4096)
     assert cache.read(key, None) == [b"q" * 4096]  # the whole block, verified
-    path = tmp_path / name
-    data = bytearray(path.read_bytes())
-    data[10] ^= 0xFF
-    path.write_bytes(bytes(data))
-    cache._open_files.clear()  # reopen, as after the open-file set turned over
+    where = cache.location(key)
+    with open(where.data, "r+b") as f:
+        f.seek(where.offset + 10)
+        f.write(b"\0")
     assert cache.read(key, [(0, 100)]) is None
     assert t.get(key) is None and key not in cache
 
@@ -118,8 +116,8 @@ def test_ram_hits_serve_exact_bytes_and_a_damaged_disk_block_is_refetched_once_r
         assert m["shardfeed_memory_cache_hits_total"] > 0
         assert 0 < m["shardfeed_memory_cache_bytes"] <= 256 << 10  # bounded: four blocks of 64 KiB
         rng = random.Random(3)
-        for path in (tmp_path / "cache").glob("*/*.blk"):  # every disk block damaged
-            damage_block_file(path, "flip", rng)
+        for where in cached_blocks(tmp_path / "cache").values():  # every disk block damaged
+            damage_block(where._replace(size=where.size // 2), "flip", rng)  # in the payload, not its padding
         for seed in range(2, 5):
             read_all(svc.url, source, seed)
             for i in (0, 41, 119):
@@ -134,7 +132,7 @@ def test_fetched_blocks_that_the_disk_refuses_leave_the_tier(dataset, tmp_path):
     url, source = dataset
     args = ["--block-size", "64KiB", "--merge-gap", "0", "--memory-cache", "1MiB"]
     with start_service({"train": url}, cache_dir=tmp_path / "cache", args=args) as svc:
-        (tmp_path / "cache" / dataset_id(url)).write_bytes(b"in the way")  # where its block files would go
+        (tmp_path / "cache" / "slabs").write_bytes(b"in the way")  # where its slabs would go
         read_all(svc.url, source, 0)
         read_all(svc.url, source, 1)
         deadline = time.monotonic() + 30  # the answers may go out before the writes fail

@@ -1,5 +1,5 @@
-"""Sibling workers' blocks read from their cache directories (``service/cache/siblings.py``): warm
-batches make no hop, a bad or missing sibling file is never served, and its owner is asked
+"""Sibling workers' blocks read from their slabs (``service/cache/siblings.py``): warm batches make
+no hop, a bad, missing or since replaced sibling block is never served, and its owner is asked
 instead, so every block is still cached once on the host."""
 
 from __future__ import annotations
@@ -12,15 +12,14 @@ import httpx
 import pytest
 
 from shardfeed.process import start_service
-from shardfeed.service.cache.blockfile import BlockFile
 from shardfeed.service.cache.disk import BlockCache
 from shardfeed.service.cache.names import BlockKey
 from shardfeed.service.cache.siblings import SiblingBlocks
 from shardfeed.service.observe.metrics import Metrics
 
-from common.reliability import damage_block_file, expected_members
+from common.reliability import cached_blocks, damage_block, expected_members
 from common.service import fetch_batch, hops, metrics
-from common.workers import cached_blocks, directory_dataset, each_workers_shards, sibling_blocks, worker_urls
+from common.workers import worker_blocks, directory_dataset, each_workers_shards, sibling_blocks, worker_urls
 
 pytestmark = pytest.mark.slow  # starts several services, S3 servers or a browser; not in `make check`
 
@@ -33,9 +32,9 @@ def dataset(tmp_path_factory):
     return directory_dataset(tmp_path_factory.mktemp("siblings-data"), SAMPLES)  # 12 shards
 
 
-# -- the reader, on real block files -----------------------------------------------------------
+# -- the reader, on real slabs -----------------------------------------------------------------
 def test_a_sibling_block_is_read_verified_and_a_bad_or_missing_one_is_left_out(tmp_path):
-    owner = BlockCache(tmp_path / "worker-1", 1 << 20, 4096, Metrics())
+    owner = BlockCache(tmp_path / "worker-1", 1 << 20, 4096, Metrics(), hints=True)
     owner.open()
     rng = random.Random(1)
     payloads = {BlockKey("d", "s", b): rng.randbytes(4096 if b < 5 else 1000) for b in range(6)}
@@ -47,30 +46,53 @@ def test_a_sibling_block_is_read_verified_and_a_bad_or_missing_one_is_left_out(t
     key = BlockKey("d", "s", 5)
     assert reader.read(1, {key: [(0, 10), (900, 1000)]}) == {key: [payloads[key][:10], payloads[key][900:]]}
 
-    files = {k: tmp_path / "worker-1" / k.filename(4096) for k in payloads}
-    damage_block_file(files[BlockKey("d", "s", 0)], "garbage", rng)
-    damage_block_file(files[BlockKey("d", "s", 1)], "truncate", rng)
-    with open(files[BlockKey("d", "s", 2)], "r+b") as f:  # one flipped payload byte
-        f.seek(4000)
+    slots = cached_blocks(tmp_path / "worker-1")
+    damage_block(slots[BlockKey("d", "s", 0)], "garbage", rng)
+    with open(slots[BlockKey("d", "s", 2)].data, "r+b") as f:  # one flipped payload byte
+        f.seek(slots[BlockKey("d", "s", 2)].offset + 4000)
         byte = f.read(1)
-        f.seek(4000)
+        f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 1]))
-    files[BlockKey("d", "s", 3)].unlink()  # evicted by its owner
+    damage_block(slots[BlockKey("d", "s", 3)], "delete", rng)  # its header gone: not this block
+    owner.retain("d", [])  # evicted by its owner: unpublished
     got = reader.read(1, dict.fromkeys(payloads))
-    assert got == {k: [payloads[k]] for k in (BlockKey("d", "s", 4), key)}
-    assert [metrics.sibling_blocks.labels(r)._value.get() for r in ("read", "absent", "bad")] == [9, 1, 3]
+    assert got == {}
+    assert [metrics.sibling_blocks.labels(r)._value.get() for r in ("read", "absent", "bad")] == [7, 6, 0]
 
 
-def test_a_block_file_opened_before_its_owner_evicts_it_still_reads_whole(tmp_path):
-    owner = BlockCache(tmp_path, 2 * (4096 + 64), 4096, Metrics())
+def test_a_sibling_block_damaged_or_cut_short_is_bad_and_a_stale_hint_is_absent(tmp_path):
+    owner = BlockCache(tmp_path / "worker-1", 1 << 20, 4096, Metrics(), hints=True)
+    owner.open()
+    rng = random.Random(1)
+    payloads = {BlockKey("d", "s", b): rng.randbytes(4096 if b < 5 else 1000) for b in range(6)}
+    for key, payload in payloads.items():
+        assert owner.write(key, payload)
+    metrics = Metrics()
+    reader = SiblingBlocks({1: tmp_path / "worker-1"}, 4096, metrics)
+    slots = cached_blocks(tmp_path / "worker-1")
+    damage_block(slots[BlockKey("d", "s", 0)], "garbage", rng)
+    with open(slots[BlockKey("d", "s", 2)].data, "r+b") as f:  # one flipped payload byte
+        f.seek(slots[BlockKey("d", "s", 2)].offset + 4000)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 1]))
+    damage_block(slots[BlockKey("d", "s", 3)], "delete", rng)  # its header gone: not this block
+    damage_block(slots[BlockKey("d", "s", 4)]._replace(size=100), "truncate", rng)  # cut within it, and 5 after it
+    got = reader.read(1, dict.fromkeys(payloads))
+    assert got == {BlockKey("d", "s", 1): [payloads[BlockKey("d", "s", 1)]]}
+    assert [metrics.sibling_blocks.labels(r)._value.get() for r in ("read", "absent", "bad")] == [1, 1, 4]
+
+
+def test_a_place_its_owner_writes_again_is_never_served_for_the_block_it_held(tmp_path):
+    owner = BlockCache(tmp_path, 2 * 4096, 4096, Metrics(), hints=True)
     owner.open()
     first = BlockKey("d", "s", 0)
     owner.write(first, b"a" * 4096)
-    opened = BlockFile(tmp_path / first.filename(4096))
+    reader = SiblingBlocks({1: tmp_path}, 4096, Metrics())
+    assert reader.read(1, {first: None}) == {first: [b"a" * 4096]}
     owner.write(BlockKey("d", "s", 1), b"b" * 4096)
-    owner.write(BlockKey("d", "s", 2), b"c" * 4096)  # evicts the first
-    assert not (tmp_path / first.filename(4096)).exists()
-    assert opened.read(None) == [b"a" * 4096]
+    owner.write(BlockKey("d", "s", 2), b"c" * 4096)  # evicts the first; its place is written again
+    assert reader.read(1, {first: None}) == {}
 
 
 # -- through the service -----------------------------------------------------------------------
@@ -103,8 +125,8 @@ def test_warm_batches_through_the_public_port_make_no_worker_hop_and_are_exact(d
             time.sleep(0.2)
         assert doc["cache"]["hit_ratio"] > 0.7  # one cold pass, then four warm ones
         cache = tmp_path / "cache"
-        assert cached_blocks(cache, 0) and cached_blocks(cache, 1)
-        assert not cached_blocks(cache, 0) & cached_blocks(cache, 1), "a block cached twice on one host"
+        assert worker_blocks(cache, 0) and worker_blocks(cache, 1)
+        assert not worker_blocks(cache, 0) & worker_blocks(cache, 1), "a block cached twice on one host"
 
 
 @pytest.mark.parametrize("damage", ["garbage", "delete"])
@@ -118,10 +140,10 @@ def test_a_bad_or_evicted_sibling_block_is_not_served_and_its_owner_is_asked(dat
         theirs = [i for shard in each_workers_shards(svc.url, urls, SAMPLES)[1] for i in shard]
         assert fetch_batch(urls[1], theirs) == expected_members(source, "train", theirs)  # worker 1 caches them
         rng = random.Random(5)
-        damaged = sorted((cache / "worker-1").glob("*/*.blk"))
+        damaged = cached_blocks(cache / "worker-1")
         assert damaged
-        for path in damaged:
-            damage_block_file(path, damage, rng)
+        for where in damaged.values():
+            damage_block(where, damage, rng)
         before = hops(urls[0], "worker")
         order = list(range(SAMPLES))
         random.Random(6).shuffle(order)
@@ -132,4 +154,4 @@ def test_a_bad_or_evicted_sibling_block_is_not_served_and_its_owner_is_asked(dat
         assert metrics(urls[0])["shardfeed_peer_fallbacks_total"] == 0  # the owner answered
         if damage == "garbage":
             assert metrics(urls[1])["shardfeed_cache_corrupt_total"] > 0  # dropped by its owner
-        assert cached_blocks(cache, 1) and not cached_blocks(cache, 0) & cached_blocks(cache, 1)
+        assert worker_blocks(cache, 1) and not worker_blocks(cache, 0) & worker_blocks(cache, 1)

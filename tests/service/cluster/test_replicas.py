@@ -15,7 +15,7 @@ from shardfeed.client import AsyncClient, Client
 from shardfeed.process import free_port, start_all, start_service, stop_all
 
 from common.datasets import bucket_dataset
-from common.reliability import expected_members
+from common.reliability import cached_blocks, expected_members
 from common.service import fetch_batch, hops, metrics, wait_peers_up
 
 pytestmark = pytest.mark.slow  # starts several services, S3 servers or a browser; not in `make check`
@@ -56,7 +56,7 @@ def test_any_replica_serves_identical_bytes_and_each_shard_is_read_by_one_replic
     random.Random(5).shuffle(order)
     for service in services:
         assert fetch_batch(service.url, order) == expected(source, order)
-    blocks = [{p.name for p in (s.log_path.parent / f"cache-{i}").glob("*/*.blk")} for i, s in enumerate(services)]
+    blocks = [set(cached_blocks(s.log_path.parent / f"cache-{i}")) for i, s in enumerate(services)]
     assert all(blocks), "every replica owns some shards"
     assert not (blocks[0] & blocks[1] or blocks[0] & blocks[2] or blocks[1] & blocks[2]), "a block cached twice"
     store_bytes = sum(metrics(s.url)["shardfeed_store_bytes_total"] for s in services)

@@ -18,7 +18,7 @@ from shardfeed.process import free_port, healthy, start_service
 from common.datasets import bucket_dataset
 from common.reliability import expected_members
 from common.service import fetch_batch, hops, metrics, stream_counts, wait_for_reading_after, wait_peers_up
-from common.workers import cached_blocks, each_workers_shards, worker_pids, worker_urls
+from common.workers import worker_blocks, each_workers_shards, worker_pids, worker_urls
 
 pytestmark = pytest.mark.slow  # starts several services, S3 servers or a browser; not in `make check`
 
@@ -59,7 +59,7 @@ def test_workers_share_the_load_and_cache_no_block_twice(service, dataset):
     assert all(m.get("shardfeed_peer_requests_total", 0) + m.get("shardfeed_sibling_blocks_total", 0) > 0
                for m in per_worker), "no sibling shard served"
     cache = service.log_path.parent / "cache"
-    blocks = [cached_blocks(cache, i) for i in range(2)]
+    blocks = [worker_blocks(cache, i) for i in range(2)]
     assert blocks[0] and blocks[1] and not blocks[0] & blocks[1], "a block cached twice on one host"
 
 

@@ -21,7 +21,7 @@ from shardfeed.process import child_pids, free_port, healthy, start_service, sto
 
 from common.reliability import expected_members
 from common.service import fetch_batch, metrics
-from common.workers import (cached_blocks, directory_dataset, each_workers_shards, sibling_blocks, worker_pids,
+from common.workers import (worker_blocks, directory_dataset, each_workers_shards, sibling_blocks, worker_pids,
                             worker_urls)
 from common.wait import wait_until
 
@@ -186,7 +186,7 @@ def test_a_dead_workers_block_files_are_read_until_it_restarts_and_nothing_is_wr
                  "the survivor never saw its sibling down", svc)
         files = cache / f"worker-{dead}"
         left = directory_state(files)
-        held = cached_blocks(cache, dead)
+        held = worker_blocks(cache, dead)
         assert held
 
         # Its warm half: every block from its files, none from the store.
@@ -203,7 +203,7 @@ def test_a_dead_workers_block_files_are_read_until_it_restarts_and_nothing_is_wr
         assert store_reads(alive) > reads
         wait_for(lambda: settled(alive, everything), "the survivor never cached what the files lack", svc)
         assert directory_state(files) == left, "another worker wrote into the dead worker's directory"
-        survivor = cached_blocks(cache, 1 - dead)
+        survivor = worker_blocks(cache, 1 - dead)
         assert survivor - held and not survivor & held, "a block the dead worker's files hold was cached again"
         assert "restarting it in 600.0 s" in svc.log() and not healthy(urls[dead])
 

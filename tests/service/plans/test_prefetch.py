@@ -6,6 +6,7 @@ block leaves the cache."""
 from __future__ import annotations
 
 import asyncio
+import random
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from shardfeed.service.plans.registry import Plans
 from shardfeed.service.read.coalescer import Coalescer
 
 from common.datasets import dir_put, make_dataset
+from common.reliability import damage_block
 from common.wait import await_until
 
 SAMPLES, PER_SHARD, BLOCK = 600, 100, 16 * 1024
@@ -54,7 +56,7 @@ def test_the_cache_counts_each_datasets_blocks_in_and_out(dataset, tmp_path):
     assert keys[0] not in cache
     assert cache.held("another").total == 0
 
-    (tmp_path / "cache" / keys[1].filename(BLOCK)).write_bytes(b"damaged")
+    damage_block(cache.location(keys[1]), "garbage", random.Random(1))
     assert cache.read(keys[1], None) is None  # dropped as corrupt
     assert cache.held(dataset.id).total == 2
 
@@ -102,7 +104,7 @@ def test_read_ahead_stops_once_the_cache_holds_the_dataset_and_resumes_when_a_bl
         assert lookups == []
 
         victim = keys[len(keys) // 2]
-        (tmp_path / "cache" / victim.filename(BLOCK)).write_bytes(b"damaged")
+        damage_block(cache.location(victim), "garbage", random.Random(1))
         assert cache.read(victim, None) is None  # dropped: the dataset is no longer whole
         assert not coalescer.holds_all(dataset)
         await settle()
