@@ -28,14 +28,15 @@ not asked (counted as ``fault:outage``). Two ways to run it:
   [--latency-ms N]`` prints ``s3proxy listening on URL`` when ready; faults and counts
   are then driven over HTTP: ``POST /_proxy/inject`` (JSON ``{"kind", "count", "match",
   "ms"}``), ``POST /_proxy/clear``, ``POST /_proxy/latency`` (``{"ms"}``),
-  ``POST /_proxy/outage`` (``{"down": true}`` or ``false``), ``GET /_proxy/counts``.
-  (S3 bucket names cannot start with ``_``, so these never clash.)
+  ``POST /_proxy/outage`` (``{"down": true}`` or ``false``), ``GET /_proxy/counts``
+  (``read_counts(url)``). (S3 bucket names cannot start with ``_``, so these never clash.)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import re
 import select
 import signal
@@ -44,6 +45,7 @@ import struct
 import subprocess
 import sys
 import threading
+import urllib.request
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,7 +129,8 @@ class FaultProxy:
     @property
     def counts(self) -> dict[str, int]:
         """Snapshot: ``requests`` (all proxied), one entry per method (``GET``, ``HEAD``,
-        ...), ``LIST`` and ``GET range`` among the GETs (``_shape``), and one per fault
+        ...), ``LIST`` and ``GET range`` among the GETs (``_shape``), ``GET bytes`` (the
+        bodies upstream answered GETs with: what a reader took from S3), and one per fault
         served (``fault:503``, ``fault:reset``, ...)."""
         with self._lock:
             return dict(self._counts)
@@ -177,6 +180,9 @@ class FaultProxy:
             ) as upstream:
                 body = await upstream.read()
                 status, up_headers = upstream.status, upstream.headers
+            if request.method == "GET":
+                with self._lock:
+                    self._counts["GET bytes"] += len(body)
         except aiohttp.ClientError as err:
             return web.Response(status=502, text=f"s3proxy: upstream {self.upstream} failed: {err}\n")
 
@@ -337,6 +343,12 @@ def start_proxy_process(upstream: str, latency: float, log: Path) -> tuple[str, 
         stop_process(process)
         raise RuntimeError(f"the S3 latency proxy did not start (see {log})")
     return f"http://127.0.0.1:{port}", process
+
+
+def read_counts(url: str) -> dict[str, int]:
+    """The counts (``FaultProxy.counts``) of the proxy at ``url``, a subprocess's or a thread's."""
+    with urllib.request.urlopen(f"{url}/_proxy/counts", timeout=10) as resp:
+        return json.loads(resp.read())
 
 
 async def _main(args: argparse.Namespace) -> None:
