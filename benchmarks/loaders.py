@@ -49,8 +49,8 @@ the same bytes of samples (``--samples`` is the first size's count), every loade
 ``--latency-ms N`` puts the counting proxy (``s3proxy.py``, a process of its own) in front of
 the S3 server for every loader alike (the service, Streaming and s3torchconnector all read
 through it), adding N ms to every S3 request (cloud S3's time to first byte; 0 counts
-without delay). Each epoch then also reports the bytes its loader read from S3 (the proxy's
-``GET bytes``), against the loader's own copy of the dataset on S3 (the tar shards, the MDS
+without delay). Each epoch then also reports the bytes its loader read from S3 (the bodies of
+the GETs, the proxy's ``read_bytes``), against the loader's own copy of the dataset on S3 (the tar shards, the MDS
 shards, the objects).
 
 ``--serve-arg`` passes a knob to ``shardfeed serve``.
@@ -99,7 +99,7 @@ from shardfeed.benchmarks.common import (
     seeded_s3_arguments,
     upload,
 )
-from shardfeed.benchmarks.s3proxy import read_counts, start_proxy_process
+from shardfeed.benchmarks.s3proxy import control, start_proxy_process
 from shardfeed.benchmarks.serverside import tree_cpu
 from shardfeed.client.tensors import Batch
 from shardfeed.client.torch import ShardfeedDataset, ShardfeedIterableDataset, ShardfeedLoader
@@ -252,7 +252,7 @@ def _cpu(service_pid: int | None) -> dict[str, float]:
 
 
 def _s3_bytes(proxy: str | None) -> int | None:
-    return read_counts(proxy).get("GET bytes", 0) if proxy else None
+    return control(proxy, "bytes")["read"] if proxy else None
 
 
 def epochs(loader, consume: Consumer, service_pid: int | None = None, proxy: str | None = None,
