@@ -53,6 +53,8 @@ without delay). Each epoch then also reports the bytes its loader read from S3 (
 the GETs, the proxy's ``read_bytes``), against the loader's own copy of the dataset on S3 (the tar shards, the MDS
 shards, the objects).
 
+``--rounds`` (5) sets the rounds, ``--service-workers`` the service's ``--workers`` (default: the
+usable cores), ``--shard-size`` the tar and MDS shards' size (4 MiB), ``--s3`` the server.
 ``--serve-arg`` passes a knob to ``shardfeed serve``.
 ``--baseline-serve-arg`` adds the map-style loader against a second configuration in the
 same rounds, e.g. the cold path as it was before fetch windows and direct cache writes:
