@@ -34,10 +34,12 @@ endif
 	# --no-deps: Streaming declares torchvision (no wheel works with the CPU torch), transformers
 	# and cloud SDKs, LitData a torch 2.14. Listed by hand instead: what they import, and the
 	# codecs Streaming imports at start (zstd, Brotli, snappy); import_streaming stands in for
-	# torchvision and transformers. About 1 s here (0.7 s from uv's cache, 1.2 s downloading).
+	# torchvision and transformers. s3torchconnector (the loaders benchmark's one GET per sample)
+	# needs only torch and its client's cp311 wheel. About 1 s here (0.7 s from uv's cache, 1.2 s downloading).
 	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python --no-deps \
 		mosaicml-streaming==0.13.0 litdata==0.2.76 lightning-utilities==0.15.3 catalogue==2.0.10 \
-		zstd==1.5.7.2 brotli==1.2.1 python-snappy==0.7.3 cramjam==2.14.0
+		zstd==1.5.7.2 brotli==1.2.1 python-snappy==0.7.3 cramjam==2.14.0 \
+		s3torchconnector==1.5.0 s3torchconnectorclient==1.5.0
 	touch $@
 
 demo: $(BIN)/shardfeed

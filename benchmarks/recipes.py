@@ -51,7 +51,7 @@ import httpx
 from torch.utils.data import DataLoader
 
 from shardfeed.benchmarks.loaders import import_streaming, write_mds
-from shardfeed.benchmarks.s3proxy import start_proxy_process
+from shardfeed.benchmarks.s3proxy import control, start_proxy_process
 from shardfeed.client.torch import ShardfeedDataset, ShardfeedIterableDataset, ShardfeedLoader, ShardfeedSampler
 from shardfeed.process import scrape_metrics, start_service, stop_process
 from shardfeed.s3server import start_moto
@@ -82,11 +82,6 @@ CONFIGS = {
     "one-field": Config(fields=("bin",)),
     "read-ahead-off": Config(serve_args=("--plan-ahead", "0"), limits=False),
 }
-
-
-def _counts(proxy: str) -> dict:
-    with urllib.request.urlopen(f"{proxy}/_proxy/counts", timeout=10) as resp:
-        return json.loads(resp.read())
 
 
 def _store_bytes(url: str) -> float:
@@ -144,11 +139,11 @@ def main(argv: list[str] | None = None) -> int:
                                        cache_size=str(cache), env={**s3.env(), "AWS_ENDPOINT_URL": proxy},
                                        workers=config.workers or args.service_workers,
                                        args=[*config.serve_args, *shlex.split(args.serve_args)]) as svc:
-                        before = _counts(proxy).get("GET", 0)
+                        before = control(proxy, "counts").get("GET", 0)
                         began = time.perf_counter()
                         seen, first = run(recipe, svc.url, sizes, config.fields)
                         seconds = time.perf_counter() - began
-                        requests = _counts(proxy).get("GET", 0) - before
+                        requests = control(proxy, "counts").get("GET", 0) - before
                         store_bytes = _store_bytes(svc.url)
                         plans = len(httpx.get(f"{svc.url}/v1/datasets/data/plans", timeout=10).json())
                     # Every sample; a few twice at most, where the last batch is padded (drop_last off).

@@ -22,20 +22,23 @@ request, on a new or a kept-alive connection, has its connection reset at once, 
 not asked (counted as ``fault:outage``). Two ways to run it:
 
 - in-process: ``proxy = start_proxy(upstream)`` serves from a background thread with its
-  own event loop; ``proxy.url``, ``proxy.inject(...)``, ``proxy.counts``, ``proxy.stop()``.
+  own event loop; ``proxy.url``, ``proxy.inject(...)``, ``proxy.counts``, ``proxy.read_bytes``,
+  ``proxy.stop()``.
   ``start_proxy_process`` starts the subprocess below and waits until it listens.
 - subprocess: ``python -m shardfeed.benchmarks.s3proxy --upstream URL [--port P]
   [--latency-ms N]`` prints ``s3proxy listening on URL`` when ready; faults and counts
   are then driven over HTTP: ``POST /_proxy/inject`` (JSON ``{"kind", "count", "match",
   "ms"}``), ``POST /_proxy/clear``, ``POST /_proxy/latency`` (``{"ms"}``),
-  ``POST /_proxy/outage`` (``{"down": true}`` or ``false``), ``GET /_proxy/counts``.
-  (S3 bucket names cannot start with ``_``, so these never clash.)
+  ``POST /_proxy/outage`` (``{"down": true}`` or ``false``), ``GET /_proxy/counts``
+  (``proxy.counts``) and ``GET /_proxy/bytes`` (``{"read": proxy.read_bytes}``), both read by
+  ``control(url, what)``. (S3 bucket names cannot start with ``_``, so these never clash.)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import re
 import select
 import signal
@@ -44,6 +47,7 @@ import struct
 import subprocess
 import sys
 import threading
+import urllib.request
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +93,7 @@ class FaultProxy:
         self._lock = threading.Lock()  # inject() comes from test threads, _take() from the loop
         self._faults: list[_Fault] = []
         self._counts: Counter[str] = Counter()
+        self._read = 0  # see read_bytes
         self._client: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -131,6 +136,12 @@ class FaultProxy:
         served (``fault:503``, ``fault:reset``, ...)."""
         with self._lock:
             return dict(self._counts)
+
+    @property
+    def read_bytes(self) -> int:
+        """The bytes of the bodies upstream answered GETs with: what readers took from S3."""
+        with self._lock:
+            return self._read
 
     def _take(self, method: str, label: str, shape: str | None = None) -> _Fault | None:
         """Count the request and pop the first pending fault that matches it."""
@@ -177,6 +188,9 @@ class FaultProxy:
             ) as upstream:
                 body = await upstream.read()
                 status, up_headers = upstream.status, upstream.headers
+            if request.method == "GET":
+                with self._lock:
+                    self._read += len(body)
         except aiohttp.ClientError as err:
             return web.Response(status=502, text=f"s3proxy: upstream {self.upstream} failed: {err}\n")
 
@@ -217,6 +231,8 @@ class FaultProxy:
             args = await request.json() if request.can_read_body else {}
             if action == "counts" and request.method == "GET":
                 return web.json_response(self.counts)
+            if action == "bytes" and request.method == "GET":
+                return web.json_response({"read": self.read_bytes})
             if request.method != "POST":
                 raise ValueError(f"{request.method} /_proxy/{action}: use POST")
             if action == "inject":
@@ -337,6 +353,12 @@ def start_proxy_process(upstream: str, latency: float, log: Path) -> tuple[str, 
         stop_process(process)
         raise RuntimeError(f"the S3 latency proxy did not start (see {log})")
     return f"http://127.0.0.1:{port}", process
+
+
+def control(url: str, what: str) -> dict:
+    """``GET /_proxy/<what>`` (``counts``, ``bytes``) of the proxy at ``url``, a subprocess's or a thread's."""
+    with urllib.request.urlopen(f"{url}/_proxy/{what}", timeout=10) as resp:
+        return json.loads(resp.read())
 
 
 async def _main(args: argparse.Namespace) -> None:

@@ -75,6 +75,7 @@ from shardfeed.benchmarks.loaders import (
     import_streaming,
     in_fresh_process,
     peer_round,
+    sample_bins,
     streaming_dataset,
     write_mds,
 )
@@ -132,21 +133,6 @@ class Result:
         return [("cold", self.cold)] + [("warm", e) for e in self.warm]
 
 
-def _indices(batch) -> list[int]:
-    if isinstance(batch, Batch):
-        return batch.indices.tolist()
-    return [int(s["__index__"] if "__index__" in s else s["index"]) for s in batch]
-
-
-def _bins(batch) -> list:
-    """Each sample's ``bin`` bytes, as the loader hands them: a tensor batch's as slices of its
-    buffer (memoryviews: a torch view per sample costs more than reading its 10 KiB)."""
-    if isinstance(batch, Batch):
-        field, data = batch["bin"], memoryview(batch.buffer.numpy())
-        return [data[o:o + n] for o, n in zip(field.offsets.tolist(), field.lengths.tolist())]
-    return [s["bin"] for s in batch]
-
-
 def _epoch(loader, step: float, digests: Digests, service_pid: int | None, limit: int | None = None) -> Epoch:
     """One epoch of the training loop, or its first ``limit`` batches, every sample checked;
     each tensor batch moved to the GPU too, where there is one."""
@@ -166,9 +152,9 @@ def _epoch(loader, step: float, digests: Digests, service_pid: int | None, limit
             waited += got - asked
         else:
             first = got
-        indices = _indices(batch)
+        indices, bins = sample_bins(batch)
         seen += indices
-        for i, data in zip(indices, _bins(batch), strict=True):
+        for i, data in zip(indices, bins, strict=True):
             digests.check(i, "bin", data)
         if gpu and isinstance(batch, Batch):
             copying = time.perf_counter()  # the checks above are not the copy's

@@ -17,10 +17,12 @@ import torch
 
 from shardfeed.benchmarks import peer_open
 from shardfeed.benchmarks.capacity import Calibration
-from shardfeed.benchmarks.loaders import Epoch, paired_ratios, sample_counts
+from shardfeed.benchmarks.common import Digests, WrongBytes
+from shardfeed.benchmarks.loaders import Consumer, Epoch, paired_ratios, sample_counts
 from shardfeed.benchmarks.report import SCENARIOS
 from shardfeed.benchmarks.serverside import SKIP_NOTE
 from shardfeed.client.shuffles import CACHE_SHARE
+from shardfeed.seeds.synthetic import member_bytes
 
 pytestmark = pytest.mark.slow  # starts several services, S3 servers or a browser; not in `make check`
 
@@ -195,6 +197,43 @@ def test_the_loaders_benchmark_checks_every_sample_and_compares_two_configuratio
     refused = subprocess.run([sys.executable, "-m", "shardfeed.benchmarks.loaders", "--loaders", "petastorm"],
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "--loaders takes some of" in refused.stderr
+
+
+@pytest.mark.timeout(240)
+def test_the_loaders_benchmark_runs_each_output_and_peer_at_each_size_through_the_latency_proxy():
+    peers = [name for name, module in (("streaming", "streaming"), ("s3torchconnector", "s3torchconnector"))
+             if importlib.util.find_spec(module) is not None]
+    kinds = ["shardfeed-iterable", "shardfeed-tensors", *peers]
+    out = run_benchmark("loaders", "--samples", "256", "--size", "10KiB,20KiB", "--rounds", "1", "--loaders",
+                        ",".join(kinds), "--service-workers", "1", "--latency-ms", "2", timeout=230)
+    sizes = out.stdout.split("seeded ")[1:]  # each size's rounds, then its medians
+    assert len(sizes) == 2 and out.stdout.count("behind the counting proxy (+2 ms a request)") == 2, out.stdout
+    for size in sizes:
+        # Streaming's reader fails a round now and then on its own ("Relative sample index ... is not
+        # present", the docstring's): left out of the medians, as the benchmark does.
+        ran = [kind for kind in kinds if kind != "streaming" or not re.search(r"round 1 streaming +failed", size)]
+        for kind in ran:
+            line = re.search(rf"\n{kind} +cold +(\d+) +warm +(\d+) samples/s +first batch (.*)", size)
+            assert line and int(line[1]) > 0 and int(line[2]) > 0, out.stdout
+            assert all(f"x {peer} (per round" in line[3] for peer in peers if peer != kind and peer in ran), out.stdout
+            read = re.search(rf"\n{kind} +cold +(\d+\.\d\d)x +warm +(\d+\.\d\d)x +of [\d.]+ MB of", size)
+            # Every loader reads its copy cold (shardfeed and s3torchconnector once, with an index or a listing
+            # on top; Streaming's workers may fetch a shard twice); only a cache spares the warm epoch.
+            assert read and 0.95 < float(read[1]) < (1.3 if kind != "streaming" else 5), out.stdout
+            assert (0.95 < float(read[2]) < 1.3) if kind == "s3torchconnector" else float(read[2]) < 0.05, out.stdout
+    if "s3torchconnector" not in peers:
+        pytest.skip("s3torchconnector is not installed (the Makefile's venv has it): its loader went untested")
+    assert "s3torchconnector keeps no cache" in out.stdout
+
+
+def test_the_loaders_consumer_copies_every_byte_and_refuses_a_wrong_one():
+    sizes = (1000, 3000)
+    consume = Consumer(Digests(4, sizes))
+    bins = [member_bytes(0, i, "bin", sizes) for i in (2, 0)]
+    assert consume([{"__index__": 2, "bin": bins[0]}, {"index": 0, "bin": bins[1]}]) == 2  # Streaming's "index" too
+    assert consume.staging[:sum(map(len, bins))].numpy().tobytes() == b"".join(bins)
+    with pytest.raises(WrongBytes, match="sample 1 bin"):
+        consume([{"__index__": 1, "bin": member_bytes(0, 3, "bin", sizes)}])  # another sample's bytes
 
 
 def test_the_loaders_benchmark_gives_every_size_the_same_bytes_but_ten_batches_at_least():

@@ -322,6 +322,7 @@ def test_the_proxy_subprocess_adds_latency_and_takes_faults_over_http(moto, buck
         assert elapsed >= 0.2  # two GETs, each delayed 100 ms
         assert httpx.get(f"{url}/_proxy/counts").json() == {
             "requests": 3, "PUT": 1, "GET": 2, "fault:503": 1}
+        assert httpx.get(f"{url}/_proxy/bytes").json() == {"read": len(b"payload")}  # the GET upstream answered
         assert httpx.post(f"{url}/_proxy/inject", json={"kind": "boom"}).status_code == 400
     finally:
         proc.terminate()
