@@ -120,10 +120,6 @@ class SlotSpace:
         need = aligned(max(length, 1))
         return next(n for n, size in enumerate(self.sizes) if size >= need)
 
-    def slot_for(self, length: int) -> int:
-        """The bytes of the slot a block of ``length`` bytes takes."""
-        return self.sizes[self.fits(length)]
-
     def take(self, length: int) -> int:
         """A free place for a block of ``length`` bytes."""
         number = self.fits(length)
