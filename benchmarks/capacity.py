@@ -103,7 +103,7 @@ class Calibration:
     cold_per_mib_us: float
     """Added per MiB read from the store (a cold pass over a warm one, large samples)."""
     disk_per_mib_us: float
-    """Added per MiB read from the block files instead of the RAM tier (``--memory-cache 0``)."""
+    """Added per MiB read from the slabs instead of the RAM tier (``--memory-cache 0``)."""
     small_size: int
     large_size: int
     batches: tuple[int, int]
@@ -114,7 +114,7 @@ class Calibration:
     def cpu_us(self, size: int, members: int, part: float, cold_share: float, disk_share: float) -> float:
         """Service CPU per sample of ``size`` bytes in ``members`` members, in requests of ``part``
         samples, with ``cold_share`` of the samples read from the store and ``disk_share`` from
-        the block files."""
+        the slabs."""
         mib = size / MiB
         warm = (self.fixed_us / part + members * self.per_member_us
                 + self.per_mib_us * (size - members * self.small_size) / MiB)

@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="clients sending batches (default: %(default)s)")
     parser.add_argument("--restart-pause", type=float, help="passed to serve (default: the service's)")
     parser.add_argument("--memory-cache", help="passed to serve (default: the service's); with 0 every warm "
-                                               "block is read from a block file, its owner's or, while it is "
+                                               "block is read from the slabs, its owner's or, while it is "
                                                "down, a sibling's")
     parser.add_argument("--after", type=float, default=2.0, help="seconds of load after the restart")
     parser.add_argument("--scrape-every", type=float, default=0.1, help="seconds between scrapes")

@@ -247,7 +247,7 @@ def synthetic_cache(directory: Path, blocks: int) -> None:
     records["stream"] = np.arange(blocks) // CACHE_SHARD_BLOCKS
     records["block"] = np.arange(blocks) % CACHE_SHARD_BLOCKS
     records["place"] = (len(slot_sizes(MiB)) - 1) << SIZE_SHIFT | np.arange(blocks)
-    records["op"] = 1
+    records["size"] = MiB
     with open(directory / CATALOG, "wb") as f:
         f.write(MAGIC)
         records.tofile(f)

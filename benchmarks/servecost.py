@@ -8,7 +8,7 @@ The first pass of a fresh service is cold (every block from the store), the next
 Each configuration runs on a fresh cache:
 
 - ``ram``: the service's defaults (a block read once stays in the RAM tier);
-- ``disk``: ``--memory-cache 0`` (every warm read comes from the block files).
+- ``disk``: ``--memory-cache 0`` (every warm read comes from the slabs).
 
 Service CPU is read from ``/proc`` (the supervisor and its workers) around each pass; the S3
 server's CPU over the cold pass is printed beside it for scale. ``--profile DIR`` records the

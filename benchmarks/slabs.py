@@ -6,8 +6,9 @@ writing a block, reading it back and getting a buffer for it, on this machine's 
   (``slabs.py``), into a slot written before, and into a hole punched by an eviction;
 - reads of a block written around the page cache: through the page cache into a new
   ``bytes`` (the first read fills the page cache), against ``O_DIRECT`` into a pool buffer;
-- buffers: a new 1 MiB ``bytearray`` filled (pages faulted and zeroed), against a pool
-  buffer (``shardfeed/buffers.py``) filled.
+- buffers: a new 1 MiB ``bytearray`` filled (pages faulted and zeroed when first written),
+  a new pool buffer filled (its pages faulted in at once, ``MAP_POPULATE``), and a pool
+  buffer filled again (``shardfeed/buffers.py``).
 
     python -m shardfeed.benchmarks.slabs --blocks 300 --dir /var/cache/shardfeed
 """
@@ -23,7 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from shardfeed.buffers import BufferPool
+from shardfeed.buffers import BufferPool, _mapped
 from shardfeed.service.cache.slabs import _PUNCH_HOLE, _fallocate
 
 MiB = 1 << 20
@@ -86,8 +87,13 @@ def main(argv=None) -> int:
             buffer = pool.take(MiB)
             buffer[:] = block
 
+        def new_pooled(i: int) -> None:
+            buffer = _mapped(MiB)
+            buffer[:] = block
+
         measured("buffer: a new bytearray, filled", n, fresh)
-        measured("buffer: a pool buffer, filled", n, pooled)
+        measured("buffer: a new pool buffer, filled", n, new_pooled)
+        measured("buffer: a pool buffer again, filled", n, pooled)
         os.close(slab)
         os.close(buffered)
     return 0

@@ -10,7 +10,7 @@
     cluster/    replicas and sibling workers: ownership, health, membership, the host's sums
     datasets/   a served dataset: its index (in memory, on disk), layouts, the shard writer,
                 the GetBatch catalogue and wire models
-    cache/      the block cache on disk, its block files, the RAM tier, siblings' block files
+    cache/      the block cache on disk, its slabs, the RAM tier, siblings' slabs
     stores/     object storage behind one ``Store`` interface (file://, s3://), hedged reads
     observe/    Prometheus metrics and their recent history (the status page's figures)
     http/       the HTTP/1.1 protocol the server runs and the error answers

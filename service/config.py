@@ -434,7 +434,7 @@ class ServiceConfig:
     restart_pause: float = setting(0.1, group=Group.SERVICE, kind=SECONDS, low=0.01, high=3600, help=(
         "pause before a dead worker is restarted, doubling while it keeps dying (up to 10 s, or this if "
         "longer; at least 0.01 s, so that the pause can grow); meanwhile its siblings serve its shards, from "
-        "its block files where they are, else from the store"))
+        "its slabs where they are, else from the store"))
 
     cache_dir: Path = setting(Path(".shardfeed/cache"), group=Group.CACHE, kind=PATH, node=node_cache_dir,
                               shown=".shardfeed/cache; --node: $XDG_CACHE_HOME/shardfeed/cache "
@@ -453,9 +453,10 @@ class ServiceConfig:
 
     direct_writes: bool = setting(True, group=Group.CACHE, flag="--cache-writes",
                                   kind=Choice({"direct": True, "buffered": False}), help=(
-        "direct: block files are written around the page cache (O_DIRECT) where the filesystem allows, "
-        "buffered where it refuses: the RAM tier holds the hot blocks, so the page cache would hold them "
-        "twice, and filling it costs kernel CPU (docs/benchmarks.md); buffered: always through the page cache"))
+        "direct: blocks are written, and read 64 KiB or more at a time, around the page cache (O_DIRECT) "
+        "where the filesystem allows, through it where it refuses: the RAM tier holds the hot blocks, so the "
+        "page cache would hold them twice, and filling it costs kernel CPU (docs/benchmarks.md); buffered: "
+        "always through the page cache"))
 
     block_size: int = setting(1 * MiB, group=Group.CACHE, kind=SIZE, low=4 * KiB, high=GiB, help=(
         "unit of caching and of store reads: shards are fetched in aligned blocks of this size. Larger blocks "

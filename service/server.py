@@ -140,6 +140,8 @@ async def serve(config: ServiceConfig, data_dir: Path = DEFAULT_DATA_DIR, log_le
                   else (lambda: len(cluster.workers) * len(cluster.hosts)))
     # Block buffers for the RAM tier and the store reads in flight (four blocks a slot), reused.
     buffers = BufferPool(config.block_size, config.memory_cache + 4 * config.max_store_requests * config.block_size)
+    metrics.block_buffers.set_function(lambda: buffers.bytes)
+    metrics.block_buffers_outside.set_function(lambda: buffers.outside)
     memory = MemoryTier(config.memory_cache, metrics, config.block_size, buffers) if config.memory_cache else None
     cache = BlockCache(config.cache_dir, config.cache_size, config.block_size, metrics, buffers=buffers,
                        hints=place is not None,

@@ -251,10 +251,11 @@ def served_metrics(state: State, stream: str | None = None) -> Callable[[int, in
 
 class TarStreamResponse(StreamingResponse):
     """A batch stream: the parts of one group at a time (``stream.stream_batch``). With a
-    Content-Length and a server that offers ``protocol.PARTS``, each group goes out in one
-    gathered write, uncopied; otherwise as ``chunks_of``. ``in_memory`` (every part framed from
-    RAM, nothing to read): sent without Starlette's disconnect listener (a task group per
-    request), which only stops reads that a gone client would waste."""
+    server that offers ``protocol.PARTS``, each group goes out in one gathered write,
+    uncopied (a chunk of its own where no Content-Length is known); otherwise as
+    ``chunks_of``. ``in_memory`` (every part framed from RAM, nothing to read): sent without
+    Starlette's disconnect listener (a task group per request), which only stops reads that a
+    gone client would waste."""
 
     def __init__(self, groups: AsyncIterator[list], *, in_memory: bool, **kwargs):
         super().__init__(groups, **kwargs)
@@ -262,7 +263,7 @@ class TarStreamResponse(StreamingResponse):
         self.gathered = False
 
     async def __call__(self, scope, receive, send) -> None:
-        self.gathered = PARTS in scope.get("extensions", {}) and "content-length" in self.headers
+        self.gathered = PARTS in scope.get("extensions", {})
         if self.in_memory:
             await self.stream_response(send)
         else:

@@ -33,7 +33,6 @@ from typing import NamedTuple
 import numpy as np
 
 from shardfeed.service.cache.names import BlockKey
-from shardfeed.service.cache.slabs import SIZE_SHIFT
 
 
 log = logging.getLogger("shardfeed.cache")
@@ -41,9 +40,9 @@ log = logging.getLogger("shardfeed.cache")
 CATALOG = "catalog"
 STREAMS = "streams"
 MAGIC = b"shardfeed-cat-2\n"
-RECORD = np.dtype([("stream", "<u4"), ("block", "<u4"), ("place", "<u4"), ("op", "<u4")])
+RECORD = np.dtype([("stream", "<u4"), ("block", "<u4"), ("place", "<u4"), ("size", "<u4")])
+"""A block held (its place and the disk it takes) or, with size 0, let go of."""
 _PACK = struct.Struct("<IIII").pack  # one RECORD
-_ADD, _REMOVE = 1, 0
 
 Stream = tuple[str, str, int]
 """(dataset id, shard id, block size): the blocks of one version of one shard, of one size."""
@@ -64,14 +63,11 @@ class Catalog:
         directory: the cache directory.
         block_size: the blocks kept; records of another block size are dropped at ``load``
             (``None``: none is, for ``listed``).
-        slot_sizes: the bytes of each slot size (``slabs.slot_sizes``): a block takes its slot's,
-            what ``bytes`` counts.
     """
 
-    def __init__(self, directory: Path, block_size: int | None, slot_sizes: list[int]):
+    def __init__(self, directory: Path, block_size: int | None):
         self.directory = directory
         self.block_size = block_size
-        self.slot_sizes = np.array(slot_sizes, np.int64)
         self.streams: list[Stream] = []
         self.stream_code: dict[Stream, int] = {}
         self.count = 0
@@ -111,7 +107,7 @@ class Catalog:
         keys = records["stream"].astype(np.uint64) << np.uint64(32) | records["block"].astype(np.uint64)
         unique, last_reversed = np.unique(keys[::-1], return_index=True)
         last = len(keys) - 1 - last_reversed
-        kept = records["op"][last] == _ADD
+        kept = records["size"][last] > 0
         if self.block_size is not None:
             stream_block_size = np.array([stream[2] for stream in self.streams] or [0], np.int64)
             kept &= stream_block_size[(unique >> np.uint64(32)).astype(np.int64)] == self.block_size
@@ -119,7 +115,7 @@ class Catalog:
         # Two blocks in one place (records lost to a full disk): the later one's, if any, is there.
         _, latest = np.unique(records["place"][last][::-1], return_index=True)
         last = np.sort(last[::-1][latest])  # oldest record first: the LRU order of the last run
-        self._fill(keys[last], records["place"][last])
+        self._fill(keys[last], records["place"][last], records["size"][last])
         return True
 
     def _read_streams(self) -> None:
@@ -139,9 +135,8 @@ class Catalog:
             self._stream(dataset, shard, block_size, write=False)
         self._lost = np.array(sorted(set(range(len(self.streams))) - set(named)), np.uint32)
 
-    def _fill(self, keys: np.ndarray, places: np.ndarray) -> None:
+    def _fill(self, keys: np.ndarray, places: np.ndarray, sizes: np.ndarray) -> None:
         n = len(keys)
-        sizes = self.slot_sizes[np.minimum(places >> SIZE_SHIFT, len(self.slot_sizes) - 1)]
         self._grow(n)
         self._key[:n], self._size[:n], self._place[:n] = keys, sizes, places
         self._tick[:n] = np.arange(n)
@@ -177,7 +172,7 @@ class Catalog:
         records = np.zeros(len(slots), RECORD)
         records["stream"] = self._key[slots] >> np.uint64(32)
         records["block"] = self._key[slots] & np.uint64(0xFFFFFFFF)
-        records["place"], records["op"] = self._place[slots], _ADD
+        records["place"], records["size"] = self._place[slots], self._size[slots]
         lines = "".join(_line(code, stream) for code, stream in enumerate(self.streams))
         temp = self.directory / f".tmp-{STREAMS}"
         temp.write_text(lines)
@@ -248,10 +243,10 @@ class Catalog:
     def key(self, slot: int) -> int:
         return int(self._key[slot])
 
-    def add(self, key: int, place: int) -> int:
-        """Hold block ``key`` (not held yet), written in ``place``; its record written first."""
-        size = int(self.slot_sizes[place >> SIZE_SHIFT])
-        self._record(key, place, _ADD)
+    def add(self, key: int, place: int, size: int) -> int:
+        """Hold block ``key`` (not held yet), written in ``place``, taking ``size`` bytes of disk;
+        its record written first."""
+        self._record(key, place, size)
         if self._free_top:
             self._free_top -= 1
             slot = int(self._free[self._free_top])
@@ -271,7 +266,7 @@ class Catalog:
     def remove(self, slot: int) -> None:
         """Let go of the block in ``slot``, its record written first."""
         key = int(self._key[slot])
-        self._record(key, 0, _REMOVE)
+        self._record(key, 0, 0)
         self._live[slot] = False
         self._recent.pop(key, None)
         self.count -= 1
@@ -325,14 +320,14 @@ class Catalog:
         return sum(a.nbytes for a in arrays) + len(self._recent) * 100  # a dict entry and two ints
 
     # -- internals -----------------------------------------------------------------------
-    def _record(self, key: int, place: int, op: int) -> None:
+    def _record(self, key: int, place: int, size: int) -> None:
         # Rewritten before this record is written, as the table does not show it yet.
         if self._journal is not None and self._records > 2 * self.count + 4096:
             self.renew()
         if self._journal is None:
             return
         try:
-            os.write(self._journal, _PACK(key >> 32, key & 0xFFFFFFFF, place, op))
+            os.write(self._journal, _PACK(key >> 32, key & 0xFFFFFFFF, place, size))
         except OSError as err:
             self._stop(err)
             return
@@ -375,7 +370,7 @@ class Listed(NamedTuple):
 def listed(directory: Path) -> list[Listed]:
     """The blocks a cache directory's catalogue lists on disk, read without its lock (for tools
     and tests, while the cache's own process serves)."""
-    catalog = Catalog(Path(directory), None, [0])
+    catalog = Catalog(Path(directory), None)
     catalog.load()
     out = []
     for slot in catalog.slots().tolist():

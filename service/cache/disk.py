@@ -17,7 +17,8 @@ the slabs). Crash safety: a block is written in a free place, then recorded, so 
 visible only when complete; a place is recorded free before it is written again, and
 every read checks the slot's header and checksums, so a crash at any point leaves nothing
 that would be served wrong. Eviction is LRU over whole blocks, bounded by ``capacity``
-bytes of slots, unless a ``VictimOrder`` orders the candidates (plans: the block used
+bytes of disk (a block takes its length rounded up to 4 KiB: the rest of its slot stays a
+hole), unless a ``VictimOrder`` orders the candidates (plans: the block used
 farthest in the future goes first, ``service/plans/``); either ranks 64 blocks drawn at
 random rather than all of them, so an eviction costs the same at any size. An evicted
 block's slot is given back to the filesystem (a hole), so the slabs hold what the cache
@@ -47,7 +48,7 @@ from typing import Protocol
 
 import numpy as np
 
-from shardfeed.buffers import BufferPool
+from shardfeed.buffers import BufferPool, aligned
 from shardfeed.service.cache.catalog import Catalog, block_key
 from shardfeed.service.cache.hints import Hints, hint_entries
 from shardfeed.service.cache.names import BlockKey
@@ -91,7 +92,8 @@ class BlockCache:
 
     Args:
         directory: where the slabs and the catalogue live.
-        capacity: the most bytes of slots kept (``slabs.py``); least recently used go first.
+        capacity: the most bytes of disk the blocks take (each its length rounded up to 4 KiB,
+            ``slabs.py``); least recently used go first.
         block_size: bytes per block; part of each block's name, so a restart with another
             block size simply starts cold.
         metrics: counters for hits, misses, evictions, corruption and write errors.
@@ -117,12 +119,12 @@ class BlockCache:
         self.writable = True
         self._space = SlotSpace(block_size)
         self._slabs = Slabs(self.directory, block_size, direct=direct_writes, buffers=buffers)
-        self._catalog = Catalog(self.directory, block_size, self._space.sizes)
+        self._catalog = Catalog(self.directory, block_size)
         self._publish_hints = hints
         self._hints: Hints | None = None
         self._held: dict[str, HeldBlocks] = {}
         self._lock = threading.Lock()
-        self._writing = 0  # bytes of slots being written, room made for them
+        self._writing = 0  # bytes of blocks being written, room made for them
         self._lock_file = None
         self._last_warning = -1e9
         self._random = np.random.default_rng()
@@ -294,7 +296,7 @@ class BlockCache:
             self.metrics.cache_write_errors.inc()
             log.warning("cannot recreate the cache directory %s (%s)", self.directory, err.strerror)
             return False
-        size = self._space.slot_for(len(payload))
+        size = aligned(len(payload))  # the disk it takes: the rest of its slot stays a hole
         if size > self.capacity:
             return False
         # Make room first, so the slots in use never exceed the capacity, even briefly: the
@@ -319,7 +321,7 @@ class BlockCache:
             with self._lock:
                 if (held := self._catalog.find(code)) >= 0:  # another writer of this block came first
                     replaced = [self._remove_locked(held)]
-                self._catalog.add(code, place)
+                self._catalog.add(code, place, size)
                 self._count(code >> 32, 1)
                 if self._hints is not None:
                     self._hints.put(name, place)

@@ -214,7 +214,7 @@ class Cluster:
                    owner: np.ndarray) -> np.ndarray:
         """Per shard code, the sibling worker that owns it while every worker is up, where that
         worker is down now and ``owner`` (its owner from ``owners``) stands in for it; -1
-        elsewhere. A down worker's block files stay in its directory while it restarts."""
+        elsewhere. A down worker's slabs stay in its directory while it restarts."""
         home = np.full(len(shard_codes), -1, dtype=np.int64)
         here = owner < len(self.workers)  # the others are replicas': their hosts sort them out
         if len(self.workers) > 1 and here.any():

@@ -16,7 +16,7 @@ service's lifetime, bound but not listening: no other program takes a port while
 worker restarts, and a connection to a dead worker's own port is refused at once
 instead of waiting in a queue nobody reads. It restarts a worker that dies, after a
 pause (``--restart-pause``) that grows while the worker keeps dying; meanwhile the
-siblings find it down and serve its shards: from its block files while they are there
+siblings find it down and serve its shards: from its slabs while they are there
 (read-only: a dead worker's directory is written by nobody, and its successor reopens
 it), else from the store (``coalescer.py``). Each worker's counters are kept in files in
 the supervisor's run directory, so the host's sums never go down while a worker restarts

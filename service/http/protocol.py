@@ -18,7 +18,9 @@ It also sends what a batch framed from RAM is made of without copying it:
 - the ASGI extension ``PARTS``: a response body message may carry a list of buffers (the
   shards' own byte ranges, as ``memoryview`` slices of blocks in RAM) that go to the socket
   in one gathered write (``writelines``: ``writev`` under uvloop), instead of being joined
-  into one new ``bytes`` first (a copy of every sample);
+  into one new ``bytes`` first (a copy of every sample); in a chunked body (no
+  Content-Length: a batch read from disk or the store) the parts are one chunk, framed
+  around them;
 - a connection buffers up to ``WRITE_BUFFER`` bytes of response before the sender waits:
   with asyncio's default 64 KiB mark every large member would wait for the socket to
   drain before the next is queued.
@@ -242,21 +244,22 @@ class _GatheredWrites:
                 return await send_after_head(message)
             more = message.get("more_body", False)
             size = sum(map(len, parts))
-            if (cycle.chunked_encoding is not False or cycle.response_complete or scope["method"] == "HEAD"
-                    or size > cycle.expected_content_length):  # not a plain Content-Length body: uvicorn's way
+            chunked = cycle.chunked_encoding is True
+            if (cycle.chunked_encoding is None or cycle.response_complete or scope["method"] == "HEAD"
+                    or (not chunked and size > cycle.expected_content_length)):  # uvicorn's way
                 return await send_after_head({"type": "http.response.body", "body": b"".join(parts),
                                               "more_body": more})
             if cycle.flow.write_paused and not cycle.disconnected:
                 await cycle.flow.drain()
             if cycle.disconnected:
                 return
-            cycle.expected_content_length -= size
-            if head:
-                cycle.transport.writelines([head, *parts])
-                head = b""
+            if chunked:  # a chunk's framing around the parts (uvicorn would join them into it)
+                parts = [b"%x\r\n" % size, *parts, b"\r\n"] if size else []
             else:
-                cycle.transport.writelines(parts)
-            if not more:
+                cycle.expected_content_length -= size
+            cycle.transport.writelines([head, *parts] if head else parts)
+            head = b""
+            if not more:  # uvicorn ends the body (a chunked one with its last chunk) and the cycle
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         async def send_after_head(message) -> None:

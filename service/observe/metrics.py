@@ -58,6 +58,11 @@ class Metrics:
         self.cache_blocks = Gauge("shardfeed_cache_blocks", "Blocks held in the block cache", registry=r)
         self.memory_cache_bytes = Gauge("shardfeed_memory_cache_bytes",
                                         "Bytes of verified blocks held in RAM (--memory-cache)", registry=r)
+        self.block_buffers = Gauge("shardfeed_block_buffers_bytes",
+                                   "Bytes of block buffers the pool keeps (shardfeed/buffers.py)", registry=r)
+        self.block_buffers_outside = Gauge(
+            "shardfeed_block_buffers_outside",
+            "Block buffers made outside the pool since start (past its bound, or larger than a block)", registry=r)
         self.memory_cache_hits = Counter("shardfeed_memory_cache_hits", "Block reads served from RAM",
                                          registry=r)
         self.coalescing_factor = Gauge("shardfeed_coalescing_factor",

@@ -128,7 +128,7 @@ class Coalescer:
 
     async def _read_at(self, node: int, dataset: Dataset, members: Members, *, home: int = -1) -> list:
         """The members from their owner ``node``; those of shards whose ``home`` worker is down
-        first from its block files, which stay there while it restarts (nothing is written
+        first from its slabs, which stay there while it restarts (nothing is written
         there but by it: what they lack is read and cached by ``node``)."""
         if home in self.siblings:
             return await self._files_first(home, dataset, members, lambda rest: self._read_at(node, dataset, rest))
@@ -139,7 +139,7 @@ class Coalescer:
         return await self._ask(node, dataset, members)
 
     async def _files_first(self, sibling: int, dataset: Dataset, members: Members, rest) -> list:
-        """The members from a sibling's block files where they are, the others from ``rest(members)``."""
+        """The members from a sibling's slabs where they are, the others from ``rest(members)``."""
         out = await self._read_sibling_files(sibling, dataset, members)
         rows = np.flatnonzero([payload is _ASK_OWNER for payload in out])
         if len(rows):
@@ -340,7 +340,7 @@ class Coalescer:
 
     def own_rows(self, dataset: Dataset, members: Members) -> np.ndarray:
         """The found rows of ``members`` that this node owns and reads from the store: not
-        those of a down sibling's shards, which its block files may still hold."""
+        those of a down sibling's shards, which its slabs may still hold."""
         rows = np.flatnonzero(members.found)
         return rows[self._own(dataset, members.shard[rows])]
 

@@ -13,7 +13,7 @@ from common import REPO
 SERVICE = REPO / "service"
 ORDER = ["server", "api", "transform", "plans", "read", "cluster", "datasets", "cache", "stores", "observe", "http", "config"]
 """Rooms from the top (the entry) down; a room may import only rooms after it."""
-SHARED = ("shardfeed.tar", "shardfeed.arrowipc", "shardfeed.transforms", "shardfeed.retry", "shardfeed.sizes", "shardfeed.node", "shardfeed.http11")
+SHARED = ("shardfeed.tar", "shardfeed.arrowipc", "shardfeed.buffers", "shardfeed.transforms", "shardfeed.retry", "shardfeed.sizes", "shardfeed.node", "shardfeed.http11")
 """Low modules outside the service that any room may import."""
 
 

@@ -12,7 +12,7 @@ import pytest
 from shardfeed.service.cache.catalog import CATALOG, MAGIC, RECORD, STREAMS, Catalog, block_key, listed
 from shardfeed.service.cache.disk import BlockCache
 from shardfeed.service.cache.names import BlockKey
-from shardfeed.service.cache.slabs import Slabs, block_name, place_of, slot_sizes
+from shardfeed.service.cache.slabs import Slabs, block_name, place_of
 from shardfeed.service.observe.metrics import Metrics
 
 from common.reliability import cached_blocks, damage_block
@@ -94,10 +94,10 @@ def test_two_records_of_one_place_leave_it_to_the_later_block(tmp_path):
     kept(tmp_path, keys(1))
     slabs = Slabs(tmp_path, BLOCK)
     slabs.write(place_of(0, 0), block_name("d1", "s9", BLOCK, 0), payload(9))
-    catalog = Catalog(tmp_path, BLOCK, slot_sizes(BLOCK))
+    catalog = Catalog(tmp_path, BLOCK)
     catalog.load()
     catalog.start()
-    catalog.add(block_key(catalog.stream("d1", "s9", BLOCK), 0), place_of(0, 0))
+    catalog.add(block_key(catalog.stream("d1", "s9", BLOCK), 0), place_of(0, 0), BLOCK)
     catalog.close()
     again = cache_at(tmp_path)
     assert keys(1)[0] not in again and again.read(BlockKey("d1", "s9", 0), None) == [payload(9)]
@@ -174,11 +174,11 @@ def test_eviction_keeps_the_capacity_and_asks_the_policy_about_a_sample_of_block
 
 
 def test_the_catalogue_holds_under_a_hundred_bytes_a_block():
-    catalog = Catalog(None, 1 << 20, slot_sizes(1 << 20))
+    catalog = Catalog(None, 1 << 20)
     n = 200_000
     streams = [catalog.stream("d", f"s{i}", 1 << 20) for i in range(n // 1000)]
     for i in range(n):
-        catalog.add(block_key(streams[i % len(streams)], i // len(streams)), place_of(8, i))
+        catalog.add(block_key(streams[i % len(streams)], i // len(streams)), place_of(8, i), 1 << 20)
     assert catalog.count == n and catalog.nbytes / n < 100
     rng = np.random.default_rng(0)
     slots = catalog.candidates(rng, 64)

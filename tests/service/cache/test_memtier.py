@@ -115,6 +115,9 @@ def test_ram_hits_serve_exact_bytes_and_a_damaged_disk_block_is_refetched_once_r
         m = metrics(svc.url)
         assert m["shardfeed_memory_cache_hits_total"] > 0
         assert 0 < m["shardfeed_memory_cache_bytes"] <= 256 << 10  # bounded: four blocks of 64 KiB
+        # The blocks came in pool buffers, reused: the pool within its bound, nothing made outside it.
+        assert 0 < m["shardfeed_block_buffers_bytes"] <= (256 << 10) + 4 * 32 * (64 << 10)
+        assert m["shardfeed_block_buffers_outside"] == 0
         rng = random.Random(3)
         for where in cached_blocks(tmp_path / "cache").values():  # every disk block damaged
             damage_block(where._replace(size=where.size // 2), "flip", rng)  # in the payload, not its padding

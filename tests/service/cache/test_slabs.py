@@ -54,7 +54,8 @@ def test_a_written_block_reads_back_whole_and_in_ranges(tmp_path, direct, pooled
 def test_a_block_takes_the_smallest_slot_that_holds_it_and_slots_are_reused():
     space = SlotSpace(1 << 20)
     assert space.sizes == slot_sizes(1 << 20) == [4096 << i for i in range(9)]
-    assert [space.slot_for(n) for n in (1, 4096, 4097, 100_000, 1 << 20)] == [4096, 4096, 8192, 128 << 10, 1 << 20]
+    assert [space.sizes[space.fits(n)] for n in (1, 4096, 4097, 100_000, 1 << 20)] == \
+        [4096, 4096, 8192, 128 << 10, 1 << 20]
     first = space.take(1 << 20)
     second = space.take(1 << 20)
     assert first != second

@@ -96,10 +96,21 @@ def test_parts_go_out_exactly_with_content_length_and_keep_the_connection(server
 
 
 @pytest.mark.parametrize("prefix", ["", "/held"])
-def test_parts_without_content_length_fall_back_to_uvicorns_chunked_body(server_url, prefix):
+def test_parts_without_content_length_go_out_as_one_chunk_a_message(server_url, prefix):
     resp = httpx.get(f"{server_url}{prefix}/chunked", timeout=10)
     assert resp.headers["transfer-encoding"] == "chunked"
     assert resp.content == EXPECTED
+    # On the wire: each message's parts one chunk, then the last chunk; twice on one connection.
+    chunks = [b"".join(PARTS_SENT[:2]), b"".join(PARTS_SENT[2:])]
+    body = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n"
+    host, port = server_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        for _ in range(2):
+            conn.sendall(f"GET {prefix}/chunked HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            got = b""
+            while not got.endswith(b"0\r\n\r\n"):
+                got += conn.recv(1 << 20)
+            assert got.split(b"\r\n\r\n", 1)[1] == body
 
 
 def test_a_held_head_goes_out_once_before_the_parts_on_a_kept_connection(server_url):

@@ -32,9 +32,9 @@ def read_twice(written, tmp_path, indices: list[int], *, ranges_first: bool) -> 
         dataset = await open_dataset("d", root.as_uri())
         real = dataset.store.read_pieces
 
-        async def recorded(path, offset, size, piece, version=None, *, arrived=None):
+        async def recorded(path, offset, size, piece, version=None, **options):
             reads.append(size)
-            return await real(path, offset, size, piece, version, arrived=arrived)
+            return await real(path, offset, size, piece, version, **options)
 
         dataset.store.read_pieces = recorded
         cache = BlockCache(tmp_path / f"cache-{ranges_first}", 64 * BLOCK, BLOCK, Metrics())

@@ -280,6 +280,33 @@ def test_retries_spend_no_hedges_and_late_reads_still_get_them(proxy, bucket):
         proxy.clear()
 
 
+def test_a_read_of_pieces_is_hedged_only_while_no_piece_has_come(proxy, bucket):
+    """Late is a first piece that does not come: a large read whose bytes flow is not hedged
+    (its copy would read them twice), and its time to that first piece is its latency."""
+    hedger = Hedger(HedgePolicy(min_delay=0.05, max_delay=0.05), CollectorRegistry())
+
+    async def main():
+        raw = s3(bucket, endpoint_url=proxy.url)
+        async with raw:
+            await raw.write("shard.bin", DATA)
+            store = hedger.wrap(raw)
+            proxy.inject("hang", count=1, ms=400, match="^GET ")  # half the body, a pause, the rest
+            got = []
+            pieces = await store.read_pieces("shard.bin", 0, 65536, 16384, arrived=lambda n, p: got.append(n))
+            assert b"".join(pieces) == DATA[:65536] and sorted(got) == [0, 1, 2, 3]
+            assert hedger.hedges._value.get() == 0
+            assert store.latencies._times[-1] < 0.3  # to the first piece, not the whole read's 0.4 s
+            proxy.inject("latency", count=1, ms=1000, match="^GET ")  # nothing comes: hedged, the hedge wins
+            assert b"".join(await store.read_pieces("shard.bin", 0, 65536, 16384)) == DATA[:65536]
+            assert (hedger.hedges._value.get(), hedger.wins._value.get()) == (1, 1)
+
+    proxy.clear()
+    try:
+        run(main())
+    finally:
+        proxy.clear()
+
+
 def test_the_store_works_again_under_a_new_event_loop(bucket):
     store = s3(bucket)
     run(store.write("x", b"abc"))
