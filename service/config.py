@@ -492,9 +492,12 @@ class ServiceConfig:
                                    low=0, high=1, help="how long a per-sample GET waits for others to arrive, "
                                                        "so that their reads are coalesced")
 
-    group_bytes: int = 1 * MiB
+    group_bytes: int = 4 * MiB
     """A batch is resolved and sent in groups of about this many payload bytes; the first
-    group goes out while later ones are still being read."""
+    group goes out while later ones are still being read. Each group costs a thread hop to
+    the disk and a pass through the read path: at 1 MiB, a group of one 1 MiB sample spent
+    0.9-1.3 ms of service CPU per MiB served warm from disk, at 4 MiB 0.73-0.77
+    (``python -m shardfeed.benchmarks.servecost --configurations disk``)."""
 
     prefetch_groups: int = 3
     """Groups of one batch being read ahead of the one being sent. With ``group_bytes``

@@ -138,8 +138,9 @@ def test_a_store_that_keeps_failing_gives_a_clear_error_or_404_entries_never_wro
 def test_a_batch_failing_after_its_first_bytes_is_cut_short_never_wrong(fragile, dataset, proxy):
     _, source = dataset
     proxy.inject("503", count=None, match=SHARD_READS + "part-0003")
-    # About 3 MB from healthy shards first, so the response starts before shard 3 is needed.
-    indices = list(range(50)) * 6 + list(range(150, 200))
+    # About 6 MB from healthy shards first (more than a group), so the response starts before
+    # shard 3 is needed.
+    indices = list(range(50)) * 12 + list(range(150, 200))
     status, body, _ = fetch_batch(fragile.url, {"dataset": "train", "indices": indices})
     assert status == 200
     got, ended = received_members(body)

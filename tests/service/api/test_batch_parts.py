@@ -23,7 +23,7 @@ from common.workers import each_workers_shards, worker_urls
 pytestmark = pytest.mark.slow  # starts services
 
 SAMPLES = {"web": 200, "books": 120}
-MAX_BATCH = 400
+MAX_BATCH = 1000
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def assert_parts_answer(response: httpx.Response, plains: list[httpx.Response], 
 
 def some_parts(rng: random.Random) -> list[dict]:
     """Three parts over two datasets: a big one (two groups when read), one naming fields, one small."""
-    return [{"dataset": "web", "indices": rng.sample(range(SAMPLES["web"]), 150), "stream": "web"},
+    return [{"dataset": "web", "indices": rng.sample(range(SAMPLES["web"]), 150) * 4, "stream": "web"},
             {"dataset": "books", "indices": [5, 3, 5, *rng.sample(range(SAMPLES["books"]), 30)],
              "fields": ["cls", "bin"], "stream": "books"},
             {"dataset": "web", "indices": [0, 7, 199], "fields": ["json"]}]
@@ -187,7 +187,7 @@ def test_the_most_parts_and_the_most_samples_are_served(service):
     parts = [{"dataset": "web", "indices": [i]} for i in range(MAX_PARTS)]
     cold = parts_request(service.url, parts)
     assert_parts_answer(cold, [plain(service.url, part) for part in parts], held=False)
-    most = [{"dataset": "web", "indices": list(range(MAX_BATCH // 2))}] * 2
+    most = [{"dataset": "web", "indices": [i % SAMPLES["web"] for i in range(MAX_BATCH // 2)]}] * 2
     assert parts_request(service.url, most).status_code == 200
 
 
