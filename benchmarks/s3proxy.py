@@ -186,8 +186,17 @@ class FaultProxy:
                 request.method, URL(self.upstream + request.raw_path, encoded=True),
                 headers=headers, data=await request.read() or None, allow_redirects=False,
             ) as upstream:
-                body = await upstream.read()
                 status, up_headers = upstream.status, upstream.headers
+                if kind is None and request.method == "GET":
+                    # Passed on as it comes, as S3 sends it: its first byte does not wait for its last.
+                    response = await self._answer_head(request, status, up_headers, None)
+                    async for chunk in upstream.content.iter_chunked(1 << 20):
+                        with self._lock:
+                            self._read += len(chunk)
+                        await response.write(chunk)
+                    await response.write_eof()
+                    return response
+                body = await upstream.read()
             if request.method == "GET":
                 with self._lock:
                     self._read += len(body)
@@ -196,13 +205,7 @@ class FaultProxy:
 
         if kind in ("reset", "truncate") and (request.method == "HEAD" or not body):
             self._cut(request, kind)  # nothing to cut short: drop the connection before the headers
-        response = web.StreamResponse(status=status)
-        for name, value in up_headers.items():
-            if name.lower() not in _HOP_BY_HOP and name.lower() != "content-length":
-                response.headers.add(name, value)
-        # Keep upstream's length (a HEAD has none of the body it announces).
-        response.content_length = int(up_headers.get("Content-Length", len(body)))
-        await response.prepare(request)
+        response = await self._answer_head(request, status, up_headers, len(body))
         if kind in ("reset", "truncate", "hang"):
             await response.write(body[: len(body) // 2])
             if kind == "hang":
@@ -212,6 +215,20 @@ class FaultProxy:
                 self._cut(request, kind)
         await response.write(body)
         await response.write_eof()
+        return response
+
+    @staticmethod
+    async def _answer_head(request: web.Request, status: int, up_headers, length: int | None) -> web.StreamResponse:
+        """The answer's status and upstream's headers, sent; its length upstream's (a HEAD has none
+        of the body it announces), else ``length``."""
+        response = web.StreamResponse(status=status)
+        for name, value in up_headers.items():
+            if name.lower() not in _HOP_BY_HOP and name.lower() != "content-length":
+                response.headers.add(name, value)
+        announced = up_headers.get("Content-Length")
+        if announced is not None or length is not None:
+            response.content_length = int(announced) if announced is not None else length
+        await response.prepare(request)
         return response
 
     @staticmethod

@@ -15,11 +15,12 @@ percent more requests.
 feed the latency window: a read that lost a race is cancelled and says nothing about the
 store.
 
-A read of pieces (``read_pieces``: a run of blocks, up to ``--max-fetch``) is late when its
-first piece has not come by the deadline, and its time to that first piece is what enters the
-latency window: a large read whose bytes are flowing is not late, however long the rest
-takes, and a second copy of it would only read its bytes twice (a loser's bytes are read from
-the store until it is cancelled). Its stalls are the progress deadline's (``s3.py``).
+Hedges are for small reads (``HEDGED_BYTES`` at most: a block or two). A larger read (a run
+of blocks, a fetch window) is not hedged: its copy would read every byte again, and a loser's
+bytes are read from the store until it is cancelled, so a budget of one hedge in ten reads
+read 1.1-1.3x the dataset where reads were whole windows (``python -m
+shardfeed.benchmarks.loaders --latency-ms 20``); its stalls are the progress deadline's
+(``s3.py``).
 
 Hedges are for reads that are late, not for reads that fail: a read the store is retrying
 (a reset, a 5xx, a silence past its first-byte or progress deadline: ``s3.py``) is failing
@@ -48,6 +49,9 @@ from shardfeed.service.stores.base import RETRIED, Tries
 log = logging.getLogger("shardfeed.hedge")
 
 T = TypeVar("T")
+
+HEDGED_BYTES = 2 << 20
+"""The largest read that is hedged."""
 
 
 class Hedger:
@@ -114,44 +118,42 @@ class HedgedStore(Store):
         self.latencies = _Latencies(hedger.policy)
 
     async def read_range(self, path: str, offset: int, size: int, version: str | None = None) -> bytes:
-        return await self._hedged(lambda first: self.store.read_range(path, offset, size, version), path, offset, size)
+        return await self._hedged(lambda: self.store.read_range(path, offset, size, version), path, offset, size)
 
     async def read_pieces(self, path: str, offset: int, size: int, piece: int,
                           version: str | None = None, *, arrived: Arrived | None = None,
                           buffers: BufferPool | None = None) -> list[bytes]:
-        def read(first: _First) -> Awaitable[list[bytes]]:
-            def noted(number: int, data) -> None:
-                first.came()
-                if arrived is not None:  # both racers hand their pieces on: the same bytes, whichever comes first
-                    arrived(number, data)
+        # Both racers hand their pieces on: the same bytes, whichever comes first.
+        return await self._hedged(lambda: self.store.read_pieces(path, offset, size, piece, version, arrived=arrived,
+                                                                 buffers=buffers),
+                                  path, offset, size)
 
-            return self.store.read_pieces(path, offset, size, piece, version, arrived=noted, buffers=buffers)
-
-        return await self._hedged(read, path, offset, size)
-
-    async def _timed(self, read: Callable[[_First], Awaitable[T]], tries: Tries, first: _First) -> T:
-        data = await read(first)
+    async def _timed(self, read: Callable[[], Awaitable[T]], tries: Tries) -> T:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        data = await read()
         if not tries.failed:  # a retried read's time is the store's failures', not its latency
-            self.latencies.record(first.seconds())
+            self.latencies.record(loop.time() - began)
         return data
 
-    def _racer(self, read: Callable[[_First], Awaitable[T]]) -> tuple[asyncio.Task, Tries, _First]:
-        """``read(first)`` in a task of its own, the count of its tries that failed (``RETRIED``),
-        and when its first piece came."""
-        tries, first = Tries(), _First()
+    def _racer(self, read: Callable[[], Awaitable[T]]) -> tuple[asyncio.Task, Tries]:
+        """``read()`` in a task of its own, and the count of its tries that failed (``RETRIED``)."""
+        tries = Tries()
         context = contextvars.copy_context()
         context.run(RETRIED.set, tries)
-        return asyncio.get_running_loop().create_task(self._timed(read, tries, first), context=context), tries, first
+        return asyncio.get_running_loop().create_task(self._timed(read, tries), context=context), tries
 
-    async def _hedged(self, read: Callable[[_First], Awaitable[T]], path: str, offset: int, size: int) -> T:
-        """``read(first)``, and the same again if at the deadline it is still running with no
-        piece in yet, unless the store is retrying it; the first to succeed."""
+    async def _hedged(self, read: Callable[[], Awaitable[T]], path: str, offset: int, size: int) -> T:
+        """``read()``, and the same again if it is still running at the deadline, unless the
+        store is retrying it or it is larger than ``HEDGED_BYTES``; the first to succeed."""
+        if size > HEDGED_BYTES:
+            return await read()
         self.hedger._earn()
-        primary, tries, first = self._racer(read)
+        primary, tries = self._racer(read)
         racers = [primary]
         try:
             done, _ = await asyncio.wait(racers, timeout=self.latencies.deadline)
-            if done or tries.failed or first.at is not None or not self.hedger._spend():
+            if done or tries.failed or not self.hedger._spend():
                 return await primary
             self.hedger.hedges.inc()
             log.debug("hedging read of %s [%d, +%d) after %.0f ms", path, offset, size,
@@ -192,24 +194,6 @@ class HedgedStore(Store):
 
     async def close(self) -> None:
         await self.store.close()
-
-
-class _First:
-    """When a read began and when its first piece came (``None`` before, or for a read of one piece)."""
-
-    __slots__ = ("began", "at")
-
-    def __init__(self) -> None:
-        self.began = asyncio.get_running_loop().time()
-        self.at: float | None = None
-
-    def came(self) -> None:
-        if self.at is None:
-            self.at = asyncio.get_running_loop().time()
-
-    def seconds(self) -> float:
-        """The read's latency: to its first piece, else to its end (now)."""
-        return (self.at if self.at is not None else asyncio.get_running_loop().time()) - self.began
 
 
 def _silence(task: asyncio.Future) -> None:

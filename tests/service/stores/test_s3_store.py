@@ -18,7 +18,7 @@ from shardfeed.benchmarks.s3proxy import start_proxy
 from shardfeed.process import free_port
 from shardfeed.retry import Backoff
 from shardfeed.service.config import HedgePolicy
-from shardfeed.service.stores.hedge import Hedger
+from shardfeed.service.stores.hedge import HEDGED_BYTES, Hedger
 from shardfeed.service.stores import (
     AccessDenied, InvalidPath, ObjectChanged, ObjectNotFound, ShortRead, StoreUnavailable, open_store,
 )
@@ -280,24 +280,25 @@ def test_retries_spend_no_hedges_and_late_reads_still_get_them(proxy, bucket):
         proxy.clear()
 
 
-def test_a_read_of_pieces_is_hedged_only_while_no_piece_has_come(proxy, bucket):
-    """Late is a first piece that does not come: a large read whose bytes flow is not hedged
-    (its copy would read them twice), and its time to that first piece is its latency."""
+def test_a_large_read_is_never_hedged_and_a_small_late_one_is(proxy, bucket):
+    """A run of blocks is not hedged, however late (its copy would read every byte again);
+    a read of a block is."""
     hedger = Hedger(HedgePolicy(min_delay=0.05, max_delay=0.05), CollectorRegistry())
+    large = HEDGED_BYTES + 1
+    data = DATA * (large // len(DATA) + 1)
 
     async def main():
         raw = s3(bucket, endpoint_url=proxy.url)
         async with raw:
-            await raw.write("shard.bin", DATA)
+            await raw.write("big.bin", data)
             store = hedger.wrap(raw)
-            proxy.inject("hang", count=1, ms=400, match="^GET ")  # half the body, a pause, the rest
-            got = []
-            pieces = await store.read_pieces("shard.bin", 0, 65536, 16384, arrived=lambda n, p: got.append(n))
-            assert b"".join(pieces) == DATA[:65536] and sorted(got) == [0, 1, 2, 3]
-            assert hedger.hedges._value.get() == 0
-            assert store.latencies._times[-1] < 0.3  # to the first piece, not the whole read's 0.4 s
-            proxy.inject("latency", count=1, ms=1000, match="^GET ")  # nothing comes: hedged, the hedge wins
-            assert b"".join(await store.read_pieces("shard.bin", 0, 65536, 16384)) == DATA[:65536]
+            before = proxy.counts.get("GET range", 0)
+            proxy.inject("latency", count=1, ms=400, match="^GET ")
+            pieces = await store.read_pieces("big.bin", 0, large, 1 << 20)
+            assert b"".join(pieces) == data[:large]
+            assert (hedger.hedges._value.get(), proxy.counts["GET range"] - before) == (0, 1)
+            proxy.inject("latency", count=1, ms=1000, match="^GET ")  # a block, late: hedged, the hedge wins
+            assert b"".join(await store.read_pieces("big.bin", 0, 65536, 16384)) == data[:65536]
             assert (hedger.hedges._value.get(), hedger.wins._value.get()) == (1, 1)
 
     proxy.clear()
