@@ -60,6 +60,15 @@ def via_proxy(proxy, bucket):
     proxy.clear()
 
 
+def run_clean(proxy, main) -> None:
+    """``run(main())`` with no fault queued on ``proxy`` before or after it."""
+    proxy.clear()
+    try:
+        run(main())
+    finally:
+        proxy.clear()
+
+
 @pytest.mark.both_s3
 def test_write_read_list_head_round_trip(bucket):
     async def go():
@@ -250,11 +259,7 @@ def test_a_read_gone_silent_is_asked_again_in_seconds_not_after_the_read_timeout
             assert time.monotonic() - began < 10  # not the 30 s read timeout, nor the 60 s silence
             assert store.retries == 1 and proxy.counts["GET range"] - before == 2
 
-    proxy.clear()
-    try:
-        run(main())
-    finally:
-        proxy.clear()
+    run_clean(proxy, main)
 
 
 def test_retries_spend_no_hedges_and_late_reads_still_get_them(proxy, bucket):
@@ -273,11 +278,7 @@ def test_retries_spend_no_hedges_and_late_reads_still_get_them(proxy, bucket):
             assert await store.read_range("shard.bin", 0, 1000) == DATA[:1000]
             assert (hedger.hedges._value.get(), hedger.wins._value.get()) == (1, 1)
 
-    proxy.clear()
-    try:
-        run(main())
-    finally:
-        proxy.clear()
+    run_clean(proxy, main)
 
 
 def test_a_large_read_is_never_hedged_and_a_small_late_one_is(proxy, bucket):
@@ -301,11 +302,7 @@ def test_a_large_read_is_never_hedged_and_a_small_late_one_is(proxy, bucket):
             assert b"".join(await store.read_pieces("big.bin", 0, 65536, 16384)) == data[:65536]
             assert (hedger.hedges._value.get(), hedger.wins._value.get()) == (1, 1)
 
-    proxy.clear()
-    try:
-        run(main())
-    finally:
-        proxy.clear()
+    run_clean(proxy, main)
 
 
 def test_the_store_works_again_under_a_new_event_loop(bucket):
