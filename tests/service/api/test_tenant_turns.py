@@ -81,7 +81,10 @@ def test_a_heavy_tenants_queued_batches_delay_a_light_tenants_batch_by_one_turn_
         thread.join(60)
     assert statuses == [200] * (HEAVY_BATCHES + 1)
     ahead = done.index("light") - before  # heavy batches completed while the light one waited
-    # The heavy read holding the slot when the light batch came, then the one whose turn it was.
+    # The heavy read holding the slot when the light batch came, then the one whose turn it was,
+    # and one more that may complete while the light batch's request is on its way to the service
+    # (a loaded machine: 3 once in CI). First come, first served would put the light batch behind
+    # every waiting one (6 or more).
     assert before <= HEAVY_BATCHES - WAITING, f"too few heavy batches left waiting to tell: {done}"
-    assert ahead <= 2, (f"{ahead} of the heavy tenant's {HEAVY_BATCHES - before} waiting batches completed before "
+    assert ahead <= 3, (f"{ahead} of the heavy tenant's {HEAVY_BATCHES - before} waiting batches completed before "
                         f"the light tenant's one: {done}")
