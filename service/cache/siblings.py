@@ -35,7 +35,7 @@ from pathlib import Path
 from shardfeed.buffers import BufferPool
 from shardfeed.service.cache.hints import SiblingHints
 from shardfeed.service.cache.names import BlockKey
-from shardfeed.service.cache.slabs import NOT_THIS_BLOCK, BadBlock, Slabs, block_name
+from shardfeed.service.cache.slabs import BadBlock, NotThisBlock, Slabs, block_name
 from shardfeed.service.observe.metrics import Metrics
 
 log = logging.getLogger("shardfeed.siblings")
@@ -77,14 +77,9 @@ class SiblingBlocks:
                     out[key] = slabs.read(place, name, ranges)
                     result = "read"
                     break
-                except FileNotFoundError:
+                except (FileNotFoundError, NotThisBlock):  # no slab yet, or a stale hint
                     continue
-                except BadBlock as err:
-                    if str(err) != NOT_THIS_BLOCK:  # another block's slot by now: a stale hint
-                        result = "bad"
-                        self._warn(f"sibling block {key} in {self.directories[node]} is unreadable ({err}): "
-                                   "asking its owner")
-                except OSError as err:
+                except (OSError, BadBlock) as err:
                     result = "bad"
                     self._warn(f"sibling block {key} in {self.directories[node]} is unreadable ({err}): "
                                "asking its owner")

@@ -63,12 +63,12 @@ new ``bytes`` (cheap at that size, and a small hot sample stays in the page cach
 _PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
 
 
-NOT_THIS_BLOCK = "not this block"
-"""``BadBlock``'s message for a slot that holds another block, or none."""
-
-
 class BadBlock(ValueError):
     """A slot that fails its checks (not the block asked for, cut short, checksum mismatch)."""
+
+
+class NotThisBlock(BadBlock):
+    """A slot whose header names another block, or none: given back and written again, or never written."""
 
 
 def block_name(dataset: str, shard: str, block_size: int, block: int) -> int:
@@ -255,7 +255,7 @@ class Slabs:
             raise BadBlock("no header")
         magic, length, written = _HEAD.unpack_from(head)
         if magic != _MAGIC or written != name or length > size:
-            raise BadBlock(NOT_THIS_BLOCK)
+            raise NotThisBlock("not this block")
         chunks = -(-length // CHUNK)
         if len(head) < _HEAD.size + 8 * chunks:
             raise BadBlock("header cut short")

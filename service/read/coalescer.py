@@ -397,6 +397,8 @@ class Coalescer:
     async def close(self) -> None:
         await self.fetcher.close()
         await self.ranges.close()
+        if self.siblings is not None:
+            self.siblings.close()
 
 
 class _Pieces:
